@@ -1,0 +1,53 @@
+# dlshare: `make demo` runs the whole stack on this machine; `make test` runs the test suite.
+# Both install what they need first: Debian packages (when missing), a virtualenv and the package.
+
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# mosquitto: the production broker, tested for real. redis-server: a benchmark baseline.
+# chromium: the status-page browser test. iproute2: network namespaces for multi-host tests.
+APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 chromium procps
+PYTEST_ARGS ?=
+
+.PHONY: all demo test deps sysdeps ext bench bench-quick clean
+
+all: deps
+
+sysdeps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch==2.13.0 first: on these machines it is a local CPU build; any other version pulls CUDA wheels.
+$(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,torch]'
+	touch $@
+
+deps: sysdeps $(VENV)/.installed ext
+
+# Rebuild the C extension in place (cheap when nothing changed).
+ext: | $(VENV)/.installed
+	@$(BIN)/python setup.py -q build_ext --inplace >/dev/null
+
+test: deps
+	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+
+demo: deps
+	$(BIN)/dlshare up --tour
+
+bench: deps
+	$(BIN)/dlshare bench all --json bench/out/all.json
+
+bench-quick: deps
+	$(BIN)/dlshare bench all --quick --json bench/out/all.json
+
+clean:
+	rm -rf build *.egg-info rdma/_dlshare_c.* bench/out

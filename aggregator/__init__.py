@@ -1,0 +1,1 @@
+"""dlshare shared aggregation service."""

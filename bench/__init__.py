@@ -1,0 +1,1 @@
+"""dlshare operator benchmark suite."""

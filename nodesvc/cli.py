@@ -1,0 +1,121 @@
+"""The one console script, ``dlshare``.
+
+Each package contributes its subcommands from its own module, which defines
+``register(sub)`` and calls :func:`add_command` for each command.  A command's
+flags that set config keys are declared with :func:`config_flag`, so the
+precedence defaults < file < environment < flags holds everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nodesvc import __version__, config, logs
+
+log = logging.getLogger("dlshare.cli")
+
+# Modules that contribute subcommands.  A module that is not installed (an
+# optional part) is skipped; an error inside one that exists is not hidden.
+COMMAND_MODULES = [
+    "nodesvc.node_cmd",
+    "nodesvc.broker",
+    "nodesvc.status",
+    "nodesvc.up",
+    "aggregator.cli",
+    "scheduler.cli",
+    "bench.cli",
+]
+
+_FLAG_PREFIX = "cfg__"
+
+RunFn = Callable[[argparse.Namespace, dict[str, dict[str, Any]]], int | None]
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("common options")
+    g.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
+                   help="TOML config file (also $DLSHARE_CONFIG)")
+    g.add_argument("--print-config", action="store_true", default=argparse.SUPPRESS,
+                   help="print the effective config as TOML and exit")
+    config_flag(g, "--log-json", config.GLOBAL, "log_json", action="store_const", const=True,
+                help="structured logs: one JSON object a line")
+    config_flag(g, "--log-level", config.GLOBAL, "log_level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_flag(parser, flag: str, section: str, key: str, **kwargs) -> None:
+    """Add a flag whose value, when given, overrides config ``section.key``."""
+    kwargs.setdefault("default", None)
+    if "action" not in kwargs and "metavar" not in kwargs:
+        kwargs["metavar"] = key.upper()
+    parser.add_argument(flag, dest=f"{_FLAG_PREFIX}{section}__{key}", **kwargs)
+
+
+def add_command(sub, name: str, run: RunFn, help: str, sections: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Add subcommand ``name``; ``sections`` are the config sections it prints and uses."""
+    p = sub.add_parser(name, help=help, description=help, parents=[_common()])
+    p.set_defaults(_run=run, _sections=[config.GLOBAL, *sections])
+    return p
+
+
+def _flags(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(ns).items():
+        if dest.startswith(_FLAG_PREFIX) and value is not None:
+            sec, key = dest[len(_FLAG_PREFIX):].split("__", 1)
+            out.setdefault(sec, {})[key] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dlshare",
+        description="dlshare: remote memory, shared aggregation and interference-aware scheduling "
+        "for deep-learning clusters",
+    )
+    parser.add_argument("--version", action="version", version=f"dlshare {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for modname in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name == modname:
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        cfg = config.load(getattr(args, "config", None), flags=_flags(args))
+    except config.ConfigError as exc:
+        print(f"dlshare: config error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "print_config", False):
+        sys.stdout.write(config.to_toml(cfg, [s for s in args._sections if s in cfg]))
+        return 0
+    logs.setup(cfg[config.GLOBAL]["log_json"], cfg[config.GLOBAL]["log_level"])
+    try:
+        rc = args._run(args, cfg)
+    except KeyboardInterrupt:
+        return 130
+    except config.ConfigError as exc:
+        print(f"dlshare: config error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""dlshare interference-aware scheduler."""
