@@ -1,0 +1,100 @@
+"""Shared plumbing for benchmarks: machine facts, JSON output, Markdown tables, plots.
+
+Every benchmark returns ``{"bench": NAME, "when": ISO time, "machine": {...},
+"metrics": {...}, ...}`` and prints a Markdown table; plots use matplotlib's
+Agg backend and go next to the JSON (or into bench/out/).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def machine() -> dict[str, Any]:
+    freq = psutil.cpu_freq()
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "host": socket.gethostname(),
+        "cpu_model": model,
+        "cores": psutil.cpu_count(logical=True),
+        "mhz": round(freq.current) if freq else None,
+        "memory_bytes": psutil.virtual_memory().total,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def envelope(name: str, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"bench": name, "when": now_iso(), "machine": machine(), "metrics": metrics, **extra}
+
+
+def out_dir(json_path: str | None) -> Path:
+    d = Path(json_path).parent if json_path else Path("bench/out")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_json(result: dict[str, Any], path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2, default=_default) + "\n")
+
+
+def _default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = columns or list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def target_rows(checks: list[tuple[str, float | None, str, float | None]]) -> list[dict[str, Any]]:
+    """(name, value, op, bound) -> rows with met/missed, for the target table every bench prints."""
+    rows = []
+    for name, value, op, bound in checks:
+        if value is None or bound is None:
+            met = None
+        else:
+            met = {"<=": value <= bound, ">=": value >= bound, "==": value == bound}[op]
+        rows.append({"target": name, "value": value, "op": op, "bound": bound,
+                     "met": "n/a" if met is None else ("yes" if met else "MISSED")})
+    return rows
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
