@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "nodesvc.up",
     "aggregator.cli",
     "scheduler.cli",
+    "scheduler.service.cli",
     "bench.cli",
 ]
 
