@@ -1,0 +1,61 @@
+/* Provider registry and the dls_ep indirection; see provider.h. */
+#include "provider.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "wire.h"
+
+#if defined(__has_include)
+#if __has_include(<infiniband/verbs.h>)
+#define DLS_HAVE_VERBS 1
+extern const dls_provider dls_verbs_provider;
+#endif
+#endif
+
+struct dls_ep {
+    const dls_provider *p;
+    void *conn;
+};
+
+static const dls_provider *lookup(const char *name) {
+    if (!name || !strcmp(name, "tcp")) return &dls_tcp_provider;
+#ifdef DLS_HAVE_VERBS
+    if (!strcmp(name, "verbs")) return &dls_verbs_provider;
+#endif
+    return NULL;
+}
+
+int dls_provider_available(const char *name) { return lookup(name) != NULL; }
+
+dls_ep *dls_ep_connect(const char *provider, const char *host, int port, int timeout_ms, char *err, size_t err_len) {
+    const dls_provider *p = lookup(provider);
+    if (!p) {
+        if (err_len)
+            snprintf(err, err_len, "provider %s is not built in (verbs needs <infiniband/verbs.h> at build time)",
+                     provider);
+        return NULL;
+    }
+    void *c = p->connect(host, port, timeout_ms, err, err_len);
+    if (!c) return NULL;
+    dls_ep *ep = malloc(sizeof *ep);
+    if (!ep) {
+        p->close(c);
+        return NULL;
+    }
+    ep->p = p;
+    ep->conn = c;
+    return ep;
+}
+
+int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len) { return ep->p->register_region(ep->conn, base, len); }
+int dls_ep_read(dls_ep *ep, dls_batch *b) { return ep->p->read_batch(ep->conn, b); }
+int dls_ep_write(dls_ep *ep, dls_batch *b) { return ep->p->write_batch(ep->conn, b); }
+int dls_ep_ping(dls_ep *ep, int timeout_ms) { return ep->p->ping(ep->conn, timeout_ms); }
+
+void dls_ep_close(dls_ep *ep) {
+    if (!ep) return;
+    ep->p->close(ep->conn);
+    free(ep);
+}

@@ -1,0 +1,51 @@
+#ifndef DLSHARE_PROVIDER_H
+#define DLSHARE_PROVIDER_H
+/* The transport seam of remote memory.  A provider moves batches of slab
+ * segments between a local buffer and a donor: `tcp` (tcp_client.c) always,
+ * `verbs` (verbs_provider.c) only when built against libibverbs.  Callers go
+ * through dls_ep_*, which picks the provider by name. */
+#include <stddef.h>
+#include <stdint.h>
+
+/* One batch: nseg segments (offs[i], lens[i]) of slab `slab`, laid out back to
+ * back in `buf` (read: filled; write: taken).  With DLS_F_CRC in flags each
+ * segment is CRC-32C checked end to end and its CRC stored in crcs[i]. */
+typedef struct dls_batch {
+    uint32_t slab;
+    const uint8_t *token;
+    uint32_t nseg;
+    const uint64_t *offs;
+    const uint32_t *lens;
+    uint8_t *buf;
+    uint32_t flags;
+    uint32_t *crcs;
+    int timeout_ms;
+    int32_t bad_seg; /* out: the segment whose checksum failed, else -1 */
+} dls_batch;
+
+typedef struct dls_provider {
+    const char *name;
+    void *(*connect)(const char *host, int port, int timeout_ms, char *err, size_t err_len);
+    /* Make [base, base+len) usable as a batch buffer (RDMA memory registration;
+     * a no-op for tcp).  0 or an error status. */
+    int (*register_region)(void *conn, void *base, uint64_t len);
+    int (*read_batch)(void *conn, dls_batch *b);
+    int (*write_batch)(void *conn, dls_batch *b);
+    int (*ping)(void *conn, int timeout_ms);
+    void (*close)(void *conn);
+} dls_provider;
+
+extern const dls_provider dls_tcp_provider;
+
+typedef struct dls_ep dls_ep;
+/* NULL and a reason in err when the provider is unknown or not built, or the
+ * donor cannot be reached. */
+dls_ep *dls_ep_connect(const char *provider, const char *host, int port, int timeout_ms, char *err, size_t err_len);
+int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len);
+int dls_ep_read(dls_ep *ep, dls_batch *b);
+int dls_ep_write(dls_ep *ep, dls_batch *b);
+int dls_ep_ping(dls_ep *ep, int timeout_ms);
+void dls_ep_close(dls_ep *ep);
+/* 1 when a provider of that name is compiled in. */
+int dls_provider_available(const char *name);
+#endif

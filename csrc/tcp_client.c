@@ -1,0 +1,432 @@
+/* The `tcp` provider: a pipelined client of tcp_server.c.
+ *
+ * A batch is cut into requests of at most DLS_MAX_SEGS segments and
+ * DLS_MAX_PAYLOAD bytes; up to WINDOW of them are in flight at once.  Sending
+ * and receiving interleave under one poll loop so that neither side can block
+ * the other.  Large READ data is received straight into the caller's buffer;
+ * small responses go through a scratch buffer to save system calls.  The call
+ * blocks in C, so cffi has released the GIL while it waits. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "crc32c.h"
+#include "provider.h"
+#include "wire.h"
+
+#define WINDOW 8
+#define SCRATCH (256u << 10)
+#define DIRECT_MIN (64u << 10)
+
+typedef struct pend {
+    uint64_t req_id;
+    uint8_t op;
+    uint32_t first_seg, nseg;
+    uint8_t *dst;
+    uint64_t data_len;
+} pend;
+
+typedef struct tcp_conn {
+    int fd;
+    int broken;
+    uint64_t next_id;
+    pthread_mutex_t mu;
+    uint8_t *req;     /* header + descriptors of the request being sent */
+    uint8_t *scratch; /* received bytes not consumed yet */
+    size_t sb_off, sb_len;
+} tcp_conn;
+
+/* Per-call state of a batch in progress. */
+typedef struct run {
+    tcp_conn *c;
+    dls_batch *b;
+    uint8_t op;
+    uint32_t next_seg;   /* first segment not yet put in a request */
+    uint8_t *next_buf;   /* where that segment's bytes live in b->buf */
+    /* the request being sent */
+    int sending;
+    size_t req_len, req_sent;
+    const uint8_t *pay;
+    size_t pay_len, pay_sent;
+    /* in-flight requests, FIFO */
+    pend ring[WINDOW];
+    int head, count;
+    /* the response being received */
+    int stage; /* 0 header, 1 crcs, 2 data */
+    uint8_t rhdr[DLS_RESP_HDR_LEN];
+    size_t rgot;
+    dls_resp_view resp;
+    uint8_t crcbuf[4 * DLS_MAX_SEGS];
+    size_t cgot, cneed;
+    uint64_t dgot;
+    int status; /* first error seen */
+} run;
+
+static int fail(run *r, int code) {
+    if (r->status == DLS_OK) r->status = code;
+    return code;
+}
+
+static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, size_t err_len) {
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
+    char ps[16];
+    snprintf(ps, sizeof ps, "%d", port);
+    struct addrinfo *ai = NULL;
+    int g = getaddrinfo(host, ps, &hints, &ai);
+    if (g) {
+        if (err_len) snprintf(err, err_len, "cannot resolve %s: %s", host, gai_strerror(g));
+        return NULL;
+    }
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        if (err_len) snprintf(err, err_len, "socket: %s", strerror(errno));
+        freeaddrinfo(ai);
+        return NULL;
+    }
+    int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+    freeaddrinfo(ai);
+    if (rc && errno == EINPROGRESS) {
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        int pr = poll(&p, 1, timeout_ms);
+        int soerr = 0;
+        socklen_t sl = sizeof soerr;
+        if (pr == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+        else soerr = pr == 0 ? ETIMEDOUT : errno;
+        rc = soerr ? -1 : 0;
+        errno = soerr;
+    }
+    if (rc) {
+        if (err_len) snprintf(err, err_len, "cannot connect to %s:%d: %s", host, port, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    tcp_conn *c = calloc(1, sizeof *c);
+    if (c) {
+        c->req = malloc(DLS_REQ_HDR_LEN + DLS_SEG_LEN * DLS_MAX_SEGS);
+        c->scratch = malloc(SCRATCH);
+    }
+    if (!c || !c->req || !c->scratch) {
+        if (c) {
+            free(c->req);
+            free(c->scratch);
+        }
+        free(c);
+        close(fd);
+        if (err_len) snprintf(err, err_len, "out of memory");
+        return NULL;
+    }
+    c->fd = fd;
+    c->next_id = 1;
+    pthread_mutex_init(&c->mu, NULL);
+    return c;
+}
+
+static int tcp_register_region(void *conn, void *base, uint64_t len) {
+    (void)conn, (void)base, (void)len;
+    return DLS_OK; /* TCP needs no registration */
+}
+
+/* Put the next request of the batch on the wire queue. */
+static void build_request(run *r) {
+    dls_batch *b = r->b;
+    uint32_t first = r->next_seg, n = 0;
+    uint64_t bytes = 0;
+    while (first + n < b->nseg && n < DLS_MAX_SEGS && bytes + b->lens[first + n] <= DLS_MAX_PAYLOAD) {
+        bytes += b->lens[first + n];
+        n++;
+    }
+    tcp_conn *c = r->c;
+    uint64_t id = c->next_id++;
+    uint8_t *q = c->req;
+    uint16_t flags = (uint16_t)(b->flags & DLS_F_CRC);
+    dls_wire_put_req_hdr(q, r->op, flags, id, b->slab, n, b->token);
+    const uint8_t *p = r->next_buf;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t len = b->lens[first + i];
+        uint32_t crc = 0;
+        if (r->op == DLS_OP_WRITE && (flags & DLS_F_CRC)) {
+            crc = dls_crc32c(0, p, len);
+            b->crcs[first + i] = crc;
+        }
+        dls_wire_put_seg(q + DLS_REQ_HDR_LEN + (size_t)i * DLS_SEG_LEN, b->offs[first + i], len, crc);
+        p += len;
+    }
+    pend *pd = &r->ring[(r->head + r->count) % WINDOW];
+    pd->req_id = id;
+    pd->op = r->op;
+    pd->first_seg = first;
+    pd->nseg = n;
+    pd->dst = r->next_buf;
+    pd->data_len = bytes;
+    r->count++;
+    r->sending = 1;
+    r->req_len = DLS_REQ_HDR_LEN + (size_t)n * DLS_SEG_LEN;
+    r->req_sent = 0;
+    r->pay = r->op == DLS_OP_WRITE ? r->next_buf : NULL;
+    r->pay_len = r->op == DLS_OP_WRITE ? bytes : 0;
+    r->pay_sent = 0;
+    r->next_seg = first + n;
+    r->next_buf += bytes;
+}
+
+/* Send what the socket takes; <0 on a dead connection. */
+static int pump_send(run *r) {
+    while (r->sending) {
+        struct iovec iov[2];
+        int k = 0;
+        if (r->req_sent < r->req_len) iov[k++] = (struct iovec){r->c->req + r->req_sent, r->req_len - r->req_sent};
+        if (r->pay_sent < r->pay_len) iov[k++] = (struct iovec){(void *)(r->pay + r->pay_sent), r->pay_len - r->pay_sent};
+        if (k == 0) {
+            r->sending = 0;
+            break;
+        }
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+        ssize_t n = sendmsg(r->c->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            return DLS_E_IO;
+        }
+        size_t left = (size_t)n;
+        size_t h = r->req_len - r->req_sent;
+        if (left >= h) {
+            r->req_sent = r->req_len;
+            left -= h;
+            r->pay_sent += left;
+        } else {
+            r->req_sent += left;
+        }
+    }
+    return 0;
+}
+
+static void finish_response(run *r) {
+    pend *pd = &r->ring[r->head];
+    dls_batch *b = r->b;
+    if (r->resp.status != DLS_OK) {
+        fail(r, r->resp.status);
+    } else if (pd->op == DLS_OP_READ && (b->flags & DLS_F_CRC)) {
+        const uint8_t *d = pd->dst;
+        for (uint32_t i = 0; i < pd->nseg; i++) {
+            uint32_t len = b->lens[pd->first_seg + i];
+            uint32_t want = dls_ld32(r->crcbuf + 4u * i);
+            b->crcs[pd->first_seg + i] = want;
+            if (dls_crc32c(0, d, len) != want && r->status == DLS_OK) {
+                r->status = DLS_E_CRC;
+                b->bad_seg = (int32_t)(pd->first_seg + i);
+            }
+            d += len;
+        }
+    }
+    r->head = (r->head + 1) % WINDOW;
+    r->count--;
+    r->stage = 0;
+    r->rgot = r->cgot = 0;
+    r->dgot = 0;
+}
+
+/* Consume received bytes at p[0:n]; returns bytes used, or <0 on a protocol error. */
+static long consume(run *r, const uint8_t *p, size_t n) {
+    size_t used = 0;
+    while (used < n && r->count > 0) {
+        pend *pd = &r->ring[r->head];
+        if (r->stage == 0) {
+            size_t k = DLS_RESP_HDR_LEN - r->rgot;
+            if (k > n - used) k = n - used;
+            memcpy(r->rhdr + r->rgot, p + used, k);
+            r->rgot += k;
+            used += k;
+            if (r->rgot < DLS_RESP_HDR_LEN) break;
+            if (dls_wire_parse_resp(r->rhdr, DLS_RESP_HDR_LEN, &r->resp) != DLS_OK) return DLS_E_PROTO;
+            if (r->resp.req_id != pd->req_id || r->resp.op != pd->op) return DLS_E_PROTO;
+            if (r->resp.status != DLS_OK || pd->op == DLS_OP_WRITE) {
+                if (r->resp.body_len != 0) return DLS_E_PROTO;
+                finish_response(r);
+                continue;
+            }
+            r->cneed = (r->b->flags & DLS_F_CRC) ? 4u * pd->nseg : 0;
+            if (r->resp.body_len != r->cneed + pd->data_len || r->resp.nseg != pd->nseg) return DLS_E_PROTO;
+            r->stage = r->cneed ? 1 : 2;
+            if (r->stage == 2 && pd->data_len == 0) finish_response(r);
+        } else if (r->stage == 1) {
+            size_t k = r->cneed - r->cgot;
+            if (k > n - used) k = n - used;
+            memcpy(r->crcbuf + r->cgot, p + used, k);
+            r->cgot += k;
+            used += k;
+            if (r->cgot == r->cneed) r->stage = 2;
+        } else {
+            uint64_t k = pd->data_len - r->dgot;
+            if (k > n - used) k = n - used;
+            memcpy(pd->dst + r->dgot, p + used, k);
+            r->dgot += k;
+            used += k;
+            if (r->dgot == pd->data_len) finish_response(r);
+        }
+    }
+    return (long)used;
+}
+
+/* Receive what is available; <0 on a dead connection or protocol error. */
+static int pump_recv(run *r) {
+    tcp_conn *c = r->c;
+    for (;;) {
+        if (r->count == 0) return 0;
+        pend *pd = &r->ring[r->head];
+        if (c->sb_len == c->sb_off && r->stage == 2 && pd->data_len - r->dgot >= DIRECT_MIN) {
+            ssize_t n = recv(c->fd, pd->dst + r->dgot, pd->data_len - r->dgot, MSG_DONTWAIT);
+            if (n == 0) return DLS_E_IO;
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : DLS_E_IO;
+            }
+            r->dgot += (uint64_t)n;
+            if (r->dgot == pd->data_len) finish_response(r);
+            continue;
+        }
+        if (c->sb_off == c->sb_len) c->sb_off = c->sb_len = 0;
+        if (c->sb_len == c->sb_off || c->sb_len < SCRATCH) {
+            if (c->sb_off && c->sb_len == SCRATCH) {
+                memmove(c->scratch, c->scratch + c->sb_off, c->sb_len - c->sb_off);
+                c->sb_len -= c->sb_off;
+                c->sb_off = 0;
+            }
+            if (c->sb_len < SCRATCH) {
+                ssize_t n = recv(c->fd, c->scratch + c->sb_len, SCRATCH - c->sb_len, MSG_DONTWAIT);
+                if (n == 0) return DLS_E_IO;
+                if (n < 0) {
+                    if (errno == EINTR) continue;
+                    if (errno != EAGAIN && errno != EWOULDBLOCK) return DLS_E_IO;
+                    if (c->sb_len == c->sb_off) return 0;
+                } else {
+                    c->sb_len += (size_t)n;
+                }
+            }
+        }
+        long used = consume(r, c->scratch + c->sb_off, c->sb_len - c->sb_off);
+        if (used < 0) return (int)used;
+        c->sb_off += (size_t)used;
+        if (used == 0) return 0;
+    }
+}
+
+static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
+    if (!b->token || (b->nseg && (!b->offs || !b->lens || !b->buf))) return DLS_E_ARG;
+    if ((b->flags & DLS_F_CRC) && !b->crcs) return DLS_E_ARG;
+    if (b->flags & ~DLS_F_CRC) return DLS_E_ARG;
+    for (uint32_t i = 0; i < b->nseg; i++)
+        if (b->lens[i] == 0 || b->lens[i] > DLS_MAX_SEG_BYTES) return DLS_E_ARG;
+    b->bad_seg = -1;
+    pthread_mutex_lock(&c->mu);
+    if (c->broken) {
+        pthread_mutex_unlock(&c->mu);
+        return DLS_E_CLOSED;
+    }
+    run *r = calloc(1, sizeof *r);
+    if (!r) {
+        pthread_mutex_unlock(&c->mu);
+        return DLS_E_INTERNAL;
+    }
+    r->c = c;
+    r->b = b;
+    r->op = op;
+    r->next_buf = b->buf;
+    int timeout = b->timeout_ms > 0 ? b->timeout_ms : 10000;
+    int rc = 0;
+    for (;;) {
+        /* after an error, issue nothing new: drain what is in flight */
+        if (!r->sending && r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW) build_request(r);
+        if ((rc = pump_send(r)) < 0) break;
+        if ((rc = pump_recv(r)) < 0) break;
+        int more = r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW;
+        if (!r->sending && r->count == 0 && !more) break;
+        if (more && !r->sending) continue;
+        struct pollfd p = {.fd = c->fd, .events = (short)((r->count ? POLLIN : 0) | (r->sending ? POLLOUT : 0))};
+        int pr = poll(&p, 1, timeout);
+        if (pr == 0) {
+            rc = DLS_E_TIMEOUT;
+            break;
+        }
+        if (pr < 0 && errno != EINTR) {
+            rc = DLS_E_IO;
+            break;
+        }
+    }
+    if (rc < 0) {
+        c->broken = 1; /* the stream is out of step: never reuse it */
+        shutdown(c->fd, SHUT_RDWR);
+    } else {
+        rc = r->status;
+    }
+    free(r);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+static int tcp_read(void *conn, dls_batch *b) { return run_batch(conn, b, DLS_OP_READ); }
+static int tcp_write(void *conn, dls_batch *b) { return run_batch(conn, b, DLS_OP_WRITE); }
+
+static int tcp_ping(void *conn, int timeout_ms) {
+    tcp_conn *c = conn;
+    pthread_mutex_lock(&c->mu);
+    int rc = DLS_E_CLOSED;
+    if (!c->broken) {
+        uint8_t h[DLS_REQ_HDR_LEN], resp[DLS_RESP_HDR_LEN];
+        uint64_t id = c->next_id++;
+        dls_wire_put_req_hdr(h, DLS_OP_PING, 0, id, 0, 0, NULL);
+        rc = send(c->fd, h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h ? 0 : DLS_E_IO;
+        size_t got = 0;
+        while (rc == 0 && got < sizeof resp) {
+            struct pollfd p = {.fd = c->fd, .events = POLLIN};
+            int pr = poll(&p, 1, timeout_ms > 0 ? timeout_ms : 10000);
+            if (pr == 0) rc = DLS_E_TIMEOUT;
+            else if (pr > 0) {
+                ssize_t n = recv(c->fd, resp + got, sizeof resp - got, MSG_DONTWAIT);
+                if (n > 0) got += (size_t)n;
+                else if (n == 0 || (errno != EAGAIN && errno != EINTR)) rc = DLS_E_IO;
+            }
+        }
+        dls_resp_view v;
+        if (rc == 0 && (dls_wire_parse_resp(resp, sizeof resp, &v) != DLS_OK || v.req_id != id)) rc = DLS_E_PROTO;
+        if (rc == 0) rc = v.status;
+        if (rc < 0) {
+            c->broken = 1;
+            shutdown(c->fd, SHUT_RDWR);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+static void tcp_close(void *conn) {
+    tcp_conn *c = conn;
+    if (!c) return;
+    close(c->fd);
+    pthread_mutex_destroy(&c->mu);
+    free(c->req);
+    free(c->scratch);
+    free(c);
+}
+
+const dls_provider dls_tcp_provider = {
+    .name = "tcp",
+    .connect = tcp_connect,
+    .register_region = tcp_register_region,
+    .read_batch = tcp_read,
+    .write_batch = tcp_write,
+    .ping = tcp_ping,
+    .close = tcp_close,
+};

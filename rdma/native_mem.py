@@ -1,0 +1,241 @@
+"""Python handles on the C data plane: memory regions, the slab server and endpoints.
+
+Everything here is a thin wrapper: the work happens in csrc/ with the GIL
+released (cffi API mode releases it around every call).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from rdma import wire
+from rdma.native import ffi, lib
+
+REGION_HUGE = lib.DLS_REGION_HUGE
+REGION_LOCK = lib.DLS_REGION_LOCK
+REGION_POPULATE = lib.DLS_REGION_POPULATE
+
+
+class RemoteMemoryError(OSError):
+    """A remote-memory operation failed; ``code`` is a wire status (rdma.wire)."""
+
+    def __init__(self, code: int, what: str = "") -> None:
+        self.code = code
+        self.status = wire.status_name(code)
+        super().__init__(f"{what}: {self.status} ({code})" if what else f"{self.status} ({code})")
+
+
+def random_token() -> bytes:
+    """16 bytes from the kernel CSPRNG (getrandom)."""
+    out = ffi.new("uint8_t[16]")
+    rc = lib.dls_random_token(out)
+    if rc:
+        raise OSError(-rc, "getrandom failed")
+    return bytes(ffi.buffer(out, 16))
+
+
+class Region:
+    """A page-aligned anonymous mapping; :meth:`release` munmaps it."""
+
+    def __init__(self, nbytes: int, huge: bool = False, lock: bool = False, populate: bool = False) -> None:
+        self._r = ffi.new("dls_region *")
+        reason = ffi.new("char[512]")
+        flags = (REGION_HUGE if huge else 0) | (REGION_LOCK if lock else 0) | (REGION_POPULATE if populate else 0)
+        rc = lib.dls_region_map(int(nbytes), flags, self._r, reason, 512)
+        if rc:
+            raise OSError(-rc, f"mmap of {nbytes} bytes failed")
+        self.requested = int(nbytes)
+        self.reason = ffi.string(reason).decode()
+        self.huge = bool(self._r.flags & REGION_HUGE)
+        self.locked = bool(self._r.flags & REGION_LOCK)
+
+    @property
+    def address(self) -> int:
+        return int(ffi.cast("uintptr_t", self._r.base))
+
+    @property
+    def size(self) -> int:
+        return int(self._r.size)
+
+    @property
+    def released(self) -> bool:
+        return self._r.base == ffi.NULL
+
+    def ptr(self):
+        return self._r.base
+
+    def view(self) -> np.ndarray:
+        """A numpy uint8 view of the whole region (invalid after release)."""
+        if self.released:
+            raise ValueError("region was released")
+        return np.frombuffer(ffi.buffer(self._r.base, self._r.size), dtype=np.uint8)
+
+    def release(self) -> None:
+        if not self.released:
+            rc = lib.dls_region_unmap(self._r)
+            if rc:
+                raise OSError(-rc, "munmap failed")
+
+
+@dataclass(frozen=True)
+class SlabStats:
+    size: int
+    last_access_ns: int
+    reads: int
+    writes: int
+    bytes_read: int
+    bytes_written: int
+
+
+class SlabServer:
+    """The C slab server (epoll worker threads); slabs are added and removed from Python."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 2) -> None:
+        err = ffi.new("char[256]")
+        self._s = lib.dls_server_start(host.encode(), int(port), int(threads), err, 256)
+        if self._s == ffi.NULL:
+            raise OSError(f"slab server on {host}:{port}: {ffi.string(err).decode()}")
+        self.host = host
+        self.port = int(lib.dls_server_port(self._s))
+        self._lock = threading.Lock()
+
+    def add_slab(self, slab_id: int, region: Region, token: bytes, nbytes: int | None = None) -> None:
+        size = region.size if nbytes is None else int(nbytes)
+        if size > region.size:
+            raise ValueError("slab larger than its region")
+        rc = lib.dls_server_add_slab(self._s, int(slab_id), region.ptr(), size, token)
+        if rc:
+            raise RemoteMemoryError(rc, f"add slab {slab_id}")
+
+    def remove_slab(self, slab_id: int) -> bool:
+        """Stop serving; returns once no request touches the slab.  False if it was not served."""
+        return lib.dls_server_remove_slab(self._s, int(slab_id)) == 0
+
+    def slab_stats(self, slab_id: int) -> SlabStats | None:
+        st = ffi.new("dls_slab_stats *")
+        if lib.dls_server_slab_stats(self._s, int(slab_id), st):
+            return None
+        return SlabStats(st.size, st.last_access_ns, st.reads, st.writes, st.bytes_read, st.bytes_written)
+
+    def counters(self) -> dict[str, int]:
+        c = ffi.new("dls_server_counters *")
+        lib.dls_server_get_counters(self._s, c)
+        return {k: int(getattr(c, k)) for k in
+                ("connections", "open_connections", "requests", "errors", "bad_frames", "bytes_in", "bytes_out")}
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._s is not None:
+                lib.dls_server_stop(self._s)
+                self._s = None
+
+    def __enter__(self) -> "SlabServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def monotonic_ns() -> int:
+    """The clock the server stamps slab accesses with (CLOCK_MONOTONIC)."""
+    return int(lib.dls_monotonic_ns())
+
+
+class Endpoint:
+    """One connection to a donor's slab server through a provider (``tcp`` here).
+
+    Batches are pipelined in C; the calls block with the GIL released.  A
+    connection that saw an I/O error or timeout is closed for good
+    (``broken``); open a new one.
+    """
+
+    def __init__(self, host: str, port: int, provider: str = "tcp", timeout_ms: int = 5000) -> None:
+        err = ffi.new("char[256]")
+        self._ep = lib.dls_ep_connect(provider.encode(), host.encode(), int(port), int(timeout_ms), err, 256)
+        if self._ep == ffi.NULL:
+            raise ConnectionError(ffi.string(err).decode())
+        self.host, self.port, self.provider = host, port, provider
+        self.timeout_ms = timeout_ms
+        self.broken = False
+
+    def _batch(self, slab: int, token: bytes, offs: np.ndarray, lens: np.ndarray, buf, crc: bool, crcs):
+        b = ffi.new("dls_batch *")
+        b.slab = slab
+        tok = ffi.from_buffer(token)
+        b.token = ffi.cast("uint8_t *", tok)
+        b.nseg = len(offs)
+        b.offs = ffi.cast("uint64_t *", ffi.from_buffer(offs))
+        b.lens = ffi.cast("uint32_t *", ffi.from_buffer(lens))
+        b.buf = ffi.cast("uint8_t *", buf)
+        b.flags = wire.F_CRC if crc else 0
+        b.crcs = ffi.cast("uint32_t *", ffi.from_buffer(crcs)) if crcs is not None else ffi.NULL
+        b.timeout_ms = self.timeout_ms
+        return b, (tok,)
+
+    def _call(self, fn, slab, token, offsets, lengths, buf, crc, crcs, what):
+        if self._ep is None:
+            raise RemoteMemoryError(wire.E_CLOSED, what)
+        offs = np.ascontiguousarray(offsets, dtype=np.uint64)
+        lens = np.ascontiguousarray(lengths, dtype=np.uint32)
+        if offs.shape != lens.shape or offs.ndim != 1:
+            raise ValueError("offsets and lengths must be 1-D and of the same length")
+        if crc and crcs is None:
+            crcs = np.zeros(len(offs), dtype=np.uint32)
+        b, keep = self._batch(slab, token, offs, lens, buf, crc, crcs)
+        rc = fn(self._ep, b)
+        if rc < 0 and rc not in (wire.E_ARG,):
+            self.broken = True
+        if rc:
+            err = RemoteMemoryError(rc, what)
+            err.bad_segment = int(b.bad_seg)
+            raise err
+        return crcs
+
+    def read(self, slab: int, token: bytes, offsets, lengths, out, crc: bool = False, crcs=None):
+        """Read the segments back to back into ``out`` (a writable buffer, e.g. numpy)."""
+        buf = ffi.from_buffer(out, require_writable=True)
+        need = int(np.sum(np.asarray(lengths, dtype=np.uint64)))
+        if len(buf) < need:
+            raise ValueError(f"out holds {len(buf)} bytes, the segments {need}")
+        return self._call(lib.dls_ep_read, slab, token, offsets, lengths, buf, crc, crcs, f"read slab {slab}")
+
+    def write(self, slab: int, token: bytes, offsets, lengths, data, crc: bool = False, crcs=None):
+        """Write the segments, taken back to back from ``data``."""
+        buf = ffi.from_buffer(data)
+        need = int(np.sum(np.asarray(lengths, dtype=np.uint64)))
+        if len(buf) < need:
+            raise ValueError(f"data holds {len(buf)} bytes, the segments {need}")
+        return self._call(lib.dls_ep_write, slab, token, offsets, lengths, buf, crc, crcs, f"write slab {slab}")
+
+    def ping(self) -> None:
+        if self._ep is None:
+            raise RemoteMemoryError(wire.E_CLOSED, "ping")
+        rc = lib.dls_ep_ping(self._ep, self.timeout_ms)
+        if rc:
+            if rc < 0:
+                self.broken = True
+            raise RemoteMemoryError(rc, "ping")
+
+    def close(self) -> None:
+        if self._ep is not None:
+            lib.dls_ep_close(self._ep)
+            self._ep = None
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def provider_available(name: str) -> bool:
+    return bool(lib.dls_provider_available(name.encode()))
