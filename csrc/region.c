@@ -24,7 +24,9 @@ int dls_region_map(uint64_t size, int flags, dls_region *r, char *reason, size_t
     void *p = MAP_FAILED;
     if (flags & DLS_REGION_HUGE) {
         uint64_t hsize = round_up(size, HUGE_2M);
-        p = mmap(NULL, hsize, PROT_READ | PROT_WRITE, base_flags | MAP_HUGETLB, -1, 0);
+        /* without MAP_NORESERVE, so that a shortage of huge pages fails here and
+         * not as SIGBUS on first touch */
+        p = mmap(NULL, hsize, PROT_READ | PROT_WRITE, (base_flags & ~MAP_NORESERVE) | MAP_HUGETLB, -1, 0);
         if (p != MAP_FAILED) {
             r->size = hsize;
             r->flags |= DLS_REGION_HUGE;

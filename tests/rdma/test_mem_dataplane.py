@@ -1,0 +1,269 @@
+"""The C data plane against real sockets: slab server, tcp provider, regions."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+from rdma import wire
+from rdma.native_mem import Endpoint, Region, RemoteMemoryError, SlabServer, provider_available, random_token
+
+PAGE = 4096
+
+
+@pytest.fixture
+def served():
+    srv = SlabServer("127.0.0.1", 0, threads=2)
+    regions = {}
+    tokens = {}
+    for sid, size in ((1, 1 << 20), (2, 4 << 20)):
+        regions[sid] = Region(size)
+        tokens[sid] = random_token()
+        srv.add_slab(sid, regions[sid], tokens[sid])
+    yield srv, regions, tokens
+    srv.stop()
+    for r in regions.values():
+        r.release()
+
+
+def pages(n, start=0):
+    return np.arange(start, start + n, dtype=np.uint64) * PAGE, np.full(n, PAGE, dtype=np.uint32)
+
+
+def test_write_then_read_roundtrip_with_checksums(served):
+    srv, regions, tokens = served
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
+    offs, lens = pages(1024)
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        wcrc = ep.write(2, tokens[2], offs, lens, data, crc=True)
+        out = np.zeros_like(data)
+        rcrc = ep.read(2, tokens[2], offs, lens, out, crc=True)
+    assert np.array_equal(out, data)
+    assert np.array_equal(wcrc, rcrc)
+    # the bytes really sit in the donor's region
+    assert np.array_equal(regions[2].view()[: len(data)], data)
+    st = srv.slab_stats(2)
+    assert st.bytes_written == len(data) and st.bytes_read == len(data) and st.last_access_ns > 0
+
+
+def test_large_pipelined_batch_scattered(served):
+    srv, regions, tokens = served
+    rng = np.random.default_rng(2)
+    order = rng.permutation(1024)
+    offs = order.astype(np.uint64) * PAGE
+    lens = np.full(1024, PAGE, dtype=np.uint32)
+    data = rng.integers(0, 256, 1024 * PAGE, dtype=np.uint8)
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        ep.write(2, tokens[2], offs, lens, data)
+        out = np.zeros_like(data)
+        ep.read(2, tokens[2], offs, lens, out)
+    assert np.array_equal(out, data)
+    view = regions[2].view()
+    for k in (0, 17, 1023):
+        assert np.array_equal(view[order[k] * PAGE:(order[k] + 1) * PAGE], data[k * PAGE:(k + 1) * PAGE])
+
+
+@pytest.mark.parametrize("case, code", [
+    ("token", wire.E_TOKEN), ("bounds", wire.E_BOUNDS), ("straddle", wire.E_BOUNDS), ("noslab", wire.E_NOSLAB)])
+def test_bad_requests_get_error_codes(served, case, code):
+    srv, regions, tokens = served
+    before = regions[1].view().copy()
+    slab, tok, off, n = 1, tokens[1], 0, PAGE
+    if case == "token":
+        tok = bytes(16)
+    elif case == "bounds":
+        off = 1 << 20
+    elif case == "straddle":
+        off = (1 << 20) - 100
+    elif case == "noslab":
+        slab = 77
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        with pytest.raises(RemoteMemoryError) as ei:
+            ep.write(slab, tok, [off], [n], np.full(n, 7, np.uint8))
+        assert ei.value.code == code
+        with pytest.raises(RemoteMemoryError) as ei:
+            ep.read(slab, tok, [off], [n], np.zeros(n, np.uint8))
+        assert ei.value.code == code
+        # the connection stays usable after an error status
+        ep.write(1, tokens[1], [0], [4], b"abcd")
+        out = np.zeros(4, np.uint8)
+        ep.read(1, tokens[1], [0], [4], out)
+        assert out.tobytes() == b"abcd"
+    assert np.array_equal(regions[1].view()[4:], before[4:])
+
+
+def test_write_with_corrupted_checksum_is_refused(served):
+    srv, regions, tokens = served
+    payload = b"x" * 64
+    req = wire.Request(wire.OP_WRITE, 5, 1, tokens[1], (wire.Segment(0, 64, 12345),), payload, wire.F_CRC)
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(wire.encode_request(req))
+        status, hdr = wire.parse_response_header(_recv_exact(s, wire.RESP_HDR.size))
+    assert status == wire.OK and hdr.status == wire.E_CRC and hdr.req_id == 5
+    assert regions[1].view()[:64].tobytes() != payload
+
+
+def _recv_exact(s, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf
+
+
+def test_garbage_and_truncated_frames_do_not_hurt_valid_clients(served):
+    """Random, truncated and hostile bytes on many connections while a valid client keeps checking data."""
+    srv, regions, tokens = served
+    rng = np.random.default_rng(3)
+    ref = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    offs, lens = pages(256)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def valid_client():
+        with Endpoint("127.0.0.1", srv.port) as ep:
+            ep.write(1, tokens[1], offs, lens, ref, crc=True)
+            out = np.empty_like(ref)
+            while not stop.is_set():
+                ep.read(1, tokens[1], offs, lens, out, crc=True)
+                if not np.array_equal(out, ref):
+                    errors.append("data differs")
+                    return
+
+    t = threading.Thread(target=valid_client)
+    t.start()
+    r = random.Random(4)
+    good = wire.encode_request(wire.Request(wire.OP_READ, 9, 1, tokens[1], (wire.Segment(0, 4096),)))
+    huge_claim = wire.encode_request(wire.Request(wire.OP_WRITE, 9, 1, tokens[1], (wire.Segment(0, 1 << 20),)))
+    try:
+        for i in range(120):
+            kind = i % 5
+            if kind == 0:
+                blob = r.randbytes(r.randint(1, 5000))
+            elif kind == 1:
+                blob = good[: r.randint(1, len(good) - 1)]  # truncated, then hang up
+            elif kind == 2:
+                blob = struct.pack("<I", wire.MAGIC) + r.randbytes(r.randint(0, 200))
+            elif kind == 3:
+                blob = huge_claim + r.randbytes(100)  # claims 1 MiB, sends little
+            else:
+                b = bytearray(good)
+                b[r.randrange(len(b))] ^= 0xFF
+                blob = bytes(b) * 3
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(blob)
+                if i % 2:
+                    s.settimeout(0.5)
+                    try:
+                        s.recv(65536)
+                    except (socket.timeout, ConnectionError):
+                        pass
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors
+    assert srv.counters()["bad_frames"] > 0
+    # the server still serves everything correctly
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        out = np.empty_like(ref)
+        ep.read(1, tokens[1], offs, lens, out, crc=True)
+        assert np.array_equal(out, ref)
+        ep.ping()
+
+
+def test_bad_header_gets_error_response_then_close(served):
+    srv, _, tokens = served
+    frame = bytearray(wire.encode_request(wire.Request(wire.OP_READ, 42, 1, tokens[1], (wire.Segment(0, 16),))))
+    frame[4] = 7  # version
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(bytes(frame))
+        status, hdr = wire.parse_response_header(_recv_exact(s, wire.RESP_HDR.size))
+        assert status == wire.OK and hdr.status == wire.E_VERSION
+        s.settimeout(5)
+        assert s.recv(10) == b""  # and the server hangs up: the stream cannot be trusted
+
+
+def test_removed_slab_is_no_longer_served(served):
+    srv, regions, tokens = served
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        ep.write(1, tokens[1], [0], [8], b"12345678")
+        assert srv.remove_slab(1)
+        with pytest.raises(RemoteMemoryError) as ei:
+            ep.read(1, tokens[1], [0], [8], np.zeros(8, np.uint8))
+        assert ei.value.code == wire.E_NOSLAB
+    assert not srv.remove_slab(1)
+
+
+def test_server_death_is_an_io_error_not_a_hang():
+    srv = SlabServer()
+    reg = Region(1 << 20)
+    tok = random_token()
+    srv.add_slab(0, reg, tok)
+    ep = Endpoint("127.0.0.1", srv.port, timeout_ms=3000)
+    ep.write(0, tok, [0], [4], b"abcd")
+    srv.stop()
+    with pytest.raises(RemoteMemoryError) as ei:
+        ep.read(0, tok, [0], [4], np.zeros(4, np.uint8))
+    assert ei.value.code in (wire.E_IO, wire.E_CLOSED)
+    assert ep.broken
+    with pytest.raises(RemoteMemoryError) as ei:
+        ep.read(0, tok, [0], [4], np.zeros(4, np.uint8))
+    assert ei.value.code == wire.E_CLOSED
+    ep.close()
+    reg.release()
+
+
+def test_client_rejects_bad_arguments_locally(served):
+    srv, _, tokens = served
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        with pytest.raises(RemoteMemoryError) as ei:
+            ep.read(1, tokens[1], [0], [wire.MAX_SEG_BYTES + 1], np.zeros(wire.MAX_SEG_BYTES + 1, np.uint8))
+        assert ei.value.code == wire.E_ARG
+        with pytest.raises(ValueError):
+            ep.read(1, tokens[1], [0], [100], np.zeros(10, np.uint8))
+        ep.ping()  # still usable
+
+
+def test_unknown_provider_says_why():
+    assert provider_available("tcp")
+    if not provider_available("verbs"):
+        with pytest.raises(ConnectionError, match="verbs"):
+            Endpoint("127.0.0.1", 1, provider="verbs")
+
+
+def test_region_memory_returns_to_the_os_on_release():
+    proc = psutil.Process(os.getpid())
+    base = proc.memory_info().rss
+    reg = Region(64 << 20)
+    reg.view()[:] = 1  # touch every page
+    grown = proc.memory_info().rss
+    assert grown - base > 60 << 20
+    reg.release()
+    assert reg.released
+    assert proc.memory_info().rss < grown - (60 << 20)
+
+
+def test_region_hugepages_and_mlock_fall_back_with_a_reason():
+    reg = Region(4 << 20, huge=True, lock=True)
+    try:
+        assert reg.address % 4096 == 0 and reg.size >= 4 << 20
+        if not reg.huge or not reg.locked:
+            assert reg.reason  # the fallback is explained
+        reg.view()[:] = 3
+    finally:
+        reg.release()
+
+
+def test_tokens_are_random():
+    toks = {random_token() for _ in range(64)}
+    assert len(toks) == 64 and all(len(t) == 16 for t in toks)

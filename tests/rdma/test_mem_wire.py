@@ -1,0 +1,118 @@
+"""The wire parser: the pure-Python mirror and the C parser agree on every input."""
+
+from __future__ import annotations
+
+import struct
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rdma import wire
+from rdma.native import ffi, lib
+
+
+def c_parse(buf: bytes) -> tuple[int, int, int]:
+    v = ffi.new("dls_req_view *")
+    rc = lib.dls_wire_parse_req(buf, len(buf), v)
+    return rc, int(v.frame_len), int(v.resync)
+
+
+segments = st.lists(
+    st.builds(wire.Segment, st.integers(0, 1 << 40), st.integers(1, 4096), st.integers(0, 2**32 - 1)),
+    min_size=1, max_size=8,
+)
+
+
+@st.composite
+def requests(draw):
+    op = draw(st.sampled_from([wire.OP_READ, wire.OP_WRITE, wire.OP_PING]))
+    segs = () if op == wire.OP_PING else tuple(draw(segments))
+    payload = draw(st.binary(min_size=sum(s.length for s in segs), max_size=sum(s.length for s in segs))) \
+        if op == wire.OP_WRITE else b""
+    return wire.Request(op, draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
+                        draw(st.binary(min_size=16, max_size=16)), segs, payload,
+                        draw(st.sampled_from([0, wire.F_CRC])))
+
+
+@given(requests())
+def test_roundtrip(req):
+    frame = wire.encode_request(req)
+    res = wire.parse_request(frame + b"trailing")
+    assert res.status == wire.OK and res.frame_len == len(frame)
+    assert res.request == req
+    assert c_parse(frame + b"xx") == (wire.OK, len(frame), 1)
+
+
+@given(requests(), st.data())
+def test_every_prefix_needs_more(req, data):
+    frame = wire.encode_request(req)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    res = wire.parse_request(frame[:cut])
+    assert res.status == wire.NEED_MORE
+    assert cut < res.frame_len <= len(frame)
+    rc, need, _ = c_parse(frame[:cut])
+    assert (rc, need) == (wire.NEED_MORE, res.frame_len)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=256))
+def test_random_bytes_agree(buf):
+    py = wire.parse_request(buf)
+    rc, frame_len, resync = c_parse(buf)
+    assert rc == py.status
+    if rc == wire.OK or (rc != wire.NEED_MORE and resync):
+        assert frame_len == py.frame_len <= len(buf)
+    assert bool(resync) == py.resync
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(requests(), st.data())
+def test_mutated_frames_agree(req, data):
+    frame = bytearray(wire.encode_request(req))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, min(len(frame), wire.REQ_HDR.size + 3 * wire.SEG.size) - 1))
+        frame[i] = data.draw(st.integers(0, 255))
+    buf = bytes(frame)
+    py = wire.parse_request(buf)
+    rc, frame_len, resync = c_parse(buf)
+    assert rc == py.status
+    if rc == wire.OK:
+        assert frame_len == py.frame_len <= len(buf)
+
+
+def test_limits_are_errors():
+    tok = bytes(16)
+    head = wire.REQ_HDR.pack(wire.MAGIC, wire.VERSION, wire.OP_READ, 0, 1, 0, wire.MAX_SEGS + 1, tok)
+    assert wire.parse_request(head).status == wire.E_NSEG == c_parse(head)[0]
+    big = wire.encode_request(wire.Request(wire.OP_READ, 1, 0, tok, (wire.Segment(0, wire.MAX_SEG_BYTES + 1),)))
+    assert wire.parse_request(big).status == wire.E_SEGLEN == c_parse(big)[0]
+    many = wire.encode_request(wire.Request(wire.OP_READ, 1, 0, tok, tuple(
+        wire.Segment(0, wire.MAX_SEG_BYTES) for _ in range(17))))
+    assert wire.parse_request(many).status == wire.E_SIZE == c_parse(many)[0]
+    bad_version = bytearray(wire.encode_request(wire.Request(wire.OP_PING, 1, 0, tok)))
+    bad_version[4] = 9
+    assert c_parse(bytes(bad_version))[0] == wire.E_VERSION
+    assert c_parse(b"XXXX")[0] == wire.E_MAGIC
+    assert c_parse(struct.pack("<I", wire.MAGIC)[:2])[0] == wire.NEED_MORE
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(1, 2**32 - 1)), min_size=1, max_size=6),
+       st.integers(0, 2**63))
+def test_bounds_never_overflow(pairs, slab_size):
+    segs = [wire.Segment(o, n) for o, n in pairs]
+    expect = wire.E_BOUNDS if any(o + n > slab_size for o, n in pairs) else wire.OK
+    assert wire.check_bounds(segs, slab_size) == expect
+
+
+def test_status_names_match_c():
+    for code, name in wire.STATUS_NAMES.items():
+        assert ffi.string(lib.dls_status_name(code)).decode() == name
+
+
+@given(st.binary(max_size=64))
+def test_response_header_parser(buf):
+    status, hdr = wire.parse_response_header(buf)
+    r = ffi.new("dls_resp_view *")
+    assert lib.dls_wire_parse_resp(buf, len(buf), r) == status
+    if status == wire.OK:
+        assert (hdr.op, hdr.status, hdr.req_id, hdr.body_len, hdr.nseg) == (r.op, r.status, r.req_id, r.body_len, r.nseg)
