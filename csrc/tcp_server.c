@@ -249,7 +249,7 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
         conn_close(w, c);
         return;
     }
-    for (int rounds = 0; rounds < 64; rounds++) {
+    for (;;) {
         int more = process_input(s, c);
         int fr = flush_out(s, c);
         if (fr < 0) {
