@@ -1,0 +1,350 @@
+"""The donor side of remote memory: a node-daemon extension that lends idle DRAM as slabs.
+
+Lendable memory is MemAvailable minus a headroom minus what local jobs were
+promised.  It is carved into slabs (``donor.slab_bytes``) that consumers map
+with the ``map`` command and give back with ``unmap``; the bytes move through
+the C slab server (rdma.native_mem.SlabServer), never through Python.  A slab's
+memory is mmapped when it is mapped and munmapped when it comes back, so a free
+slab costs nothing and a returned one really goes back to the OS.
+
+Reclaim (nodesvc.reclaim) watches PSI and MemAvailable and evicts the least
+recently used slabs: it notifies their consumers on ``.../events`` with a
+deadline, and unmaps when they ack (``unmap``) or when the deadline passes.
+
+Run standalone for tests and development with
+``python -m nodesvc.donor --broker URL --node-id ID`` (see nodesvc/donor_shell.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from nodesvc import config, messages
+from nodesvc.extension import NodeContext
+from nodesvc.messages import PayloadError
+from nodesvc.reclaim import (
+    ForceUnmap,
+    NotifyEvict,
+    PressureSample,
+    ReclaimCore,
+    ReclaimRequested,
+    SlabAccessed,
+    SlabLent,
+    SlabReturned,
+    Tick,
+)
+
+log = logging.getLogger("dlshare.donor")
+
+GIB = 1 << 30
+
+config.register_section("donor", {
+    "slab_bytes": GIB,             # DESIGN.md: 1 GiB slabs (Infiniswap's slab size); tests use small ones
+    "headroom_bytes": 2 * GIB,     # never lend the last 2 GiB of MemAvailable
+    "listen": "127.0.0.1",         # address of the C slab server
+    "port": 0,                     # 0: any free port
+    "advertise": "",               # host consumers connect to (default: listen)
+    "threads": 2,                  # slab-server worker threads
+    "max_slabs": 256,
+    "psi_threshold": 10.0,         # PSI memory some avg10 (%) that starts reclaim
+    "reclaim_deadline_s": 2.0,     # time a consumer gets to move an evicted slab
+    "pressure_interval_s": 0.5,
+    "hugepages": False,
+    "mlock": False,
+    "provider": "tcp",
+})
+
+
+def read_pressure() -> tuple[int, float | None]:
+    """(MemAvailable bytes, PSI memory ``some avg10`` or None where the kernel lacks PSI)."""
+    avail = psutil.virtual_memory().available
+    psi = None
+    try:
+        with open("/proc/pressure/memory") as fh:
+            for line in fh:
+                if line.startswith("some "):
+                    for part in line.split()[1:]:
+                        k, _, v = part.partition("=")
+                        if k == "avg10":
+                            psi = float(v)
+    except (OSError, ValueError):
+        psi = None
+    return avail, psi
+
+
+@dataclass
+class Lease:
+    slab: int
+    consumer: str
+    token: bytes
+    region: Any  # rdma.native_mem.Region
+    nbytes: int
+    mapped_at: float
+    evicting: bool = False
+
+
+@dataclass
+class DonorStats:
+    maps: int = 0
+    unmaps: int = 0
+    evictions: int = 0
+    forced_unmaps: int = 0
+    refused_maps: int = 0
+    last_reclaim_s: float | None = None
+    reclaim_started: dict[int, float] = field(default_factory=dict)
+
+
+class DonorExtension:
+    """NodeExtension (nodesvc/extension.py) that lends memory; loaded when ``node.lend`` is true."""
+
+    name = "donor"
+
+    def __init__(self, cfg: dict[str, dict[str, Any]],
+                 pressure: Callable[[], tuple[int, float | None]] = read_pressure,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        d = cfg["donor"]
+        self.cfg = d
+        self.slab_bytes = int(d["slab_bytes"])
+        if self.slab_bytes <= 0 or self.slab_bytes % 4096:
+            raise config.ConfigError("donor.slab_bytes must be a positive multiple of 4096")
+        self.headroom = int(d["headroom_bytes"])
+        self.max_slabs = int(d["max_slabs"])
+        self.pressure = pressure
+        self.clock = clock
+        self.core = ReclaimCore(self.headroom, float(d["psi_threshold"]), float(d["reclaim_deadline_s"]))
+        self.leases: dict[int, Lease] = {}
+        self.stats = DonorStats()
+        self.server = None
+        self.ctx: NodeContext | None = None
+        self._ids = itertools.count(1)
+        self._slab_ids = itertools.count(0)
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self.addr = ""
+
+    # --- NodeExtension -------------------------------------------------------------------
+
+    async def start(self, ctx: NodeContext) -> None:
+        from rdma.native_mem import SlabServer
+
+        self.ctx = ctx
+        self.server = SlabServer(self.cfg["listen"], int(self.cfg["port"]), int(self.cfg["threads"]))
+        host = self.cfg["advertise"] or self.cfg["listen"]
+        self.addr = f"{host}:{self.server.port}"
+        log.info("lending memory: slab server on %s, %d-byte slabs", self.addr, self.slab_bytes)
+        self._task = asyncio.create_task(self._reclaim_loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.server:
+            self.server.stop()
+        for lease in list(self.leases.values()):
+            lease.region.release()
+        self.leases.clear()
+
+    def commands(self) -> dict[str, Callable]:
+        return {"map": self.cmd_map, "unmap": self.cmd_unmap, "reclaim": self.cmd_reclaim,
+                "donor_status": self.cmd_status}
+
+    def telemetry(self) -> dict[str, Any]:
+        lendable = self.lendable_bytes()
+        lent = len(self.leases)
+        total = lent + self._slabs_available(lendable)
+        lent_to: dict[str, int] = {}
+        for lease in self.leases.values():
+            lent_to[lease.consumer] = lent_to.get(lease.consumer, 0) + lease.nbytes
+        return {
+            "enabled": True,
+            "addr": self.addr,
+            "provider": self.cfg["provider"],
+            "slab_bytes": self.slab_bytes,
+            "total_slabs": total,
+            "free_slabs": total - lent,
+            "lent_bytes": lent * self.slab_bytes,
+            "lendable_bytes": lendable,
+            "reserved_unused_bytes": self._ctx_bytes("reserved_unused_bytes"),
+            "lent_to": lent_to,
+            "evicting": sorted(s for s, x in self.leases.items() if x.evicting),
+            "last_reclaim_s": self.stats.last_reclaim_s,
+        }
+
+    # --- memory accounting ---------------------------------------------------------------
+
+    def _ctx_bytes(self, name: str) -> int:
+        """Promised / reserved-but-unused bytes, from the daemon when it offers them."""
+        fn = getattr(self.ctx, name, None)
+        try:
+            return int(fn()) if callable(fn) else 0
+        except Exception:  # noqa: BLE001 - accounting must not break lending
+            log.exception("reading %s from the daemon failed", name)
+            return 0
+
+    def lendable_bytes(self) -> int:
+        avail, _ = self.pressure()
+        return max(0, avail - self.headroom - self._ctx_bytes("promised_bytes"))
+
+    def _slabs_available(self, lendable: int) -> int:
+        return max(0, min(self.max_slabs - len(self.leases), lendable // self.slab_bytes))
+
+    # --- commands ------------------------------------------------------------------------
+
+    async def cmd_map(self, args: dict[str, Any]) -> dict[str, Any]:
+        from rdma.native_mem import Region, random_token
+
+        consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
+        async with self._lock:
+            if self._slabs_available(self.lendable_bytes()) < 1:
+                self.stats.refused_maps += 1
+                raise PayloadError("no free slab: this node has no lendable memory left")
+            slab = self._next_slab_id()
+            region = Region(self.slab_bytes, huge=bool(self.cfg["hugepages"]), lock=bool(self.cfg["mlock"]))
+            token = random_token()
+            try:
+                self.server.add_slab(slab, region, token, self.slab_bytes)
+            except Exception:
+                region.release()
+                raise
+            self.leases[slab] = Lease(slab, consumer, token, region, self.slab_bytes, self.clock())
+            self.stats.maps += 1
+            self.core.handle(SlabLent(self._sid("map"), self.clock(), slab, consumer, self.slab_bytes))
+        if region.reason:
+            log.warning("slab %d: %s", slab, region.reason)
+        return {"addr": self.addr, "provider": self.cfg["provider"], "slab": slab, "token": token.hex(),
+                "slab_bytes": self.slab_bytes, "huge": region.huge, "locked": region.locked}
+
+    def _next_slab_id(self) -> int:
+        from rdma.native_mem import lib
+
+        for _ in range(lib.DLS_MAX_SLAB_ID):
+            sid = next(self._slab_ids) % lib.DLS_MAX_SLAB_ID
+            if sid not in self.leases:
+                return sid
+        raise PayloadError("slab ids exhausted")
+
+    async def cmd_unmap(self, args: dict[str, Any]) -> dict[str, Any]:
+        slab = messages.arg(args, "slab", int)
+        token = messages.arg(args, "token", str)
+        lease = self.leases.get(slab)
+        if lease is None:
+            raise PayloadError(f"slab {slab} is not lent")
+        try:
+            ok = bytes.fromhex(token) == lease.token
+        except ValueError:
+            ok = False
+        if not ok:
+            raise PayloadError(f"wrong token for slab {slab}")
+        self._release(slab, "returned by consumer")
+        return {"slab": slab, "released": True}
+
+    async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
+        nbytes = messages.arg(args, "bytes", int, required=False, default=self.slab_bytes)
+        if nbytes <= 0:
+            raise PayloadError("'bytes' must be positive")
+        decisions = self.core.handle(ReclaimRequested(self._sid("reclaim"), self.clock(), nbytes))
+        await self._execute(decisions)
+        return {"evicting": [d.slab for d in decisions if isinstance(d, NotifyEvict)]}
+
+    async def cmd_status(self, args: dict[str, Any]) -> dict[str, Any]:
+        slabs = []
+        for lease in self.leases.values():
+            st = self.server.slab_stats(lease.slab) if self.server else None
+            slabs.append({"slab": lease.slab, "consumer": lease.consumer, "bytes": lease.nbytes,
+                          "evicting": lease.evicting, "reads": st.reads if st else 0,
+                          "writes": st.writes if st else 0})
+        return {"slabs": slabs, "server": self.server.counters() if self.server else {},
+                "stats": {k: v for k, v in vars(self.stats).items() if k != "reclaim_started"}}
+
+    # --- reclaim shell -------------------------------------------------------------------
+
+    def _sid(self, what: str) -> str:
+        return f"{what}-{next(self._ids)}"
+
+    def _release(self, slab: int, why: str) -> None:
+        lease = self.leases.pop(slab, None)
+        if lease is None:
+            return
+        self.server.remove_slab(slab)  # waits until no request touches it
+        lease.region.release()         # munmap: the memory goes back to the OS now
+        self.stats.unmaps += 1
+        started = self.stats.reclaim_started.pop(slab, None)
+        if started is not None:
+            self.stats.last_reclaim_s = self.clock() - started
+        self.core.handle(SlabReturned(self._sid("unmap"), self.clock(), slab))
+        log.info("slab %d of %s released (%s)", slab, lease.consumer, why)
+
+    async def _execute(self, decisions) -> None:
+        for d in decisions:
+            if isinstance(d, NotifyEvict):
+                lease = self.leases.get(d.slab)
+                if lease is None:
+                    continue
+                lease.evicting = True
+                self.stats.evictions += 1
+                self.stats.reclaim_started[d.slab] = self.clock()
+                log.info("evicting slab %d of %s: %s", d.slab, d.consumer, d.reason)
+                await self._event({"event": "evict", "slab": d.slab, "consumer": d.consumer,
+                                   "deadline_s": d.deadline_s, "reason": d.reason, "addr": self.addr})
+            elif isinstance(d, ForceUnmap):
+                if d.slab in self.leases:
+                    self.stats.forced_unmaps += 1
+                    self._release(d.slab, d.reason)
+                    await self._event({"event": "revoked", "slab": d.slab, "consumer": d.consumer,
+                                       "reason": d.reason, "addr": self.addr})
+
+    async def _event(self, body: dict[str, Any]) -> None:
+        if self.ctx is None:
+            return
+        topic = messages.node_topic(self.ctx.node_id, "events")
+        if not await self.ctx.publish(topic, messages.encode(body), qos=1):
+            log.warning("could not publish %s event (broker away)", body.get("event"))
+
+    def sample(self) -> list:
+        """Feed one round of observations to the core (pressure, slab activity, time)."""
+        now = self.clock()
+        avail, psi = self.pressure()
+        out = []
+        mono_now_ns = None
+        for slab in list(self.leases):
+            st = self.server.slab_stats(slab)
+            if st and st.last_access_ns:
+                if mono_now_ns is None:
+                    from rdma.native_mem import monotonic_ns
+                    mono_now_ns = monotonic_ns()
+                age = (mono_now_ns - st.last_access_ns) / 1e9
+                out += self.core.handle(SlabAccessed(self._sid("access"), now, slab, now - age))
+        out += self.core.handle(PressureSample(self._sid("pressure"), now, avail, psi))
+        return out
+
+    async def _reclaim_loop(self) -> None:
+        interval = float(self.cfg["pressure_interval_s"])
+        while True:
+            try:
+                await self._execute(self.sample())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive any one bad round
+                log.exception("reclaim round failed")
+            await asyncio.sleep(interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nodesvc.donor_shell import main as shell_main
+
+    return shell_main(argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

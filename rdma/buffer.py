@@ -1,0 +1,298 @@
+"""RemoteBuffer: a byte range backed by replicated slabs on donors.
+
+A buffer is a run of extents; each extent is one slab on each of ``replicas``
+donors (different nodes).  Writes go to every copy under the extent's lock;
+reads use one live copy and fail over to the next at once.  With checksums on,
+the consumer keeps the CRC-32C of every page it wrote and checks each page it
+reads against it: end to end, not just on the wire.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rdma import wire
+from rdma.native import crc32c
+from rdma.native_mem import RemoteMemoryError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rdma.remote import RemoteMemory
+
+LIVE, REBUILDING, EVICTING, LOST = "live", "rebuilding", "evicting", "lost"
+MAX_SEG = wire.MAX_SEG_BYTES
+
+
+@dataclass(eq=False)
+class Replica:
+    node: str
+    addr: str
+    slab: int
+    token: bytes
+    slab_bytes: int
+    state: str = LIVE
+
+    def describe(self) -> dict[str, Any]:
+        return {"node": self.node, "slab": self.slab, "state": self.state}
+
+
+@dataclass(eq=False)
+class Extent:
+    index: int
+    first_page: int
+    npages: int
+    replicas: list[Replica] = field(default_factory=list)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def readable(self) -> list[Replica]:
+        reps = list(self.replicas)
+        return [r for r in reps if r.state == LIVE] + [r for r in reps if r.state == EVICTING]
+
+    def writable(self) -> list[Replica]:
+        return [r for r in list(self.replicas) if r.state in (LIVE, REBUILDING, EVICTING)]
+
+    def live_count(self) -> int:
+        return sum(r.state == LIVE for r in list(self.replicas))
+
+
+class DataLostError(RemoteMemoryError):
+    """Every copy of some pages is gone."""
+
+
+class RemoteBuffer:
+    """``nbytes`` of remote memory.  Thread-safe; see RemoteMemory.alloc."""
+
+    def __init__(self, mem: "RemoteMemory", nbytes: int, page_size: int, extents: list[Extent],
+                 checksums: bool) -> None:
+        self.mem = mem
+        self.nbytes = nbytes
+        self.page = page_size
+        self.extents = extents
+        self.npages = sum(e.npages for e in extents)
+        self.checksums = checksums
+        self._starts = np.array([e.first_page for e in extents], dtype=np.int64)
+        zero_crc = crc32c(bytes(page_size))  # fresh slabs are zero-filled mmaps
+        self.page_crc = np.full(self.npages, zero_crc, dtype=np.uint32)
+        self.freed = False
+
+    # --- public API ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def read(self, offset: int, n: int, out=None) -> np.ndarray:
+        """``n`` bytes from ``offset`` into ``out`` (a writable buffer; a new uint8 array if None)."""
+        self._check_range(offset, n)
+        dst = np.empty(n, dtype=np.uint8) if out is None else _as_u8(out, writable=True)
+        if len(dst) < n:
+            raise ValueError(f"out holds {len(dst)} bytes, {n} asked")
+        if n == 0:
+            return dst
+        p0, p1 = offset // self.page, (offset + n - 1) // self.page
+        if offset % self.page == 0 and n % self.page == 0:
+            self._read_run(p0, p1 - p0 + 1, dst[:n])
+        else:
+            tmp = np.empty((p1 - p0 + 1) * self.page, dtype=np.uint8)
+            self._read_run(p0, p1 - p0 + 1, tmp)
+            s = offset - p0 * self.page
+            dst[:n] = tmp[s:s + n]
+        return dst
+
+    def write(self, offset: int, data) -> None:
+        src = _as_u8(data)
+        n = len(src)
+        self._check_range(offset, n)
+        if n == 0:
+            return
+        p0, p1 = offset // self.page, (offset + n - 1) // self.page
+        if offset % self.page == 0 and n % self.page == 0:
+            self._write_run(p0, p1 - p0 + 1, src)
+            return
+        # partial pages: read-modify-write under the locks of the extents involved
+        locks = [e.lock for e in self._extents_of(p0, p1)]
+        for lk in locks:
+            lk.acquire()
+        try:
+            tmp = np.empty((p1 - p0 + 1) * self.page, dtype=np.uint8)
+            s = offset - p0 * self.page
+            if s:
+                self._read_run(p0, 1, tmp[: self.page])
+            if (offset + n) % self.page and (p1 > p0 or not s):
+                self._read_run(p1, 1, tmp[-self.page:])
+            tmp[s:s + n] = src
+            self._write_run(p0, p1 - p0 + 1, tmp)
+        finally:
+            for lk in reversed(locks):
+                lk.release()
+
+    def read_pages(self, pages, out=None) -> np.ndarray:
+        """Pages (indices) gathered back to back into ``out`` (len(pages) * page_size bytes)."""
+        idx = self._check_pages(pages)
+        size = len(idx) * self.page
+        dst = np.empty(size, dtype=np.uint8) if out is None else _as_u8(out, writable=True)
+        if len(dst) < size:
+            raise ValueError(f"out holds {len(dst)} bytes, {size} needed")
+        if len(idx) == 0:
+            return dst
+        if np.all(idx[1:] >= idx[:-1]):
+            self._gather(idx, dst[:size])
+        else:
+            order = np.argsort(idx, kind="stable")
+            tmp = np.empty(size, dtype=np.uint8)
+            self._gather(idx[order], tmp)
+            dst[:size].reshape(-1, self.page)[order] = tmp.reshape(-1, self.page)
+        return dst
+
+    def write_pages(self, pages, data) -> None:
+        idx = self._check_pages(pages)
+        src = _as_u8(data)
+        if len(src) != len(idx) * self.page:
+            raise ValueError(f"data is {len(src)} bytes; {len(idx)} pages need {len(idx) * self.page}")
+        if len(np.unique(idx)) != len(idx):
+            raise ValueError("write_pages: a page index appears twice")
+        if len(idx) == 0:
+            return
+        if np.all(idx[1:] > idx[:-1]):
+            self._scatter(idx, src)
+        else:
+            order = np.argsort(idx, kind="stable")
+            self._scatter(idx[order], np.ascontiguousarray(src.reshape(-1, self.page)[order]).reshape(-1))
+
+    def free(self) -> None:
+        """Give every slab back to its donor."""
+        if self.freed:
+            return
+        self.freed = True
+        self.mem._release_buffer(self)
+
+    def healthy(self) -> bool:
+        """Every extent has its full number of live copies."""
+        return all(e.live_count() >= self.mem.replicas for e in self.extents)
+
+    def placement(self) -> list[list[dict[str, Any]]]:
+        return [[r.describe() for r in list(e.replicas)] for e in self.extents]
+
+    def __enter__(self) -> "RemoteBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _check_range(self, offset: int, n: int) -> None:
+        if self.freed:
+            raise ValueError("buffer was freed")
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise IndexError(f"range [{offset}, {offset + n}) outside a buffer of {self.nbytes} bytes")
+
+    def _check_pages(self, pages) -> np.ndarray:
+        if self.freed:
+            raise ValueError("buffer was freed")
+        idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self.npages):
+            raise IndexError(f"page index outside 0..{self.npages - 1}")
+        return idx
+
+    def _extent_index(self, page: int) -> int:
+        return int(np.searchsorted(self._starts, page, side="right") - 1)
+
+    def _extents_of(self, p0: int, p1: int) -> list[Extent]:
+        return self.extents[self._extent_index(p0): self._extent_index(p1) + 1]
+
+    def _read_run(self, p0: int, npages: int, dst: np.ndarray) -> None:
+        self._gather(np.arange(p0, p0 + npages, dtype=np.int64), dst)
+
+    def _write_run(self, p0: int, npages: int, src: np.ndarray) -> None:
+        self._scatter(np.arange(p0, p0 + npages, dtype=np.int64), src)
+
+    def _split(self, idx: np.ndarray):
+        """Sorted page indices -> (extent, slice of idx) groups."""
+        ext_ids = np.searchsorted(self._starts, idx, side="right") - 1
+        bounds = np.flatnonzero(np.diff(ext_ids)) + 1
+        start = 0
+        for end in [*bounds.tolist(), len(idx)]:
+            yield self.extents[int(ext_ids[start])], start, end
+            start = end
+
+    def _segments(self, ext: Extent, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        offs = (pages - ext.first_page).astype(np.uint64) * np.uint64(self.page)
+        lens = np.full(len(pages), self.page, dtype=np.uint32)
+        return offs, lens
+
+    def _gather(self, idx: np.ndarray, dst: np.ndarray) -> None:
+        for ext, a, b in self._split(idx):
+            pages = idx[a:b]
+            offs, lens = self._segments(ext, pages)
+            self._read_extent(ext, pages, offs, lens, dst[a * self.page:b * self.page])
+
+    def _scatter(self, idx: np.ndarray, src: np.ndarray) -> None:
+        for ext, a, b in self._split(idx):
+            pages = idx[a:b]
+            offs, lens = self._segments(ext, pages)
+            self._write_extent(ext, pages, offs, lens, src[a * self.page:b * self.page])
+
+    def _read_extent(self, ext: Extent, pages, offs, lens, dst: np.ndarray, locked: bool = False) -> None:
+        tried: set[int] = set()
+        while True:
+            candidates = [r for r in ext.readable() if id(r) not in tried]
+            if not candidates:
+                raise DataLostError(wire.E_IO, f"extent {ext.index}: no live copy left "
+                                               f"({[r.describe() for r in ext.replicas]})")
+            rep = candidates[0]
+            tried.add(id(rep))
+            try:
+                crcs = self.mem._endpoint(rep).read(rep.slab, rep.token, offs, lens, dst, crc=self.checksums)
+            except (RemoteMemoryError, ConnectionError) as exc:
+                self.mem._replica_failed(self, ext, rep, exc)
+                continue
+            if self.checksums and not np.array_equal(crcs, self.page_crc[pages]):
+                if not locked:
+                    # a concurrent write may have raced this read: read again, serialised
+                    with ext.lock:
+                        return self._read_extent(ext, pages, offs, lens, dst, locked=True)
+                bad = int(np.flatnonzero(crcs != self.page_crc[pages])[0])
+                self.mem._replica_failed(self, ext, rep, RemoteMemoryError(
+                    wire.E_CRC, f"page {int(pages[bad])} of slab {rep.slab} on {rep.node} does not match what was written"))
+                continue
+            if tried and len(tried) > 1:
+                self.mem.stats["failover_reads"] += 1
+            return
+
+    def _write_extent(self, ext: Extent, pages, offs, lens, src: np.ndarray) -> None:
+        with ext.lock:
+            targets = ext.writable()
+            if not targets:
+                raise DataLostError(wire.E_IO, f"extent {ext.index}: no copy left to write")
+            results = self.mem._write_all(targets, offs, lens, src, self.checksums)
+            wrote_durable = False
+            crcs = None
+            for rep, res in zip(targets, results):
+                if isinstance(res, BaseException):
+                    self.mem._replica_failed(self, ext, rep, res)
+                else:
+                    if rep.state in (LIVE, EVICTING):
+                        wrote_durable = True
+                    crcs = res if res is not None else crcs
+            if not wrote_durable:
+                raise DataLostError(wire.E_IO, f"extent {ext.index}: every copy failed the write")
+            if self.checksums and crcs is not None:
+                self.page_crc[pages] = crcs
+
+
+def _as_u8(data, writable: bool = False) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            if writable:
+                raise ValueError("out must be C-contiguous")
+            data = np.ascontiguousarray(data)
+        return data.reshape(-1).view(np.uint8)
+    mv = memoryview(data)
+    if writable and mv.readonly:
+        raise ValueError("out must be writable")
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8) if not writable else np.asarray(mv.cast("B"), dtype=np.uint8)
+
+

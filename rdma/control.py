@@ -1,0 +1,167 @@
+"""The consumer's control plane: donor discovery and map/unmap over MQTT.
+
+A background thread runs an asyncio loop with one :class:`nodesvc.bus.Bus`.
+It follows every node's retained ``state`` (Last Will: ``offline``),
+``telemetry`` (the ``donor`` section) and ``events`` (evictions addressed to
+this consumer), and sends commands to donors, matching replies by id.  The
+synchronous :meth:`call` is what RemoteMemory uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from nodesvc import messages
+from nodesvc.bus import Bus
+from rdma.placement import DonorView
+
+log = logging.getLogger("dlshare.rdma.control")
+
+
+class CommandError(RuntimeError):
+    """A donor answered a command with an error."""
+
+
+class ControlPlane:
+    def __init__(self, broker: str, consumer_id: str,
+                 on_offline: Callable[[str], None] | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self.broker = broker
+        self.consumer_id = messages.check_id(consumer_id, "consumer id")
+        self.on_offline = on_offline
+        self.on_event = on_event
+        self._donors: dict[str, DonorView] = {}
+        self._online: dict[str, bool] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._loop = asyncio.new_event_loop()
+        self._ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, name=f"rdma-control-{consumer_id}", daemon=True)
+        self._thread.start()
+        self._ready.result(timeout=30)
+
+    # --- thread and bus ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        subs = [(f"{messages.PREFIX}/node/+/state", 1), (f"{messages.PREFIX}/node/+/telemetry", 0),
+                (f"{messages.PREFIX}/node/+/events", 1), (f"{messages.PREFIX}/node/+/reply", 1)]
+        self.bus = Bus(self.broker, f"dlshare-rdma-{self.consumer_id}", subs, self._on_message)
+        task = asyncio.create_task(self.bus.run(self._stop))
+        try:
+            await asyncio.wait_for(self.bus.connected.wait(), timeout=20)
+            self._ready.set_result(True)
+        except Exception as exc:  # noqa: BLE001 - handed to the constructor
+            self._ready.set_exception(ConnectionError(f"cannot reach broker {self.broker}: {exc!r}"))
+            self._stop.set()
+        await task
+
+    async def _on_message(self, topic: str, payload: bytes) -> None:
+        try:
+            kind, node, leaf = messages.parse_topic(topic)
+        except messages.PayloadError:
+            return
+        if kind != "node":
+            return
+        try:
+            body = messages.decode(payload)
+        except messages.PayloadError as exc:
+            log.debug("ignoring bad payload on %s: %s", topic, exc)
+            return
+        if leaf == "reply":
+            fut = self._pending.pop(str(body.get("id")), None)
+            if fut is not None and not fut.done():
+                fut.set_result(body)
+        elif leaf == "state":
+            online = body.get("status") == "online"
+            with self._changed:
+                was = self._online.get(node)
+                self._online[node] = online
+                if node in self._donors:
+                    d = self._donors[node]
+                    self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, d.free_slabs, online, d.provider)
+                self._changed.notify_all()
+            if was and not online and self.on_offline:
+                await asyncio.to_thread(self.on_offline, node)
+        elif leaf == "telemetry":
+            donor = body.get("donor")
+            if not isinstance(donor, dict) or not donor.get("enabled"):
+                return
+            try:
+                view = DonorView(node, str(donor["addr"]), int(donor["slab_bytes"]), int(donor["free_slabs"]),
+                                 self._online.get(node, True), str(donor.get("provider", "tcp")))
+            except (KeyError, TypeError, ValueError):
+                return
+            with self._changed:
+                self._donors[node] = view
+                self._changed.notify_all()
+        elif leaf == "events":
+            if body.get("consumer") == self.consumer_id and self.on_event:
+                await asyncio.to_thread(self.on_event, node, body)
+
+    # --- API (any thread) ----------------------------------------------------------------
+
+    def donors(self) -> dict[str, DonorView]:
+        with self._lock:
+            return dict(self._donors)
+
+    def wait_donors(self, n: int, timeout: float) -> dict[str, DonorView]:
+        """Block until at least ``n`` online donors are known (or the timeout passes)."""
+        with self._changed:
+            self._changed.wait_for(lambda: sum(d.online for d in self._donors.values()) >= n, timeout=timeout)
+            return dict(self._donors)
+
+    def note_mapped(self, node: str) -> None:
+        """Count a slab we just mapped until the donor's next telemetry says so."""
+        with self._lock:
+            d = self._donors.get(node)
+            if d:
+                self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, max(0, d.free_slabs - 1), d.online,
+                                               d.provider)
+
+    def mark_offline(self, node: str) -> None:
+        with self._lock:
+            d = self._donors.get(node)
+            if d:
+                self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, d.free_slabs, False, d.provider)
+
+    async def _call(self, node: str, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        cid = f"{self.consumer_id}-{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+        fut = self._loop.create_future()
+        self._pending[cid] = fut
+        try:
+            if not await self.bus.publish(messages.node_topic(node, "cmd"), messages.command(op, cid, **args), qos=1):
+                raise ConnectionError("broker not connected")
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(cid, None)
+
+    def call(self, node: str, op: str, args: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        reply = asyncio.run_coroutine_threadsafe(self._call(node, op, args, timeout), self._loop).result(timeout + 5)
+        if not reply.get("ok"):
+            raise CommandError(f"{node} {op}: {reply.get('error')}")
+        return reply.get("result") or {}
+
+    def call_nowait(self, node: str, op: str, args: dict[str, Any]) -> None:
+        """Fire a command without waiting for its reply (best effort, e.g. unmap on free)."""
+        cid = f"{self.consumer_id}-{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+        asyncio.run_coroutine_threadsafe(
+            self.bus.publish(messages.node_topic(node, "cmd"), messages.command(op, cid, **args), qos=1), self._loop)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)

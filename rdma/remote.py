@@ -1,0 +1,362 @@
+"""RemoteMemory: replicated remote memory on donors found over MQTT.
+
+``RemoteMemory(broker=URL, replicas=2).alloc(nbytes)`` maps ``replicas``
+slabs per extent on different donors, chosen by power of two choices over the
+free slabs the donors advertise.  A donor lost (its Last Will, an I/O error, a
+bad checksum, or an eviction) loses one copy: reads fail over at once and a
+background thread maps a new slab elsewhere and copies the data from a
+surviving copy.  An evicted slab whose extent has another live copy is handed
+back at once (the ack the donor waits for); a sole copy is moved first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from rdma.buffer import EVICTING, LIVE, LOST, REBUILDING, DataLostError, Extent, RemoteBuffer, Replica
+from rdma.control import CommandError, ControlPlane
+from rdma.native_mem import Endpoint, RemoteMemoryError
+from rdma.placement import NoDonorError, choose_one
+
+log = logging.getLogger("dlshare.rdma")
+
+COPY_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short enough not to stall writers
+
+
+class RemoteMemory:
+    def __init__(self, broker: str, replicas: int = 2, consumer_id: str | None = None, checksums: bool = True,
+                 page_size: int = 4096, io_timeout_s: float = 5.0, discover_timeout_s: float = 15.0,
+                 seed: int | None = None) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        self.replicas = replicas
+        self.checksums = checksums
+        self.page_size = page_size
+        self.io_timeout_ms = int(io_timeout_s * 1000)
+        self.consumer_id = consumer_id or f"mem-{uuid.uuid4().hex[:12]}"
+        self.rng = random.Random(seed)
+        self.stats: dict[str, int] = {"failover_reads": 0, "replicas_lost": 0, "replicas_rebuilt": 0,
+                                      "evictions": 0, "bytes_copied": 0}
+        self._eps: dict[str, Endpoint] = {}
+        self._ep_lock = threading.Lock()
+        self._dead_nodes: set[str] = set()
+        self._state_lock = threading.Lock()
+        self._buffers: "weakref.WeakSet[RemoteBuffer]" = weakref.WeakSet()
+        self._repairs: "queue.Queue[tuple[RemoteBuffer, Extent] | None]" = queue.Queue()
+        self._writers = ThreadPoolExecutor(max_workers=max(2, replicas), thread_name_prefix="rdma-write")
+        self.control = ControlPlane(broker, self.consumer_id, on_offline=self._donor_offline,
+                                    on_event=self._donor_event)
+        self.control.wait_donors(replicas, discover_timeout_s)
+        self._closed = False
+        self._repair_thread = threading.Thread(target=self._repair_loop, name="rdma-repair", daemon=True)
+        self._repair_thread.start()
+
+    # --- allocation ----------------------------------------------------------------------
+
+    def donors(self):
+        return self.control.donors()
+
+    def alloc(self, nbytes: int) -> RemoteBuffer:
+        """Map enough slabs for ``nbytes`` (rounded up to pages), ``replicas`` copies each."""
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        P = self.page_size
+        total_pages = -(-nbytes // P)
+        extents: list[Extent] = []
+        page = 0
+        try:
+            while page < total_pages:
+                reps: list[Replica] = []
+                want = (total_pages - page) * P
+                for _ in range(self.replicas):
+                    min_bytes = min((r.slab_bytes for r in reps), default=P)
+                    reps.append(self._map_slab(exclude={r.node for r in reps}, min_slab_bytes=min_bytes))
+                ext_bytes = min(min(r.slab_bytes for r in reps), want)
+                ext = Extent(len(extents), page, ext_bytes // P, reps)
+                extents.append(ext)
+                page += ext.npages
+        except BaseException:
+            for ext in extents:
+                for r in ext.replicas:
+                    self._unmap(r)
+            raise
+        # a partial last extent's replicas were mapped before their length was known
+        for ext in extents:
+            for r in ext.replicas:
+                if r.slab_bytes < ext.npages * P:  # pragma: no cover - guarded by min_slab_bytes
+                    raise RuntimeError("slab smaller than its extent")
+        buf = RemoteBuffer(self, nbytes, P, extents, self.checksums)
+        self._buffers.add(buf)
+        return buf
+
+    def _map_slab(self, exclude: set[str], min_slab_bytes: int) -> Replica:
+        failed: set[str] = set()
+        while True:
+            donors = self.control.donors()
+            for n in self._dead_nodes:
+                if n in donors:
+                    failed.add(n)
+            try:
+                node = choose_one(donors, exclude | failed, self.rng, min_slab_bytes)
+            except NoDonorError as exc:
+                raise MemoryError(f"cannot place a slab: {exc}") from None
+            try:
+                res = self.control.call(node, "map", {"consumer": self.consumer_id}, timeout=10)
+            except (CommandError, TimeoutError, ConnectionError) as exc:
+                log.info("map on %s refused: %s", node, exc)
+                failed.add(node)
+                continue
+            self.control.note_mapped(node)
+            return Replica(node, str(res["addr"]), int(res["slab"]), bytes.fromhex(res["token"]),
+                           int(res["slab_bytes"]))
+
+    def _unmap(self, rep: Replica, wait: bool = True) -> None:
+        args = {"slab": rep.slab, "token": rep.token.hex()}
+        try:
+            if wait:
+                self.control.call(rep.node, "unmap", args, timeout=5)
+            else:
+                self.control.call_nowait(rep.node, "unmap", args)
+        except Exception as exc:  # noqa: BLE001 - a dead donor has nothing to give back
+            log.info("unmap of slab %d on %s: %s", rep.slab, rep.node, exc)
+
+    def _release_buffer(self, buf: RemoteBuffer) -> None:
+        for ext in buf.extents:
+            with ext.lock:
+                reps, ext.replicas = list(ext.replicas), []
+            for r in reps:
+                if r.state != LOST and r.node not in self._dead_nodes:
+                    self._unmap(r)
+        self._buffers.discard(buf)
+
+    # --- data path helpers -----------------------------------------------------------------
+
+    def _endpoint(self, rep: Replica) -> Endpoint:
+        with self._ep_lock:
+            ep = self._eps.get(rep.addr)
+            if ep is not None and not ep.broken:
+                return ep
+            if ep is not None:
+                ep.close()
+            host, _, port = rep.addr.rpartition(":")
+            ep = Endpoint(host, int(port), timeout_ms=self.io_timeout_ms)
+            self._eps[rep.addr] = ep
+            return ep
+
+    def _write_all(self, targets: list[Replica], offs, lens, src, checksums: bool) -> list[Any]:
+        def one(rep: Replica):
+            try:
+                return self._endpoint(rep).write(rep.slab, rep.token, offs, lens, src, crc=checksums)
+            except (RemoteMemoryError, ConnectionError) as exc:
+                return exc
+
+        if len(targets) == 1 or len(src) < (256 << 10):
+            return [one(r) for r in targets]
+        return list(self._writers.map(one, targets))
+
+    def _mark(self, rep: Replica, state: str) -> str | None:
+        """Change a replica's state; returns the old one (None when it was already LOST).
+
+        Only a short private lock is taken, never an extent lock, so that loss
+        can be signalled from any thread, including one inside an extent lock.
+        The repair thread drops LOST replicas from their extents."""
+        with self._state_lock:
+            if rep.state == LOST:
+                return None
+            old, rep.state = rep.state, state
+            return old
+
+    def _replica_failed(self, buf: RemoteBuffer, ext: Extent, rep: Replica, exc: BaseException) -> None:
+        was = self._mark(rep, LOST)
+        if was is None:
+            return
+        if was != REBUILDING:
+            self.stats["replicas_lost"] += 1
+        log.warning("lost copy of extent %d on %s (slab %d): %s", ext.index, rep.node, rep.slab, exc)
+        code = getattr(exc, "code", None)
+        if code in (-2, -3, -6) or isinstance(exc, ConnectionError):
+            self._suspect(rep.node)
+        elif rep.node not in self._dead_nodes:
+            self._unmap(rep, wait=False)  # the donor is alive: give the bad slab back
+        self._repairs.put((buf, ext))
+
+    def _suspect(self, node: str) -> None:
+        """An I/O error: treat the donor as gone unless it answers a ping."""
+        addr = self.control.donors().get(node)
+        ok = False
+        if addr is not None:
+            try:
+                host, _, port = addr.addr.rpartition(":")
+                with Endpoint(host, int(port), timeout_ms=1000) as ep:
+                    ep.ping()
+                ok = True
+            except (RemoteMemoryError, ConnectionError, OSError):
+                ok = False
+        if not ok:
+            self._donor_offline(node)
+
+    # --- donor loss and eviction (called from the control thread or I/O paths) -------------
+
+    def _donor_offline(self, node: str) -> None:
+        if node in self._dead_nodes:
+            return
+        self._dead_nodes.add(node)
+        self.control.mark_offline(node)
+        log.warning("donor %s lost: failing over its copies", node)
+        for buf in list(self._buffers):
+            for ext in buf.extents:
+                hit = False
+                for r in list(ext.replicas):
+                    if r.node == node:
+                        was = self._mark(r, LOST)
+                        if was is not None:
+                            hit = True
+                            if was != REBUILDING:
+                                self.stats["replicas_lost"] += 1
+                if hit:
+                    self._repairs.put((buf, ext))
+
+    def _donor_event(self, node: str, body: dict[str, Any]) -> None:
+        event, slab = body.get("event"), body.get("slab")
+        for buf in list(self._buffers):
+            for ext in buf.extents:
+                rep = next((r for r in list(ext.replicas) if r.node == node and r.slab == slab), None)
+                if rep is None:
+                    continue
+                if event == "evict":
+                    self.stats["evictions"] += 1
+                    others = [r for r in list(ext.replicas) if r is not rep and r.state == LIVE]
+                    if others or rep.state == REBUILDING:
+                        # another copy holds the data: hand this one back now, rebuild in the background
+                        if self._mark(rep, LOST) is not None:
+                            self._unmap(rep, wait=False)
+                    else:
+                        with self._state_lock:
+                            if rep.state == LIVE:
+                                rep.state = EVICTING  # the sole copy: move it first, then hand it back
+                elif event == "revoked":
+                    self._mark(rep, LOST)
+                else:
+                    return
+                self._repairs.put((buf, ext))
+                return
+
+    # --- rebuild ---------------------------------------------------------------------------
+
+    def _repair_loop(self) -> None:
+        while True:
+            item = self._repairs.get()
+            if item is None:
+                return
+            buf, ext = item
+            if buf.freed:
+                continue
+            try:
+                done = self._repair(buf, ext)
+            except Exception:  # the repairer must survive anything one extent throws
+                log.exception("repair of extent %d failed", ext.index)
+                done = False
+            if not done and not self._closed:
+                threading.Timer(0.5, self._repairs.put, args=((buf, ext),)).start()
+
+    def _repair(self, buf: RemoteBuffer, ext: Extent) -> bool:
+        """Bring ext back to ``replicas`` live copies; True when done (or nothing to do)."""
+        while not buf.freed:
+            with ext.lock:
+                ext.replicas = [r for r in ext.replicas if r.state != LOST]
+                live = [r for r in ext.replicas if r.state == LIVE]
+                evicting = [r for r in ext.replicas if r.state == EVICTING]
+                if len(live) >= self.replicas:
+                    for r in evicting:
+                        if self._mark(r, LOST) is not None:
+                            self._unmap(r, wait=False)
+                    ext.replicas = [r for r in ext.replicas if r.state != LOST]
+                    return True
+                if not live and not evicting:
+                    log.error("extent %d of a buffer has no copy left: its data is lost", ext.index)
+                    return True
+                exclude = {r.node for r in ext.replicas} | self._dead_nodes
+            try:
+                new = self._map_slab(exclude, ext.npages * buf.page)
+            except MemoryError as exc:
+                log.warning("cannot rebuild extent %d yet: %s", ext.index, exc)
+                return False
+            new.state = REBUILDING
+            with ext.lock:
+                ext.replicas.append(new)  # from now on writes reach it too
+            if not self._copy_into(buf, ext, new):
+                with ext.lock:
+                    if new in ext.replicas:
+                        ext.replicas.remove(new)
+                self._unmap(new, wait=False)
+                return False
+            with ext.lock, self._state_lock:
+                if new.state == REBUILDING and new in ext.replicas:
+                    new.state = LIVE
+                    self.stats["replicas_rebuilt"] += 1
+                    log.info("extent %d rebuilt on %s (slab %d)", ext.index, new.node, new.slab)
+        return True
+
+    def _copy_into(self, buf: RemoteBuffer, ext: Extent, new: Replica) -> bool:
+        P = buf.page
+        chunk_pages = COPY_CHUNK // P
+        tmp = np.empty(chunk_pages * P, dtype=np.uint8)
+        for p in range(0, ext.npages, chunk_pages):
+            n = min(chunk_pages, ext.npages - p)
+            pages = np.arange(ext.first_page + p, ext.first_page + p + n, dtype=np.int64)
+            offs, lens = buf._segments(ext, pages)
+            with ext.lock:  # no write may land between our read and our write of this chunk
+                if new.state != REBUILDING:
+                    return False
+                try:
+                    buf._read_extent(ext, pages, offs, lens, tmp[: n * P], locked=True)
+                except DataLostError:
+                    return False
+                try:
+                    self._endpoint(new).write(new.slab, new.token, offs, lens, tmp[: n * P], crc=buf.checksums)
+                except (RemoteMemoryError, ConnectionError) as exc:
+                    log.warning("rebuild target %s failed: %s", new.node, exc)
+                    return False
+            self.stats["bytes_copied"] += n * P
+        return True
+
+    def wait_healthy(self, buf: RemoteBuffer, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if buf.healthy():
+                return True
+            time.sleep(0.05)
+        return buf.healthy()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for buf in list(self._buffers):
+            buf.free()
+        self._closed = True
+        self._repairs.put(None)
+        self._repair_thread.join(5)
+        self.control.close()
+        self._writers.shutdown(wait=False)
+        with self._ep_lock:
+            for ep in self._eps.values():
+                ep.close()
+            self._eps.clear()
+
+    def __enter__(self) -> "RemoteMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
