@@ -1,0 +1,158 @@
+"""The donor extension in-process: commands, telemetry and the reclaim shell, with a fake clock and pressure."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nodesvc import config, messages
+from nodesvc.donor import DonorExtension, read_pressure
+from nodesvc.extension import NodeContext
+from rdma import wire
+from rdma.native_mem import Endpoint, RemoteMemoryError
+
+MIB = 1 << 20
+
+
+class Fake:
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.avail = 1 << 30
+        self.psi: float | None = 0.0
+        self.published: list[tuple[str, dict]] = []
+
+    def clock(self) -> float:
+        return self.t
+
+    def pressure(self):
+        return self.avail, self.psi
+
+    async def publish(self, topic, payload, qos=0, retain=False):
+        self.published.append((topic, json.loads(payload)))
+        return True
+
+
+@pytest.fixture
+async def donor():
+    fake = Fake()
+    cfg = config.load(env={}, flags={"donor": {"slab_bytes": MIB, "headroom_bytes": 256 * MIB, "max_slabs": 8,
+                                               "reclaim_deadline_s": 1.0}})
+    ext = DonorExtension(cfg, pressure=fake.pressure, clock=fake.clock)
+    ctx = NodeContext("n1", cfg, fake.publish)
+    ctx.promised_bytes = lambda: 128 * MIB  # what the daemon will offer
+    await ext.start(ctx)
+    ext._task.cancel()  # the test drives sampling itself
+    yield ext, fake
+    await ext.stop()
+
+
+async def test_map_write_read_unmap(donor):
+    ext, fake = donor
+    res = await ext.cmd_map({"consumer": "c1"})
+    assert res["slab_bytes"] == MIB and len(bytes.fromhex(res["token"])) == 16
+    host, _, port = res["addr"].rpartition(":")
+    tok = bytes.fromhex(res["token"])
+    with Endpoint(host, int(port)) as ep:
+        ep.write(res["slab"], tok, [0], [5], b"hello")
+        out = np.zeros(5, np.uint8)
+        ep.read(res["slab"], tok, [0], [5], out)
+        assert out.tobytes() == b"hello"
+        tel = ext.telemetry()
+        assert tel["lent_to"] == {"c1": MIB} and tel["lent_bytes"] == MIB
+        with pytest.raises(messages.PayloadError, match="wrong token"):
+            await ext.cmd_unmap({"slab": res["slab"], "token": "00" * 16})
+        with pytest.raises(messages.PayloadError, match="wrong token"):
+            await ext.cmd_unmap({"slab": res["slab"], "token": "not hex"})
+        assert (await ext.cmd_unmap({"slab": res["slab"], "token": res["token"]}))["released"]
+        with pytest.raises(RemoteMemoryError) as ei:
+            ep.read(res["slab"], tok, [0], [5], out)
+        assert ei.value.code == wire.E_NOSLAB
+    assert ext.telemetry()["lent_bytes"] == 0
+
+
+async def test_lendable_accounts_headroom_and_promises(donor):
+    ext, fake = donor
+    fake.avail = 256 * MIB + 128 * MIB + 3 * MIB + 100  # headroom + promised + 3 slabs
+    tel = ext.telemetry()
+    assert tel["lendable_bytes"] == 3 * MIB + 100
+    assert tel["total_slabs"] == 3 and tel["free_slabs"] == 3
+    assert set(tel) >= {"enabled", "addr", "slab_bytes", "total_slabs", "free_slabs", "lent_bytes",
+                        "lendable_bytes", "reserved_unused_bytes", "lent_to"}
+    fake.avail = 256 * MIB
+    with pytest.raises(messages.PayloadError, match="no free slab"):
+        await ext.cmd_map({"consumer": "c1"})
+    assert ext.stats.refused_maps == 1
+
+
+async def test_max_slabs_caps_lending(donor):
+    ext, _ = donor
+    for _ in range(8):
+        await ext.cmd_map({"consumer": "c1"})
+    with pytest.raises(messages.PayloadError):
+        await ext.cmd_map({"consumer": "c1"})
+    assert ext.telemetry()["free_slabs"] == 0
+
+
+@pytest.mark.parametrize("args, msg", [({}, "missing"), ({"consumer": 5}, "must be str"),
+                                       ({"consumer": "a/b"}, "invalid consumer")])
+async def test_bad_map_arguments(donor, args, msg):
+    ext, _ = donor
+    with pytest.raises(messages.PayloadError, match=msg):
+        await ext.cmd_map(args)
+
+
+async def test_pressure_evicts_lru_notifies_then_unmaps_at_deadline(donor):
+    ext, fake = donor
+    a = await ext.cmd_map({"consumer": "c1"})
+    b = await ext.cmd_map({"consumer": "c2"})
+    host, _, port = a["addr"].rpartition(":")
+    with Endpoint(host, int(port)) as ep:  # touch a so that b is the least recently used
+        ep.write(b["slab"], bytes.fromhex(b["token"]), [0], [4], b"bbbb")
+        ep.write(a["slab"], bytes.fromhex(a["token"]), [0], [4], b"aaaa")
+    fake.t += 1.0  # the accesses above happened after the leases began
+    fake.avail = 256 * MIB - 1  # under the headroom by one byte: one slab must go
+    await ext._execute(ext.sample())
+    events = [p for t, p in fake.published if t == "dlshare/v1/node/n1/events"]
+    assert [(e["event"], e["slab"], e["consumer"]) for e in events] == [("evict", b["slab"], "c2")]
+    assert events[0]["deadline_s"] == 1.0 and events[0]["schema"] == 1
+    assert ext.telemetry()["evicting"] == [b["slab"]]
+    fake.t += 1.5  # the consumer never answers
+    await ext._execute(ext.sample())
+    events = [p for t, p in fake.published if t == "dlshare/v1/node/n1/events"]
+    assert events[-1]["event"] == "revoked" and events[-1]["slab"] == b["slab"]
+    assert b["slab"] not in ext.leases and a["slab"] in ext.leases
+    assert ext.stats.forced_unmaps == 1 and ext.stats.last_reclaim_s == pytest.approx(1.5)
+
+
+async def test_reclaim_command_and_consumer_ack(donor):
+    ext, fake = donor
+    a = await ext.cmd_map({"consumer": "c1"})
+    res = await ext.cmd_reclaim({"bytes": 1})
+    assert res == {"evicting": [a["slab"]]}
+    fake.t += 0.2
+    await ext.cmd_unmap({"slab": a["slab"], "token": a["token"]})  # the consumer's ack
+    assert ext.stats.last_reclaim_s == pytest.approx(0.2) and ext.stats.forced_unmaps == 0
+    with pytest.raises(messages.PayloadError):
+        await ext.cmd_reclaim({"bytes": -1})
+
+
+async def test_status_command(donor):
+    ext, _ = donor
+    await ext.cmd_map({"consumer": "c1"})
+    st = await ext.cmd_status({})
+    assert len(st["slabs"]) == 1 and st["slabs"][0]["consumer"] == "c1"
+    assert "requests" in st["server"] and st["stats"]["maps"] == 1
+
+
+def test_read_pressure_reads_the_real_system():
+    avail, psi = read_pressure()
+    assert avail > 0
+    assert psi is None or psi >= 0.0
+
+
+def test_slab_bytes_must_be_page_multiple():
+    cfg = config.load(env={}, flags={"donor": {"slab_bytes": 1000}})
+    with pytest.raises(config.ConfigError):
+        DonorExtension(cfg)
