@@ -166,7 +166,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         env = {"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)}
         if lend:
             argv.append("--lend")
-            env["DLSHARE_DONOR_LISTEN"] = f"{addr}:0"
+            env["DLSHARE_DONOR_LISTEN"] = addr  # the slab server listens on this host's own address
         st.spawn(nid, argv, env=env, prefix=st.net.prefix(nid) if st.net else [])
         st.node_ids.append(nid)
         st.node_addrs[nid] = addr
