@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,7 +111,14 @@ class DonorExtension:
     def __init__(self, cfg: dict[str, dict[str, Any]],
                  pressure: Callable[[], tuple[int, float | None]] = read_pressure,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        d = cfg["donor"]
+        if "donor" not in cfg:
+            # The config was loaded before this module registered its section (the
+            # daemon imports it lazily): read the section again from the same layers
+            # that can be reached from here (DLSHARE_CONFIG file and environment).
+            log.warning("config has no [donor] section yet; reading it from DLSHARE_CONFIG and the environment")
+            d = config.load(env=os.environ)["donor"]
+        else:
+            d = cfg["donor"]
         self.cfg = d
         self.slab_bytes = int(d["slab_bytes"])
         if self.slab_bytes <= 0 or self.slab_bytes % 4096:
@@ -129,6 +137,7 @@ class DonorExtension:
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self.addr = ""
+        self.paused_until = float("-inf")
 
     # --- NodeExtension -------------------------------------------------------------------
 
@@ -197,6 +206,8 @@ class DonorExtension:
         return max(0, avail - self.headroom - self._ctx_bytes("promised_bytes"))
 
     def _slabs_available(self, lendable: int) -> int:
+        if self.clock() < self.paused_until:
+            return 0
         return max(0, min(self.max_slabs - len(self.leases), lendable // self.slab_bytes))
 
     # --- commands ------------------------------------------------------------------------
@@ -250,9 +261,15 @@ class DonorExtension:
         return {"slab": slab, "released": True}
 
     async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Take ``bytes`` back now; ``pause_s`` also stops lending for that long (a drain)."""
         nbytes = messages.arg(args, "bytes", int, required=False, default=self.slab_bytes)
+        pause = messages.arg(args, "pause_s", float, required=False, default=0.0)
         if nbytes <= 0:
             raise PayloadError("'bytes' must be positive")
+        if pause < 0:
+            raise PayloadError("'pause_s' must not be negative")
+        if pause:
+            self.paused_until = max(self.paused_until, self.clock() + pause)
         decisions = self.core.handle(ReclaimRequested(self._sid("reclaim"), self.clock(), nbytes))
         await self._execute(decisions)
         return {"evicting": [d.slab for d in decisions if isinstance(d, NotifyEvict)]}
