@@ -213,28 +213,44 @@ class DonorExtension:
     # --- commands ------------------------------------------------------------------------
 
     async def cmd_map(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Lend ``count`` slabs (default 1) to ``consumer``: all of them or none."""
         from rdma.native_mem import Region, random_token
 
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
+        count = messages.arg(args, "count", int, required=False, default=1)
+        if not 1 <= count <= 1024:
+            raise PayloadError("'count' must be between 1 and 1024")
+        granted: list[tuple[int, bytes, Any]] = []
         async with self._lock:
-            if self._slabs_available(self.lendable_bytes()) < 1:
+            available = self._slabs_available(self.lendable_bytes())
+            if available < count:
                 self.stats.refused_maps += 1
-                raise PayloadError("no free slab: this node has no lendable memory left")
-            slab = self._next_slab_id()
-            region = Region(self.slab_bytes, huge=bool(self.cfg["hugepages"]), lock=bool(self.cfg["mlock"]))
-            token = random_token()
+                raise PayloadError(f"no free slab: {count} asked, {available} lendable on this node")
             try:
-                self.server.add_slab(slab, region, token, self.slab_bytes)
+                for _ in range(count):
+                    slab = self._next_slab_id()
+                    region = Region(self.slab_bytes, huge=bool(self.cfg["hugepages"]), lock=bool(self.cfg["mlock"]))
+                    token = random_token()
+                    try:
+                        self.server.add_slab(slab, region, token, self.slab_bytes)
+                    except Exception:
+                        region.release()
+                        raise
+                    self.leases[slab] = Lease(slab, consumer, token, region, self.slab_bytes, self.clock())
+                    granted.append((slab, token, region))
             except Exception:
-                region.release()
+                for slab, _, _ in granted:
+                    self._release(slab, "map failed", count_unmap=False)
                 raise
-            self.leases[slab] = Lease(slab, consumer, token, region, self.slab_bytes, self.clock())
-            self.stats.maps += 1
-            self.core.handle(SlabLent(self._sid("map"), self.clock(), slab, consumer, self.slab_bytes))
+            for slab, _, _ in granted:
+                self.stats.maps += 1
+                self.core.handle(SlabLent(self._sid("map"), self.clock(), slab, consumer, self.slab_bytes))
+        region = granted[0][2]
         if region.reason:
-            log.warning("slab %d: %s", slab, region.reason)
-        return {"addr": self.addr, "provider": self.cfg["provider"], "slab": slab, "token": token.hex(),
-                "slab_bytes": self.slab_bytes, "huge": region.huge, "locked": region.locked}
+            log.warning("slabs of %s: %s", consumer, region.reason)
+        slabs = [{"slab": slab, "token": token.hex()} for slab, token, _ in granted]
+        return {"addr": self.addr, "provider": self.cfg["provider"], "slab_bytes": self.slab_bytes,
+                "huge": region.huge, "locked": region.locked, "slabs": slabs, **slabs[0]}
 
     def _next_slab_id(self) -> int:
         from rdma.native_mem import lib
@@ -246,19 +262,30 @@ class DonorExtension:
         raise PayloadError("slab ids exhausted")
 
     async def cmd_unmap(self, args: dict[str, Any]) -> dict[str, Any]:
-        slab = messages.arg(args, "slab", int)
-        token = messages.arg(args, "token", str)
-        lease = self.leases.get(slab)
-        if lease is None:
-            raise PayloadError(f"slab {slab} is not lent")
-        try:
-            ok = bytes.fromhex(token) == lease.token
-        except ValueError:
-            ok = False
-        if not ok:
-            raise PayloadError(f"wrong token for slab {slab}")
-        self._release(slab, "returned by consumer")
-        return {"slab": slab, "released": True}
+        """Take back ``slab`` (with its ``token``), or each of ``slabs: [{slab, token}, ...]``."""
+        if "slabs" in args:
+            items = messages.arg(args, "slabs", list)
+            if not all(isinstance(x, dict) for x in items):
+                raise PayloadError("'slabs' must be a list of {slab, token} objects")
+        else:
+            items = [args]
+        checked = []
+        for item in items:
+            slab = messages.arg(item, "slab", int)
+            token = messages.arg(item, "token", str)
+            lease = self.leases.get(slab)
+            if lease is None:
+                raise PayloadError(f"slab {slab} is not lent")
+            try:
+                ok = bytes.fromhex(token) == lease.token
+            except ValueError:
+                ok = False
+            if not ok:
+                raise PayloadError(f"wrong token for slab {slab}")
+            checked.append(slab)
+        for slab in checked:  # all were valid: release them all
+            self._release(slab, "returned by consumer")
+        return {"released": checked, "slab": checked[0] if len(checked) == 1 else None}
 
     async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
         """Take ``bytes`` back now; ``pause_s`` also stops lending for that long (a drain)."""
@@ -289,13 +316,13 @@ class DonorExtension:
     def _sid(self, what: str) -> str:
         return f"{what}-{next(self._ids)}"
 
-    def _release(self, slab: int, why: str) -> None:
+    def _release(self, slab: int, why: str, count_unmap: bool = True) -> None:
         lease = self.leases.pop(slab, None)
         if lease is None:
             return
         self.server.remove_slab(slab)  # waits until no request touches it
         lease.region.release()         # munmap: the memory goes back to the OS now
-        self.stats.unmaps += 1
+        self.stats.unmaps += count_unmap
         started = self.stats.reclaim_started.pop(slab, None)
         if started is not None:
             self.stats.last_reclaim_s = self.clock() - started

@@ -68,6 +68,9 @@ async def run(node: str, broker: str, cfg: dict[str, dict[str, Any]], interval: 
         await bus.publish(messages.node_topic(node, "reply"), body, qos=1)
 
     async def on_connect(b: Bus) -> None:
+        from rdma.control import set_no_delay
+
+        set_no_delay(b)
         await b.publish(state_t, messages.encode({"status": "online", "node": node, "pid": os.getpid(),
                                                   "lend": True}), qos=1, retain=True)
 

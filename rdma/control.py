@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,20 @@ log = logging.getLogger("dlshare.rdma.control")
 
 class CommandError(RuntimeError):
     """A donor answered a command with an error."""
+
+
+def set_no_delay(bus: Bus) -> None:
+    """Turn Nagle off on the bus socket: paho-mqtt leaves it on, and a command and its
+    reply are small writes that otherwise each wait out a delayed ACK (~40 ms a hop)."""
+    try:
+        sock = bus.client._client.socket()  # type: ignore[union-attr]
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (AttributeError, OSError) as exc:  # a different client library: keep going
+        log.debug("cannot set TCP_NODELAY on the bus socket: %s", exc)
+
+
+async def _no_delay(bus: Bus) -> None:
+    set_no_delay(bus)
 
 
 class ControlPlane:
@@ -53,13 +68,18 @@ class ControlPlane:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._main())
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         subs = [(f"{messages.PREFIX}/node/+/state", 1), (f"{messages.PREFIX}/node/+/telemetry", 0),
                 (f"{messages.PREFIX}/node/+/events", 1), (f"{messages.PREFIX}/node/+/reply", 1)]
-        self.bus = Bus(self.broker, f"dlshare-rdma-{self.consumer_id}", subs, self._on_message)
+        self.bus = Bus(self.broker, f"dlshare-rdma-{self.consumer_id}", subs, self._on_message,
+                       on_connect=_no_delay)
         task = asyncio.create_task(self.bus.run(self._stop))
         try:
             await asyncio.wait_for(self.bus.connected.wait(), timeout=20)
@@ -124,12 +144,12 @@ class ControlPlane:
             self._changed.wait_for(lambda: sum(d.online for d in self._donors.values()) >= n, timeout=timeout)
             return dict(self._donors)
 
-    def note_mapped(self, node: str) -> None:
-        """Count a slab we just mapped until the donor's next telemetry says so."""
+    def note_mapped(self, node: str, count: int = 1) -> None:
+        """Count slabs we just mapped until the donor's next telemetry says so."""
         with self._lock:
             d = self._donors.get(node)
             if d:
-                self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, max(0, d.free_slabs - 1), d.online,
+                self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, max(0, d.free_slabs - count), d.online,
                                                d.provider)
 
     def mark_offline(self, node: str) -> None:
@@ -154,6 +174,22 @@ class ControlPlane:
         if not reply.get("ok"):
             raise CommandError(f"{node} {op}: {reply.get('error')}")
         return reply.get("result") or {}
+
+    def call_many(self, calls: list[tuple[str, str, dict[str, Any]]], timeout: float = 10.0) -> list[Any]:
+        """Send several commands at once; each result is the reply's result or a CommandError/TimeoutError."""
+        async def one(node, op, args):
+            try:
+                reply = await self._call(node, op, args, timeout)
+            except (TimeoutError, ConnectionError) as exc:
+                return exc
+            if not reply.get("ok"):
+                return CommandError(f"{node} {op}: {reply.get('error')}")
+            return reply.get("result") or {}
+
+        async def gather():
+            return await asyncio.gather(*(one(*c) for c in calls))
+
+        return asyncio.run_coroutine_threadsafe(gather(), self._loop).result(timeout + 5)
 
     def call_nowait(self, node: str, op: str, args: dict[str, Any]) -> None:
         """Fire a command without waiting for its reply (best effort, e.g. unmap on free)."""

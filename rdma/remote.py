@@ -26,7 +26,7 @@ import numpy as np
 from rdma.buffer import EVICTING, LIVE, LOST, REBUILDING, DataLostError, Extent, RemoteBuffer, Replica
 from rdma.control import CommandError, ControlPlane
 from rdma.native_mem import Endpoint, RemoteMemoryError
-from rdma.placement import NoDonorError, choose_one
+from rdma.placement import DonorView, NoDonorError, choose_one, place_replicas
 
 log = logging.getLogger("dlshare.rdma")
 
@@ -67,37 +67,85 @@ class RemoteMemory:
         return self.control.donors()
 
     def alloc(self, nbytes: int) -> RemoteBuffer:
-        """Map enough slabs for ``nbytes`` (rounded up to pages), ``replicas`` copies each."""
+        """Map enough slabs for ``nbytes`` (rounded up to pages), ``replicas`` copies each.
+
+        Placement is planned for every extent first (two choices per replica over
+        the advertised free slabs, counted down as the plan fills), then each
+        donor gets one batched ``map`` command, all donors at once.  Positions a
+        donor refuses are placed again one by one."""
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
         P = self.page_size
         total_pages = -(-nbytes // P)
+        view = {n: d for n, d in self.control.donors().items() if n not in self._dead_nodes}
+        plan: list[list[str]] = []
+        page = 0
+        while page < total_pages:
+            try:
+                nodes = place_replicas(view, self.replicas, self.rng)
+            except NoDonorError:
+                nodes = []
+            if not nodes:
+                break
+            for n in nodes:
+                d = view[n]
+                view[n] = DonorView(d.node, d.addr, d.slab_bytes, d.free_slabs - 1, d.online, d.provider)
+            plan.append(nodes)
+            page += min(view[n].slab_bytes for n in nodes) // P
+        want: dict[str, int] = {}
+        for nodes in plan:
+            for n in nodes:
+                want[n] = want.get(n, 0) + 1
+        granted: dict[str, list[Replica]] = {}
+        results = self.control.call_many([(n, "map", {"consumer": self.consumer_id, "count": k})
+                                          for n, k in want.items()])
+        for (n, k), res in zip(want.items(), results):
+            if isinstance(res, BaseException):
+                log.info("batched map of %d slabs on %s refused: %s", k, n, res)
+                granted[n] = []
+                continue
+            self.control.note_mapped(n, k)
+            granted[n] = [Replica(n, str(res["addr"]), int(x["slab"]), bytes.fromhex(x["token"]),
+                                  int(res["slab_bytes"])) for x in res["slabs"]]
         extents: list[Extent] = []
         page = 0
         try:
-            while page < total_pages:
+            for nodes in plan + [None] * total_pages:  # planned extents, then one by one if short
+                if page >= total_pages:
+                    break
                 reps: list[Replica] = []
-                want = (total_pages - page) * P
-                for _ in range(self.replicas):
+                for n in nodes or []:
+                    if granted.get(n):
+                        reps.append(granted[n].pop())
+                while len(reps) < self.replicas:
                     min_bytes = min((r.slab_bytes for r in reps), default=P)
                     reps.append(self._map_slab(exclude={r.node for r in reps}, min_slab_bytes=min_bytes))
-                ext_bytes = min(min(r.slab_bytes for r in reps), want)
-                ext = Extent(len(extents), page, ext_bytes // P, reps)
-                extents.append(ext)
-                page += ext.npages
+                ext_pages = min(min(r.slab_bytes for r in reps) // P, total_pages - page)
+                extents.append(Extent(len(extents), page, ext_pages, reps))
+                page += ext_pages
         except BaseException:
-            for ext in extents:
-                for r in ext.replicas:
-                    self._unmap(r)
+            self._unmap_many([r for e in extents for r in e.replicas] + [r for v in granted.values() for r in v])
             raise
-        # a partial last extent's replicas were mapped before their length was known
-        for ext in extents:
-            for r in ext.replicas:
-                if r.slab_bytes < ext.npages * P:  # pragma: no cover - guarded by min_slab_bytes
-                    raise RuntimeError("slab smaller than its extent")
+        leftover = [r for v in granted.values() for r in v]
+        if leftover:
+            self._unmap_many(leftover)
         buf = RemoteBuffer(self, nbytes, P, extents, self.checksums)
         self._buffers.add(buf)
         return buf
+
+    def _unmap_many(self, reps: list[Replica]) -> None:
+        """Give slabs back, one command per donor, all donors at once."""
+        by_node: dict[str, list[Replica]] = {}
+        for r in reps:
+            if r.node not in self._dead_nodes:
+                by_node.setdefault(r.node, []).append(r)
+        if not by_node:
+            return
+        calls = [(n, "unmap", {"slabs": [{"slab": r.slab, "token": r.token.hex()} for r in rs]})
+                 for n, rs in by_node.items()]
+        for (n, _, _), res in zip(calls, self.control.call_many(calls, timeout=5)):
+            if isinstance(res, BaseException):
+                log.info("unmap on %s: %s", n, res)
 
     def _map_slab(self, exclude: set[str], min_slab_bytes: int) -> Replica:
         failed: set[str] = set()
@@ -131,12 +179,14 @@ class RemoteMemory:
             log.info("unmap of slab %d on %s: %s", rep.slab, rep.node, exc)
 
     def _release_buffer(self, buf: RemoteBuffer) -> None:
+        reps: list[Replica] = []
         for ext in buf.extents:
             with ext.lock:
-                reps, ext.replicas = list(ext.replicas), []
-            for r in reps:
-                if r.state != LOST and r.node not in self._dead_nodes:
-                    self._unmap(r)
+                reps += [r for r in ext.replicas if r.state != LOST]
+                for r in ext.replicas:
+                    self._mark(r, LOST)
+                ext.replicas = []
+        self._unmap_many(reps)
         self._buffers.discard(buf)
 
     # --- data path helpers -----------------------------------------------------------------

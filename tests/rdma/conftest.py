@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from memhelpers import DonorProc, stop_proc
@@ -22,5 +24,7 @@ def donor_factory(tmp_path):
     for p in procs:
         if p.proc.poll() is None:
             p.proc.terminate()
+    deadline = time.monotonic() + 2.0
     for p in procs:
-        stop_proc(p.proc, timeout=1.5)
+        stop_proc(p.proc, timeout=max(0.1, deadline - time.monotonic()))
+        p.log.close()

@@ -65,7 +65,7 @@ async def test_map_write_read_unmap(donor):
             await ext.cmd_unmap({"slab": res["slab"], "token": "00" * 16})
         with pytest.raises(messages.PayloadError, match="wrong token"):
             await ext.cmd_unmap({"slab": res["slab"], "token": "not hex"})
-        assert (await ext.cmd_unmap({"slab": res["slab"], "token": res["token"]}))["released"]
+        assert (await ext.cmd_unmap({"slab": res["slab"], "token": res["token"]}))["released"] == [res["slab"]]
         with pytest.raises(RemoteMemoryError) as ei:
             ep.read(res["slab"], tok, [0], [5], out)
         assert ei.value.code == wire.E_NOSLAB
@@ -156,3 +156,20 @@ def test_slab_bytes_must_be_page_multiple():
     cfg = config.load(env={}, flags={"donor": {"slab_bytes": 1000}})
     with pytest.raises(config.ConfigError):
         DonorExtension(cfg)
+
+
+async def test_map_many_is_all_or_nothing_and_unmap_many(donor):
+    ext, fake = donor
+    res = await ext.cmd_map({"consumer": "c1", "count": 5})
+    assert len(res["slabs"]) == 5 and len({s["slab"] for s in res["slabs"]}) == 5
+    with pytest.raises(messages.PayloadError, match="4 asked, 3 lendable"):
+        await ext.cmd_map({"consumer": "c1", "count": 4})
+    assert len(ext.leases) == 5
+    bad = res["slabs"][:2] + [{"slab": res["slabs"][2]["slab"], "token": "00" * 16}]
+    with pytest.raises(messages.PayloadError, match="wrong token"):
+        await ext.cmd_unmap({"slabs": bad})
+    assert len(ext.leases) == 5  # nothing released by a partly bad request
+    out = await ext.cmd_unmap({"slabs": res["slabs"]})
+    assert sorted(out["released"]) == sorted(s["slab"] for s in res["slabs"]) and ext.leases == {}
+    with pytest.raises(messages.PayloadError):
+        await ext.cmd_map({"consumer": "c1", "count": 0})
