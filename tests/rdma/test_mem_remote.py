@@ -224,7 +224,7 @@ def test_donor_survives_bad_commands(mosquitto, donor_factory):
                               ("unmap", {"slab": 99999, "token": "00"}, "not lent"),
                               ("unmap", {"slab": "x", "token": "00"}, "must be int"),
                               ("reclaim", {"bytes": "lots"}, "must be int"),
-                              ("no_such_op", {}, "")]:
+                              ("no_such_op", {}, "no_such_op")]:
             with pytest.raises(CommandError, match=msg):
                 ctl.call("donor0", op, args, timeout=5)
         # raw garbage on the command topic
