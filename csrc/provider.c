@@ -59,3 +59,13 @@ void dls_ep_close(dls_ep *ep) {
     ep->p->close(ep->conn);
     free(ep);
 }
+
+int dls_ep_read1(dls_ep *ep, uint32_t slab, const uint8_t *token, uint64_t off, uint32_t len, uint8_t *buf,
+                 uint32_t flags, uint32_t *crc_out, int timeout_ms) {
+    uint32_t crc = 0;
+    dls_batch b = {.slab = slab, .token = token, .nseg = 1, .offs = &off, .lens = &len, .buf = buf,
+                   .flags = flags, .crcs = &crc, .timeout_ms = timeout_ms, .bad_seg = -1};
+    int rc = ep->p->read_batch(ep->conn, &b);
+    if (crc_out) *crc_out = crc;
+    return rc;
+}

@@ -45,6 +45,9 @@ int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len);
 int dls_ep_read(dls_ep *ep, dls_batch *b);
 int dls_ep_write(dls_ep *ep, dls_batch *b);
 int dls_ep_ping(dls_ep *ep, int timeout_ms);
+/* One segment, no arrays: the small-read fast path. */
+int dls_ep_read1(dls_ep *ep, uint32_t slab, const uint8_t *token, uint64_t off, uint32_t len, uint8_t *buf,
+                 uint32_t flags, uint32_t *crc_out, int timeout_ms);
 void dls_ep_close(dls_ep *ep);
 /* 1 when a provider of that name is compiled in. */
 int dls_provider_available(const char *name);

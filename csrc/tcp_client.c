@@ -8,6 +8,7 @@
  * blocks in C, so cffi has released the GIL while it waits. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,6 +48,7 @@ typedef struct tcp_conn {
     uint8_t *scratch; /* received bytes not consumed yet */
     size_t sb_off, sb_len;
     uint64_t sent_total, calls;
+    int rcv_timeout_ms; /* SO_RCVTIMEO as set */
 } tcp_conn;
 
 /* Per-call state of a batch in progress. */
@@ -114,6 +117,12 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    /* Blocking from here on: the pipelined path passes MSG_DONTWAIT and polls,
+     * while a lone small request sleeps in recv itself (one system call fewer
+     * on the latency path), bounded by SO_RCVTIMEO. */
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     tcp_conn *c = calloc(1, sizeof *c);
     if (c) {
         c->req = malloc(DLS_REQ_HDR_LEN + DLS_SEG_LEN * DLS_MAX_SEGS);
@@ -131,6 +140,7 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
     }
     c->fd = fd;
     c->next_id = 1;
+    c->rcv_timeout_ms = timeout_ms;
     pthread_mutex_init(&c->mu, NULL);
     return c;
 }
@@ -350,9 +360,35 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
     int rc = 0;
     for (;;) {
         /* after an error, issue nothing new: drain what is in flight */
-        if (!r->sending && r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW) build_request(r);
+        int built = 0;
+        if (!r->sending && r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW) {
+            build_request(r);
+            built = 1;
+        }
         if ((rc = pump_send(r)) < 0) break;
-        if ((rc = pump_recv(r)) < 0) break;
+        /* A request just went out whole and nothing is buffered: its response
+         * cannot be here yet, so wait in poll rather than try a recv first. */
+        int skip_recv = built && !r->sending && r->count == 1 && c->sb_len == c->sb_off &&
+                        !(r->status == DLS_OK && r->next_seg < b->nseg);
+        if (skip_recv && b->timeout_ms == c->rcv_timeout_ms) {
+            /* sleep in recv for the response (SO_RCVTIMEO bounds the wait) */
+            c->sb_off = c->sb_len = 0;
+            ssize_t n;
+            do {
+                n = recv(c->fd, c->scratch, SCRATCH, 0);
+            } while (n < 0 && errno == EINTR);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+                rc = DLS_E_IO;
+                break;
+            }
+            if (n < 0) {
+                rc = DLS_E_TIMEOUT;
+                break;
+            }
+            c->sb_len = (size_t)n;
+            skip_recv = 0;
+        }
+        if (!skip_recv && (rc = pump_recv(r)) < 0) break;
         int more = r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW;
         if (!r->sending && r->count == 0 && !more) break;
         if (more && !r->sending) continue;

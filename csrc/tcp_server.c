@@ -249,6 +249,7 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
         conn_close(w, c);
         return;
     }
+    int did_recv = 0;
     for (;;) {
         int more = process_input(s, c);
         int fr = flush_out(s, c);
@@ -266,6 +267,9 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
         }
         set_interest(w, c, 0);
         if (more) continue; /* parse the rest before reading more */
+        /* Everything read so far is served: level-triggered epoll reports the
+         * next bytes, so skip the recv that would most likely say EAGAIN. */
+        if (did_recv && c->inlen == 0) return;
         if (c->incap - c->inlen < 4096 && reserve(&c->in, &c->incap, c->inlen + READ_CHUNK)) {
             conn_close(w, c);
             return;
@@ -282,6 +286,7 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
             return;
         }
         c->inlen += (size_t)n;
+        did_recv = 1;
         ADD(&s->bytes_in, (uint64_t)n);
     }
     /* still busy: level-triggered epoll calls us again, after other connections */

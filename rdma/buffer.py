@@ -9,6 +9,7 @@ reads against it: end to end, not just on the wire.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,7 @@ class RemoteBuffer:
         self.npages = sum(e.npages for e in extents)
         self.checksums = checksums
         self._starts = np.array([e.first_page for e in extents], dtype=np.int64)
+        self._start_list = [e.first_page for e in extents]
         zero_crc = crc32c(bytes(page_size))  # fresh slabs are zero-filled mmaps
         self.page_crc = np.full(self.npages, zero_crc, dtype=np.uint32)
         self.freed = False
@@ -92,7 +94,14 @@ class RemoteBuffer:
         if n == 0:
             return dst
         p0, p1 = offset // self.page, (offset + n - 1) // self.page
-        if offset % self.page == 0 and n % self.page == 0:
+        if p0 == p1 and offset % self.page == 0 and n == self.page:
+            self._read_page(p0, dst)
+        elif p0 == p1:
+            tmp = np.empty(self.page, dtype=np.uint8)
+            self._read_page(p0, tmp)
+            s = offset - p0 * self.page
+            dst[:n] = tmp[s:s + n]
+        elif offset % self.page == 0 and n % self.page == 0:
             self._read_run(p0, p1 - p0 + 1, dst[:n])
         else:
             tmp = np.empty((p1 - p0 + 1) * self.page, dtype=np.uint8)
@@ -202,6 +211,20 @@ class RemoteBuffer:
 
     def _extents_of(self, p0: int, p1: int) -> list[Extent]:
         return self.extents[self._extent_index(p0): self._extent_index(p1) + 1]
+
+    def _read_page(self, p: int, dst: np.ndarray) -> None:
+        """One page: the small random read, kept short (one C call, one CRC compare)."""
+        ext = self.extents[bisect.bisect_right(self._start_list, p) - 1]
+        for rep in ext.readable():
+            try:
+                crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, (p - ext.first_page) * self.page,
+                                                       self.page, dst, crc=self.checksums)
+            except (RemoteMemoryError, ConnectionError):
+                break  # the general path below fails over and reports it
+            if not self.checksums or crc == self.page_crc[p]:
+                return
+            break
+        self._read_run(p, 1, dst[: self.page])
 
     def _read_run(self, p0: int, npages: int, dst: np.ndarray) -> None:
         self._gather(np.arange(p0, p0 + npages, dtype=np.int64), dst)

@@ -160,6 +160,7 @@ class Endpoint:
         self.host, self.port, self.provider = host, port, provider
         self.timeout_ms = timeout_ms
         self.broken = False
+        self._crc_out = ffi.new("uint32_t *")
 
     def _batch(self, slab: int, token: bytes, offs: np.ndarray, lens: np.ndarray, buf, crc: bool, crcs):
         b = ffi.new("dls_batch *")
@@ -201,6 +202,23 @@ class Endpoint:
         if len(buf) < need:
             raise ValueError(f"out holds {len(buf)} bytes, the segments {need}")
         return self._call(lib.dls_ep_read, slab, token, offsets, lengths, buf, crc, crcs, f"read slab {slab}")
+
+    def read_one(self, slab: int, token: bytes, offset: int, n: int, out, crc: bool = False) -> int:
+        """One segment into ``out`` with the least Python in the way; returns its CRC-32C
+        (0 without ``crc``).  ``out`` must hold at least ``n`` bytes."""
+        if self._ep is None:
+            raise RemoteMemoryError(wire.E_CLOSED, "read")
+        buf = ffi.from_buffer(out, require_writable=True)
+        if len(buf) < n:
+            raise ValueError(f"out holds {len(buf)} bytes, {n} asked")
+        crc_out = self._crc_out
+        rc = lib.dls_ep_read1(self._ep, slab, ffi.from_buffer(token), offset, n, ffi.cast("uint8_t *", buf),
+                              wire.F_CRC if crc else 0, crc_out, self.timeout_ms)
+        if rc:
+            if rc < 0 and rc != wire.E_ARG:
+                self.broken = True
+            raise RemoteMemoryError(rc, f"read slab {slab}")
+        return int(crc_out[0])
 
     def write(self, slab: int, token: bytes, offsets, lengths, data, crc: bool = False, crcs=None):
         """Write the segments, taken back to back from ``data``."""

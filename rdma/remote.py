@@ -192,6 +192,9 @@ class RemoteMemory:
     # --- data path helpers -----------------------------------------------------------------
 
     def _endpoint(self, rep: Replica) -> Endpoint:
+        ep = self._eps.get(rep.addr)
+        if ep is not None and not ep.broken:
+            return ep  # the common case, without the lock
         with self._ep_lock:
             ep = self._eps.get(rep.addr)
             if ep is not None and not ep.broken:
