@@ -10,6 +10,11 @@
 /* One batch: nseg segments (offs[i], lens[i]) of slab `slab`, laid out back to
  * back in `buf` (read: filled; write: taken).  With DLS_F_CRC in flags each
  * segment is CRC-32C checked end to end and its CRC stored in crcs[i]. */
+/* Client-side only (never sent): after a READ, store the CRC-32C of each received
+ * segment in crcs[i], computed here.  A consumer that knows what it wrote checks
+ * those against its own table, end to end, and the donor spends no CPU on it. */
+#define DLS_F_LOCAL_CRC 0x100u
+
 typedef struct dls_batch {
     uint32_t slab;
     const uint8_t *token;

@@ -230,6 +230,13 @@ static void finish_response(run *r) {
     dls_batch *b = r->b;
     if (r->resp.status != DLS_OK) {
         fail(r, r->resp.status);
+    } else if (pd->op == DLS_OP_READ && (b->flags & DLS_F_LOCAL_CRC) && !(b->flags & DLS_F_CRC)) {
+        const uint8_t *d = pd->dst;
+        for (uint32_t i = 0; i < pd->nseg; i++) {
+            uint32_t len = b->lens[pd->first_seg + i];
+            b->crcs[pd->first_seg + i] = dls_crc32c(0, d, len);
+            d += len;
+        }
     } else if (pd->op == DLS_OP_READ && (b->flags & DLS_F_CRC)) {
         const uint8_t *d = pd->dst;
         for (uint32_t i = 0; i < pd->nseg; i++) {
@@ -337,8 +344,8 @@ static int pump_recv(run *r) {
 
 static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
     if (!b->token || (b->nseg && (!b->offs || !b->lens || !b->buf))) return DLS_E_ARG;
-    if ((b->flags & DLS_F_CRC) && !b->crcs) return DLS_E_ARG;
-    if (b->flags & ~DLS_F_CRC) return DLS_E_ARG;
+    if ((b->flags & (DLS_F_CRC | DLS_F_LOCAL_CRC)) && !b->crcs) return DLS_E_ARG;
+    if (b->flags & ~(DLS_F_CRC | DLS_F_LOCAL_CRC)) return DLS_E_ARG;
     for (uint32_t i = 0; i < b->nseg; i++)
         if (b->lens[i] == 0 || b->lens[i] > DLS_MAX_SEG_BYTES) return DLS_E_ARG;
     b->bad_seg = -1;

@@ -218,7 +218,7 @@ class RemoteBuffer:
         for rep in ext.readable():
             try:
                 crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, (p - ext.first_page) * self.page,
-                                                       self.page, dst, crc=self.checksums)
+                                                       self.page, dst, local_crc=self.checksums)
             except (RemoteMemoryError, ConnectionError):
                 break  # the general path below fails over and reports it
             if not self.checksums or crc == self.page_crc[p]:
@@ -268,7 +268,7 @@ class RemoteBuffer:
             rep = candidates[0]
             tried.add(id(rep))
             try:
-                crcs = self.mem._endpoint(rep).read(rep.slab, rep.token, offs, lens, dst, crc=self.checksums)
+                crcs = self.mem._endpoint(rep).read(rep.slab, rep.token, offs, lens, dst, local_crc=self.checksums)
             except (RemoteMemoryError, ConnectionError) as exc:
                 self.mem._replica_failed(self, ext, rep, exc)
                 continue

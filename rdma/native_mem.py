@@ -17,6 +17,7 @@ from rdma.native import ffi, lib
 REGION_HUGE = lib.DLS_REGION_HUGE
 REGION_LOCK = lib.DLS_REGION_LOCK
 REGION_POPULATE = lib.DLS_REGION_POPULATE
+LOCAL_CRC = lib.DLS_F_LOCAL_CRC
 
 
 class RemoteMemoryError(OSError):
@@ -162,7 +163,7 @@ class Endpoint:
         self.broken = False
         self._crc_out = ffi.new("uint32_t *")
 
-    def _batch(self, slab: int, token: bytes, offs: np.ndarray, lens: np.ndarray, buf, crc: bool, crcs):
+    def _batch(self, slab: int, token: bytes, offs: np.ndarray, lens: np.ndarray, buf, crc, crcs):
         b = ffi.new("dls_batch *")
         b.slab = slab
         tok = ffi.from_buffer(token)
@@ -171,7 +172,7 @@ class Endpoint:
         b.offs = ffi.cast("uint64_t *", ffi.from_buffer(offs))
         b.lens = ffi.cast("uint32_t *", ffi.from_buffer(lens))
         b.buf = ffi.cast("uint8_t *", buf)
-        b.flags = wire.F_CRC if crc else 0
+        b.flags = crc if isinstance(crc, int) and not isinstance(crc, bool) else (wire.F_CRC if crc else 0)
         b.crcs = ffi.cast("uint32_t *", ffi.from_buffer(crcs)) if crcs is not None else ffi.NULL
         b.timeout_ms = self.timeout_ms
         return b, (tok,)
@@ -195,15 +196,23 @@ class Endpoint:
             raise err
         return crcs
 
-    def read(self, slab: int, token: bytes, offsets, lengths, out, crc: bool = False, crcs=None):
-        """Read the segments back to back into ``out`` (a writable buffer, e.g. numpy)."""
+    def read(self, slab: int, token: bytes, offsets, lengths, out, crc: bool = False, crcs=None,
+             local_crc: bool = False):
+        """Read the segments back to back into ``out`` (a writable buffer, e.g. numpy).
+
+        ``crc``: the donor checksums each segment and this side checks it (wire
+        integrity); ``local_crc``: only this side computes each segment's CRC and
+        returns them, for a caller that knows what the pages must hold."""
+        if local_crc and not crc:
+            crc = LOCAL_CRC
         buf = ffi.from_buffer(out, require_writable=True)
         need = int(np.sum(np.asarray(lengths, dtype=np.uint64)))
         if len(buf) < need:
             raise ValueError(f"out holds {len(buf)} bytes, the segments {need}")
         return self._call(lib.dls_ep_read, slab, token, offsets, lengths, buf, crc, crcs, f"read slab {slab}")
 
-    def read_one(self, slab: int, token: bytes, offset: int, n: int, out, crc: bool = False) -> int:
+    def read_one(self, slab: int, token: bytes, offset: int, n: int, out, crc: bool = False,
+                 local_crc: bool = False) -> int:
         """One segment into ``out`` with the least Python in the way; returns its CRC-32C
         (0 without ``crc``).  ``out`` must hold at least ``n`` bytes."""
         if self._ep is None:
@@ -212,8 +221,9 @@ class Endpoint:
         if len(buf) < n:
             raise ValueError(f"out holds {len(buf)} bytes, {n} asked")
         crc_out = self._crc_out
+        flags = wire.F_CRC if crc else (LOCAL_CRC if local_crc else 0)
         rc = lib.dls_ep_read1(self._ep, slab, ffi.from_buffer(token), offset, n, ffi.cast("uint8_t *", buf),
-                              wire.F_CRC if crc else 0, crc_out, self.timeout_ms)
+                              flags, crc_out, self.timeout_ms)
         if rc:
             if rc < 0 and rc != wire.E_ARG:
                 self.broken = True

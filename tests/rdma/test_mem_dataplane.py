@@ -274,3 +274,20 @@ def test_region_hugepages_and_mlock_fall_back_with_a_reason():
 def test_tokens_are_random():
     toks = {random_token() for _ in range(64)}
     assert len(toks) == 64 and all(len(t) == 16 for t in toks)
+
+
+def test_local_crc_is_computed_by_the_reader(served):
+    srv, regions, tokens = served
+    from rdma.native import crc32c
+
+    data = np.random.default_rng(9).integers(0, 256, 8 * PAGE, dtype=np.uint8)
+    offs, lens = pages(8)
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        ep.write(1, tokens[1], offs, lens, data)
+        out = np.empty_like(data)
+        crcs = ep.read(1, tokens[1], offs, lens, out, local_crc=True)
+        assert [int(c) for c in crcs] == [crc32c(data[i * PAGE:(i + 1) * PAGE]) for i in range(8)]
+        one = np.empty(PAGE, np.uint8)
+        assert ep.read_one(1, tokens[1], 3 * PAGE, PAGE, one, local_crc=True) == crc32c(data[3 * PAGE:4 * PAGE])
+        assert ep.read_one(1, tokens[1], 3 * PAGE, PAGE, one, crc=True) == crc32c(data[3 * PAGE:4 * PAGE])
+        assert np.array_equal(one, data[3 * PAGE:4 * PAGE])

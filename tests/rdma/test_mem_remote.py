@@ -54,6 +54,14 @@ def test_replicated_buffer_roundtrip(broker, donor_factory):
             got = np.empty(SLAB, np.uint8)
             mem._endpoint(rep).read(rep.slab, rep.token, [0], [SLAB], got)
             assert np.array_equal(got, data[SLAB:2 * SLAB])
+        # a copy that silently holds wrong bytes is caught by the page checksums:
+        # the read fails over to the good copy and the bad one is replaced
+        bad = ext.readable()[0]
+        mem._endpoint(bad).write(bad.slab, bad.token, [0], [PAGE], np.zeros(PAGE, np.uint8))
+        assert np.array_equal(buf.read(SLAB, PAGE), data[SLAB:SLAB + PAGE])
+        assert bad not in ext.replicas or bad.state != LIVE
+        assert mem.wait_healthy(buf, 20)
+        assert np.array_equal(buf.read(0, len(buf)), data)
         buf.free()
     # every slab went back
     with _ctl(broker.url) as ctl:
