@@ -45,7 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
     if "--donors" not in seen:
-        parser.add_argument("--donors", type=int, default=3, help="memory bench: donor node daemons to start")
+        parser.add_argument("--donors", type=int, default=4,
+                            help="memory bench: donor node daemons to start (at least 4: one is drained by the "
+                                 "reclaim test and one killed after it, and 2 replicas need 2 more)")
         seen.add("--donors")
 
 
@@ -314,7 +316,7 @@ def reclaim(cluster: Cluster, mem, buf, ctl) -> dict[str, Any]:
     dt = time.perf_counter() - t0
     rss1 = cluster.rss(victim)
     st = ctl.call(victim, "donor_status", {})["stats"]
-    healthy = mem.wait_healthy(buf, 120)
+    healthy = mem.wait_healthy(buf, 60)
     return {"reclaim_bytes": held, "reclaim_s": dt, "reclaim_s_per_gib": dt / (held / GIB),
             "reclaim_rss_returned_bytes": rss0 - rss1, "reclaim_forced_unmaps": st["forced_unmaps"],
             "reclaim_rebuilt_ok": healthy, "reclaim_victim": victim}
@@ -347,7 +349,7 @@ def donor_kill(cluster: Cluster, mem, nbytes: int, rng) -> dict[str, Any]:
     t0 = time.perf_counter()
     cluster.kill9(victim)
     time.sleep(0.5)
-    healthy = mem.wait_healthy(buf, 120)
+    healthy = mem.wait_healthy(buf, 60)
     rebuild_s = time.perf_counter() - t0
     stop.set()
     th.join(60)
@@ -371,9 +373,9 @@ def run(args) -> dict[str, Any]:
     from rdma.control import ControlPlane
 
     quick = bool(getattr(args, "quick", False))
-    n_donors = max(3, int(getattr(args, "donors", 3) or 3))
+    n_donors = max(4, int(getattr(args, "donors", 4) or 4))
     n_lat = 3000 if quick else 20000
-    slab = 16 * MIB if quick else 256 * MIB
+    slab = 64 * MIB if quick else 256 * MIB
     thr_bytes = 32 * MIB if quick else 256 * MIB
     rng = np.random.default_rng(1)
     m: dict[str, Any] = {}

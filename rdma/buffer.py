@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LIVE, REBUILDING, EVICTING, LOST = "live", "rebuilding", "evicting", "lost"
 MAX_SEG = wire.MAX_SEG_BYTES
+PARALLEL_MIN = 1 << 20  # below this a batch is not worth handing to other threads
 
 
 @dataclass(eq=False)
@@ -247,16 +248,33 @@ class RemoteBuffer:
         return offs, lens
 
     def _gather(self, idx: np.ndarray, dst: np.ndarray) -> None:
+        jobs = []
         for ext, a, b in self._split(idx):
             pages = idx[a:b]
             offs, lens = self._segments(ext, pages)
-            self._read_extent(ext, pages, offs, lens, dst[a * self.page:b * self.page])
+            jobs.append((self._read_extent, ext, pages, offs, lens, dst[a * self.page:b * self.page]))
+        self._run(jobs, len(dst))
 
     def _scatter(self, idx: np.ndarray, src: np.ndarray) -> None:
+        jobs = []
         for ext, a, b in self._split(idx):
             pages = idx[a:b]
             offs, lens = self._segments(ext, pages)
-            self._write_extent(ext, pages, offs, lens, src[a * self.page:b * self.page])
+            jobs.append((self._write_extent, ext, pages, offs, lens, src[a * self.page:b * self.page]))
+        self._run(jobs, len(src))
+
+    def _run(self, jobs, nbytes: int) -> None:
+        """One job per extent; a large batch over several extents runs them in parallel
+        (their slabs sit on different donors, and the C calls release the GIL)."""
+        if len(jobs) == 1 or nbytes < PARALLEL_MIN:
+            for fn, *a in jobs:
+                fn(*a)
+            return
+        futures = [self.mem._extent_pool.submit(fn, *a) for fn, *a in jobs]
+        errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
 
     def _read_extent(self, ext: Extent, pages, offs, lens, dst: np.ndarray, locked: bool = False) -> None:
         tried: set[int] = set()

@@ -54,6 +54,8 @@ class RemoteMemory:
         self._buffers: "weakref.WeakSet[RemoteBuffer]" = weakref.WeakSet()
         self._repairs: "queue.Queue[tuple[RemoteBuffer, Extent] | None]" = queue.Queue()
         self._writers = ThreadPoolExecutor(max_workers=max(2, replicas), thread_name_prefix="rdma-write")
+        # extent-level jobs of one large batch (separate from the replica writers they submit to)
+        self._extent_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rdma-extent")
         self.control = ControlPlane(broker, self.consumer_id, on_offline=self._donor_offline,
                                     on_event=self._donor_event)
         self.control.wait_donors(replicas, discover_timeout_s)
@@ -403,6 +405,7 @@ class RemoteMemory:
         self._repair_thread.join(5)
         self.control.close()
         self._writers.shutdown(wait=False)
+        self._extent_pool.shutdown(wait=False)
         with self._ep_lock:
             for ep in self._eps.values():
                 ep.close()
