@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "pagecrc.h"
 #include "provider.h"
 #include "wire.h"
 
@@ -169,7 +170,7 @@ static void build_request(run *r) {
         uint32_t len = b->lens[first + i];
         uint32_t crc = 0;
         if (r->op == DLS_OP_WRITE && (flags & DLS_F_CRC)) {
-            crc = dls_crc32c(0, p, len);
+            crc = dls_crc32c_pages(0, p, len);
             b->crcs[first + i] = crc;
         }
         dls_wire_put_seg(q + DLS_REQ_HDR_LEN + (size_t)i * DLS_SEG_LEN, b->offs[first + i], len, crc);
@@ -234,7 +235,7 @@ static void finish_response(run *r) {
         const uint8_t *d = pd->dst;
         for (uint32_t i = 0; i < pd->nseg; i++) {
             uint32_t len = b->lens[pd->first_seg + i];
-            b->crcs[pd->first_seg + i] = dls_crc32c(0, d, len);
+            b->crcs[pd->first_seg + i] = dls_crc32c_pages(0, d, len);
             d += len;
         }
     } else if (pd->op == DLS_OP_READ && (b->flags & DLS_F_CRC)) {
@@ -243,7 +244,7 @@ static void finish_response(run *r) {
             uint32_t len = b->lens[pd->first_seg + i];
             uint32_t want = dls_ld32(r->crcbuf + 4u * i);
             b->crcs[pd->first_seg + i] = want;
-            if (dls_crc32c(0, d, len) != want && r->status == DLS_OK) {
+            if (dls_crc32c_pages(0, d, len) != want && r->status == DLS_OK) {
                 r->status = DLS_E_CRC;
                 b->bad_seg = (int32_t)(pd->first_seg + i);
             }

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "pagecrc.h"
 #include "wire.h"
 
 #define IN_INITIAL (64u << 10)
@@ -122,7 +123,7 @@ static int serve(dls_server *s, conn *c, const dls_req_view *v) {
             uint64_t off;
             uint32_t len, crc;
             dls_wire_seg(v, i, &off, &len, &crc);
-            if (dls_crc32c(0, p, len) != crc) {
+            if (dls_crc32c_pages(0, p, len) != crc) {
                 status = DLS_E_CRC;
                 break;
             }
@@ -165,7 +166,7 @@ static int serve(dls_server *s, conn *c, const dls_req_view *v) {
         uint32_t len, crc;
         dls_wire_seg(v, i, &off, &len, &crc);
         memcpy(d, sl->base + off, len);
-        if (crc_bytes) dls_st32(crcs + 4u * i, dls_crc32c(0, d, len));
+        if (crc_bytes) dls_st32(crcs + 4u * i, dls_crc32c_pages(0, d, len));
         d += len;
     }
     ADD(&sl->reads, 1);

@@ -116,3 +116,18 @@ def test_response_header_parser(buf):
     assert lib.dls_wire_parse_resp(buf, len(buf), r) == status
     if status == wire.OK:
         assert (hdr.op, hdr.status, hdr.req_id, hdr.body_len, hdr.nseg) == (r.op, r.status, r.req_id, r.body_len, r.nseg)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=9000), st.integers(0, 2**32 - 1))
+def test_three_stream_page_crc_equals_serial_crc(data, init):
+    buf = ffi.from_buffer(data)
+    assert lib.dls_crc32c_pages(init, buf, len(data)) == lib.dls_crc32c(init, buf, len(data))
+
+
+@given(st.binary(min_size=1, max_size=64), st.integers(0, 300))
+def test_crc_shift_is_appending_zero_bytes(data, nzeros):
+    # raw state after data, shifted by n zero bytes == raw state after data + n zeros
+    raw = lib.dls_crc32c(0, data, len(data)) ^ 0xFFFFFFFF
+    longer = data + bytes(nzeros)
+    assert lib.dls_crc32c_shift(raw, nzeros) == lib.dls_crc32c(0, longer, len(longer)) ^ 0xFFFFFFFF
