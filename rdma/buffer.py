@@ -128,12 +128,13 @@ class RemoteBuffer:
         try:
             tmp = np.empty((p1 - p0 + 1) * self.page, dtype=np.uint8)
             s = offset - p0 * self.page
+            # sequential from here: other threads would wait on the locks this one holds
             if s:
-                self._read_run(p0, 1, tmp[: self.page])
+                self._read_run(p0, 1, tmp[: self.page], parallel=False)
             if (offset + n) % self.page and (p1 > p0 or not s):
-                self._read_run(p1, 1, tmp[-self.page:])
+                self._read_run(p1, 1, tmp[-self.page:], parallel=False)
             tmp[s:s + n] = src
-            self._write_run(p0, p1 - p0 + 1, tmp)
+            self._write_run(p0, p1 - p0 + 1, tmp, parallel=False)
         finally:
             for lk in reversed(locks):
                 lk.release()
@@ -227,11 +228,11 @@ class RemoteBuffer:
             break
         self._read_run(p, 1, dst[: self.page])
 
-    def _read_run(self, p0: int, npages: int, dst: np.ndarray) -> None:
-        self._gather(np.arange(p0, p0 + npages, dtype=np.int64), dst)
+    def _read_run(self, p0: int, npages: int, dst: np.ndarray, parallel: bool = True) -> None:
+        self._gather(np.arange(p0, p0 + npages, dtype=np.int64), dst, parallel)
 
-    def _write_run(self, p0: int, npages: int, src: np.ndarray) -> None:
-        self._scatter(np.arange(p0, p0 + npages, dtype=np.int64), src)
+    def _write_run(self, p0: int, npages: int, src: np.ndarray, parallel: bool = True) -> None:
+        self._scatter(np.arange(p0, p0 + npages, dtype=np.int64), src, parallel)
 
     def _split(self, idx: np.ndarray):
         """Sorted page indices -> (extent, slice of idx) groups."""
@@ -247,21 +248,21 @@ class RemoteBuffer:
         lens = np.full(len(pages), self.page, dtype=np.uint32)
         return offs, lens
 
-    def _gather(self, idx: np.ndarray, dst: np.ndarray) -> None:
+    def _gather(self, idx: np.ndarray, dst: np.ndarray, parallel: bool = True) -> None:
         jobs = []
         for ext, a, b in self._split(idx):
             pages = idx[a:b]
             offs, lens = self._segments(ext, pages)
             jobs.append((self._read_extent, ext, pages, offs, lens, dst[a * self.page:b * self.page]))
-        self._run(jobs, len(dst))
+        self._run(jobs, len(dst) if parallel else 0)
 
-    def _scatter(self, idx: np.ndarray, src: np.ndarray) -> None:
+    def _scatter(self, idx: np.ndarray, src: np.ndarray, parallel: bool = True) -> None:
         jobs = []
         for ext, a, b in self._split(idx):
             pages = idx[a:b]
             offs, lens = self._segments(ext, pages)
             jobs.append((self._write_extent, ext, pages, offs, lens, src[a * self.page:b * self.page]))
-        self._run(jobs, len(src))
+        self._run(jobs, len(src) if parallel else 0)
 
     def _run(self, jobs, nbytes: int) -> None:
         """One job per extent; a large batch over several extents runs them in parallel
