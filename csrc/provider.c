@@ -7,12 +7,10 @@
 
 #include "wire.h"
 
-#if defined(__has_include)
-#if __has_include(<infiniband/verbs.h>)
-#define DLS_HAVE_VERBS 1
-extern const dls_provider dls_verbs_provider;
-#endif
-#endif
+/* The RDMA verbs provider (one-sided READ/WRITE on RC queue pairs) is a later
+ * issue: when it exists it lives in its own file, built only where
+ * <infiniband/verbs.h> is present, and registers itself here behind
+ * DLS_HAVE_VERBS.  Until then asking for "verbs" fails with a clear reason. */
 
 struct dls_ep {
     const dls_provider *p;

@@ -10,9 +10,11 @@
 /* One batch: nseg segments (offs[i], lens[i]) of slab `slab`, laid out back to
  * back in `buf` (read: filled; write: taken).  With DLS_F_CRC in flags each
  * segment is CRC-32C checked end to end and its CRC stored in crcs[i]. */
-/* Client-side only (never sent): after a READ, store the CRC-32C of each received
- * segment in crcs[i], computed here.  A consumer that knows what it wrote checks
- * those against its own table, end to end, and the donor spends no CPU on it. */
+/* Client-side only (never sent): store the CRC-32C of each segment in crcs[i],
+ * computed here (READ: of what arrived; WRITE: of what is sent) without asking
+ * the donor to check anything.  A consumer that keeps the CRC of every page it
+ * wrote checks reads against that table, end to end, and the donor spends no
+ * CPU on checksums. */
 #define DLS_F_LOCAL_CRC 0x100u
 
 typedef struct dls_batch {

@@ -169,7 +169,7 @@ static void build_request(run *r) {
     for (uint32_t i = 0; i < n; i++) {
         uint32_t len = b->lens[first + i];
         uint32_t crc = 0;
-        if (r->op == DLS_OP_WRITE && (flags & DLS_F_CRC)) {
+        if (r->op == DLS_OP_WRITE && (b->flags & (DLS_F_CRC | DLS_F_LOCAL_CRC))) {
             crc = dls_crc32c_pages(0, p, len);
             b->crcs[first + i] = crc;
         }

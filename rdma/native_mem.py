@@ -230,8 +230,14 @@ class Endpoint:
             raise RemoteMemoryError(rc, f"read slab {slab}")
         return int(crc_out[0])
 
-    def write(self, slab: int, token: bytes, offsets, lengths, data, crc: bool = False, crcs=None):
-        """Write the segments, taken back to back from ``data``."""
+    def write(self, slab: int, token: bytes, offsets, lengths, data, crc: bool = False, crcs=None,
+              local_crc: bool = False):
+        """Write the segments, taken back to back from ``data``.
+
+        ``crc``: the donor checks each segment's CRC before storing it;
+        ``local_crc``: only compute and return the CRCs (for the caller's table)."""
+        if local_crc and not crc:
+            crc = LOCAL_CRC
         buf = ffi.from_buffer(data)
         need = int(np.sum(np.asarray(lengths, dtype=np.uint64)))
         if len(buf) < need:

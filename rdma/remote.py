@@ -211,7 +211,7 @@ class RemoteMemory:
     def _write_all(self, targets: list[Replica], offs, lens, src, checksums: bool) -> list[Any]:
         def one(rep: Replica):
             try:
-                return self._endpoint(rep).write(rep.slab, rep.token, offs, lens, src, crc=checksums)
+                return self._endpoint(rep).write(rep.slab, rep.token, offs, lens, src, local_crc=checksums)
             except (RemoteMemoryError, ConnectionError) as exc:
                 return exc
 
@@ -378,7 +378,7 @@ class RemoteMemory:
                 except DataLostError:
                     return False
                 try:
-                    self._endpoint(new).write(new.slab, new.token, offs, lens, tmp[: n * P], crc=buf.checksums)
+                    self._endpoint(new).write(new.slab, new.token, offs, lens, tmp[: n * P])
                 except (RemoteMemoryError, ConnectionError) as exc:
                     log.warning("rebuild target %s failed: %s", new.node, exc)
                     return False

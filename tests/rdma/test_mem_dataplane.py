@@ -283,7 +283,10 @@ def test_local_crc_is_computed_by_the_reader(served):
     data = np.random.default_rng(9).integers(0, 256, 8 * PAGE, dtype=np.uint8)
     offs, lens = pages(8)
     with Endpoint("127.0.0.1", srv.port) as ep:
-        ep.write(1, tokens[1], offs, lens, data)
+        before = srv.counters()["errors"]
+        wcrcs = ep.write(1, tokens[1], offs, lens, data, local_crc=True)
+        assert [int(c) for c in wcrcs] == [crc32c(data[i * PAGE:(i + 1) * PAGE]) for i in range(8)]
+        assert srv.counters()["errors"] == before
         out = np.empty_like(data)
         crcs = ep.read(1, tokens[1], offs, lens, out, local_crc=True)
         assert [int(c) for c in crcs] == [crc32c(data[i * PAGE:(i + 1) * PAGE]) for i in range(8)]
