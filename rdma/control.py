@@ -47,10 +47,12 @@ async def _no_delay(bus: Bus) -> None:
 class ControlPlane:
     def __init__(self, broker: str, consumer_id: str,
                  on_offline: Callable[[str], None] | None = None,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 on_online: Callable[[str], None] | None = None) -> None:
         self.broker = broker
         self.consumer_id = messages.check_id(consumer_id, "consumer id")
         self.on_offline = on_offline
+        self.on_online = on_online
         self.on_event = on_event
         self._donors: dict[str, DonorView] = {}
         self._online: dict[str, bool] = {}
@@ -116,6 +118,8 @@ class ControlPlane:
                 self._changed.notify_all()
             if was and not online and self.on_offline:
                 await asyncio.to_thread(self.on_offline, node)
+            if online and was is False and self.on_online:
+                await asyncio.to_thread(self.on_online, node)
         elif leaf == "telemetry":
             donor = body.get("donor")
             if not isinstance(donor, dict) or not donor.get("enabled"):

@@ -56,8 +56,8 @@ class RemoteMemory:
         self._writers = ThreadPoolExecutor(max_workers=max(2, replicas), thread_name_prefix="rdma-write")
         # extent-level jobs of one large batch (separate from the replica writers they submit to)
         self._extent_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rdma-extent")
-        self.control = ControlPlane(broker, self.consumer_id, on_offline=self._donor_offline,
-                                    on_event=self._donor_event)
+        self.control = ControlPlane(broker, self.consumer_id, on_offline=self._offline_state,
+                                    on_event=self._donor_event, on_online=self._online_state)
         self.control.wait_donors(replicas, discover_timeout_s)
         self._closed = False
         self._repair_thread = threading.Thread(target=self._repair_loop, name="rdma-repair", daemon=True)
@@ -245,22 +245,37 @@ class RemoteMemory:
             self._unmap(rep, wait=False)  # the donor is alive: give the bad slab back
         self._repairs.put((buf, ext))
 
+    def _data_plane_alive(self, node: str) -> bool:
+        view = self.control.donors().get(node)
+        if view is None:
+            return False
+        try:
+            host, _, port = view.addr.rpartition(":")
+            with Endpoint(host, int(port), timeout_ms=1000) as ep:
+                ep.ping()
+            return True
+        except (RemoteMemoryError, ConnectionError, OSError):
+            return False
+
     def _suspect(self, node: str) -> None:
         """An I/O error: treat the donor as gone unless it answers a ping."""
-        addr = self.control.donors().get(node)
-        ok = False
-        if addr is not None:
-            try:
-                host, _, port = addr.addr.rpartition(":")
-                with Endpoint(host, int(port), timeout_ms=1000) as ep:
-                    ep.ping()
-                ok = True
-            except (RemoteMemoryError, ConnectionError, OSError):
-                ok = False
-        if not ok:
+        if not self._data_plane_alive(node):
             self._donor_offline(node)
 
     # --- donor loss and eviction (called from the control thread or I/O paths) -------------
+
+    def _offline_state(self, node: str) -> None:
+        """The donor's Last Will (or clean stop) says offline.  A donor that only lost
+        the broker still serves its slabs: check the data plane before failing over."""
+        if not self._data_plane_alive(node):
+            self._donor_offline(node)
+        else:
+            log.warning("donor %s is offline on the bus but its slab server answers: keeping its copies", node)
+
+    def _online_state(self, node: str) -> None:
+        if node in self._dead_nodes:
+            log.info("donor %s is back: it may take new slabs again", node)
+            self._dead_nodes.discard(node)
 
     def _donor_offline(self, node: str) -> None:
         if node in self._dead_nodes:
