@@ -254,3 +254,16 @@ def test_standalone_donor_shell_serves_consumers(amqtt_broker, donor_factory):
         buf = mem.alloc(SLAB)
         buf.write(0, b"x" * 5000)
         assert bytes(buf.read(4990, 10)) == b"x" * 10
+        before = buf.placement()
+        # an "offline" state for a donor whose slab server still answers (a broker
+        # hiccup) must not throw its copies away
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(mem.control.bus.publish(
+            messages.node_topic("donor0", "state"), messages.encode({"status": "offline", "node": "donor0"}),
+            qos=1, retain=False), mem.control._loop).result(5)
+        wait_for(lambda: not mem.control.donors()["donor0"].online, 10, "the offline state to arrive")
+        time.sleep(0.3)
+        assert buf.placement() == before and buf.healthy()
+        assert mem.stats["replicas_lost"] == 0
+        assert bytes(buf.read(0, 3)) == b"xxx"
