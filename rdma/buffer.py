@@ -217,7 +217,9 @@ class RemoteBuffer:
     def _read_page(self, p: int, dst: np.ndarray) -> None:
         """One page: the small random read, kept short (one C call, one CRC compare)."""
         ext = self.extents[bisect.bisect_right(self._start_list, p) - 1]
-        for rep in ext.readable():
+        for rep in ext.replicas:
+            if rep.state != LIVE:
+                continue
             try:
                 crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, (p - ext.first_page) * self.page,
                                                        self.page, dst, local_crc=self.checksums)

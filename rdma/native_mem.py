@@ -162,6 +162,7 @@ class Endpoint:
         self.timeout_ms = timeout_ms
         self.broken = False
         self._crc_out = ffi.new("uint32_t *")
+        self._tokens: dict[bytes, object] = {}  # token -> its C copy, for the small-read path
 
     def _batch(self, slab: int, token: bytes, offs: np.ndarray, lens: np.ndarray, buf, crc, crcs):
         b = ffi.new("dls_batch *")
@@ -217,13 +218,17 @@ class Endpoint:
         (0 without ``crc``).  ``out`` must hold at least ``n`` bytes."""
         if self._ep is None:
             raise RemoteMemoryError(wire.E_CLOSED, "read")
-        buf = ffi.from_buffer(out, require_writable=True)
+        buf = ffi.from_buffer("uint8_t[]", out, require_writable=True)
         if len(buf) < n:
             raise ValueError(f"out holds {len(buf)} bytes, {n} asked")
+        tok = self._tokens.get(token)
+        if tok is None:
+            if len(self._tokens) > 4096:
+                self._tokens.clear()
+            tok = self._tokens[token] = ffi.new("uint8_t[16]", token)
         crc_out = self._crc_out
         flags = wire.F_CRC if crc else (LOCAL_CRC if local_crc else 0)
-        rc = lib.dls_ep_read1(self._ep, slab, ffi.from_buffer(token), offset, n, ffi.cast("uint8_t *", buf),
-                              flags, crc_out, self.timeout_ms)
+        rc = lib.dls_ep_read1(self._ep, slab, tok, offset, n, buf, flags, crc_out, self.timeout_ms)
         if rc:
             if rc < 0 and rc != wire.E_ARG:
                 self.broken = True
