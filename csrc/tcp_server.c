@@ -20,6 +20,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -30,6 +31,8 @@
 #define IN_INITIAL (64u << 10)
 #define OUT_HIGH_WATER (8u << 20) /* stop parsing while this much output is queued */
 #define READ_CHUNK (1u << 20)
+#define DIRECT_SEND_MIN (64u << 10) /* smaller responses are cheaper to copy than to scatter */
+#define DIRECT_IOV 1024             /* IOV_MAX on Linux; later segments are copied */
 
 typedef struct slab {
     uint8_t *base;
@@ -153,27 +156,80 @@ static int serve(dls_server *s, conn *c, const dls_req_view *v) {
     /* READ */
     size_t crc_bytes = (v->flags & DLS_F_CRC) ? 4u * v->nseg : 0;
     size_t body = crc_bytes + v->payload_len;
-    if (reserve(&c->out, &c->outcap, c->outlen + DLS_RESP_HDR_LEN + body)) {
-        pthread_rwlock_unlock(&s->lock);
-        return -1;
-    }
-    uint8_t *h = c->out + c->outlen;
-    dls_wire_put_resp_hdr(h, v->op, flags, DLS_OK, v->req_id, (uint32_t)body, v->nseg);
-    uint8_t *crcs = h + DLS_RESP_HDR_LEN;
-    uint8_t *d = crcs + crc_bytes;
-    for (uint32_t i = 0; i < v->nseg; i++) {
-        uint64_t off;
-        uint32_t len, crc;
-        dls_wire_seg(v, i, &off, &len, &crc);
-        memcpy(d, sl->base + off, len);
-        if (crc_bytes) dls_st32(crcs + 4u * i, dls_crc32c_pages(0, d, len));
-        d += len;
+    size_t total = DLS_RESP_HDR_LEN + body;
+    size_t sent = 0;
+    if (c->outlen == c->outoff && total >= DIRECT_SEND_MIN) {
+        /* Nothing queued before this response: hand the slab's bytes to the
+         * socket straight from the slab (while the shared lock keeps the slab
+         * mapped), and copy only what the socket does not take now. */
+        uint8_t head[DLS_RESP_HDR_LEN + 4 * DLS_MAX_SEGS];
+        dls_wire_put_resp_hdr(head, v->op, flags, DLS_OK, v->req_id, (uint32_t)body, v->nseg);
+        struct iovec iov[DIRECT_IOV];
+        int k = 0;
+        iov[k++] = (struct iovec){head, DLS_RESP_HDR_LEN + crc_bytes};
+        for (uint32_t i = 0; i < v->nseg; i++) {
+            uint64_t off;
+            uint32_t len, crc;
+            dls_wire_seg(v, i, &off, &len, &crc);
+            if (crc_bytes) dls_st32(head + DLS_RESP_HDR_LEN + 4u * i, dls_crc32c_pages(0, sl->base + off, len));
+            if (k < DIRECT_IOV) iov[k++] = (struct iovec){sl->base + off, len};
+        }
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+        ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) {
+            sent = (size_t)n;
+            ADD(&s->bytes_out, (uint64_t)n);
+        }
+        if (sent < total) {
+            /* queue the rest: the unsent part of the header, then of the segments */
+            if (reserve(&c->out, &c->outcap, c->outlen + (total - sent))) {
+                pthread_rwlock_unlock(&s->lock);
+                return -1;
+            }
+            size_t skip = sent, hl = DLS_RESP_HDR_LEN + crc_bytes;
+            if (skip < hl) {
+                memcpy(c->out + c->outlen, head + skip, hl - skip);
+                c->outlen += hl - skip;
+                skip = 0;
+            } else {
+                skip -= hl;
+            }
+            for (uint32_t i = 0; i < v->nseg; i++) {
+                uint64_t off;
+                uint32_t len, crc;
+                dls_wire_seg(v, i, &off, &len, &crc);
+                if (skip >= len) {
+                    skip -= len;
+                    continue;
+                }
+                memcpy(c->out + c->outlen, sl->base + off + skip, len - skip);
+                c->outlen += len - skip;
+                skip = 0;
+            }
+        }
+    } else {
+        if (reserve(&c->out, &c->outcap, c->outlen + total)) {
+            pthread_rwlock_unlock(&s->lock);
+            return -1;
+        }
+        uint8_t *h = c->out + c->outlen;
+        dls_wire_put_resp_hdr(h, v->op, flags, DLS_OK, v->req_id, (uint32_t)body, v->nseg);
+        uint8_t *crcs = h + DLS_RESP_HDR_LEN;
+        uint8_t *d = crcs + crc_bytes;
+        for (uint32_t i = 0; i < v->nseg; i++) {
+            uint64_t off;
+            uint32_t len, crc;
+            dls_wire_seg(v, i, &off, &len, &crc);
+            memcpy(d, sl->base + off, len);
+            if (crc_bytes) dls_st32(crcs + 4u * i, dls_crc32c_pages(0, d, len));
+            d += len;
+        }
+        c->outlen += total;
     }
     ADD(&sl->reads, 1);
     ADD(&sl->bytes_read, v->payload_len);
     __atomic_store_n(&sl->last_access_ns, dls_monotonic_ns(), __ATOMIC_RELAXED);
     pthread_rwlock_unlock(&s->lock);
-    c->outlen += DLS_RESP_HDR_LEN + body;
     return 0;
 }
 
