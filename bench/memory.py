@@ -222,7 +222,7 @@ class Cluster:
         _wait_port(port, self.broker)
         for i in range(n_donors):
             node = f"bench-donor{i}"
-            env = dict(os.environ, DLSHARE_NODE_LEND="1", DLSHARE_NODE_ENFORCE="0", DLSHARE_NODE_INTERVAL="0.5",
+            env = dict(os.environ, DLSHARE_NODE_LEND="1", DLSHARE_NODE_ENFORCE="0", DLSHARE_NODE_INTERVAL="1.0",
                        DLSHARE_NODE_METRICS_LISTEN="127.0.0.1:-1", DLSHARE_NODE_STATE_DIR=str(tmp / node),
                        DLSHARE_DONOR_SLAB_BYTES=str(slab_bytes), DLSHARE_DONOR_RECLAIM_DEADLINE_S="5")
             self.procs[node] = subprocess.Popen(
@@ -391,7 +391,6 @@ def run(args) -> dict[str, Any]:
     else:
         m["redis_get_4k_p50_us"] = None
         notes.append(f"redis baseline skipped: {why}")
-    m["loopback_tcp_gbps"] = loopback_tcp_gbps(512 * MIB if quick else 4 * GIB)
 
     tmp = Path(tempfile.mkdtemp(prefix="dlshare-bench-mem-"))
     cluster = Cluster(n_donors, slab, tmp)
@@ -411,7 +410,14 @@ def run(args) -> dict[str, Any]:
             lat, c_lat = our_latency(buf, n_lat, rng)
             m["read_4k_p50_us"], m["read_4k_p99_us"] = _pcts(lat)
             m["read_4k_c_call_p50_us"], m["read_4k_c_call_p99_us"] = _pcts(c_lat)
+            # the shared machine's speed drifts: measure the loopback baseline right before
+            # and right after our batches, under the same conditions, and keep its best
+            loop_bytes = 512 * MIB if quick else 2 * GIB
+            loops = [loopback_tcp_gbps(loop_bytes)]
             m["batched_read_gbps"], m["batched_write_gbps"] = our_throughput(buf, thr_bytes, rng, 2 if quick else 3)
+            loops.append(loopback_tcp_gbps(loop_bytes))
+            m["loopback_tcp_gbps"] = max(loops)
+            m["loopback_tcp_gbps_runs"] = loops
             m["write_replicas"] = 2
             m.update(reclaim(cluster, mem, buf, ctl))
             buf.free()

@@ -31,6 +31,7 @@
 #define WINDOW 8
 #define SCRATCH (256u << 10)
 #define DIRECT_MIN (64u << 10)
+#define REQ_TARGET (1u << 20)
 
 typedef struct pend {
     uint64_t req_id;
@@ -156,7 +157,10 @@ static void build_request(run *r) {
     dls_batch *b = r->b;
     uint32_t first = r->next_seg, n = 0;
     uint64_t bytes = 0;
-    while (first + n < b->nseg && n < DLS_MAX_SEGS && bytes + b->lens[first + n] <= DLS_MAX_PAYLOAD) {
+    /* Requests of about REQ_TARGET bytes keep several in flight even for a batch
+     * of a few MiB, so the donor sends one while the next is on its way. */
+    while (first + n < b->nseg && n < DLS_MAX_SEGS && bytes + b->lens[first + n] <= DLS_MAX_PAYLOAD &&
+           (n == 0 || bytes + b->lens[first + n] <= REQ_TARGET)) {
         bytes += b->lens[first + n];
         n++;
     }
