@@ -80,8 +80,9 @@ class ControlPlane:
         self._stop = asyncio.Event()
         subs = [(f"{messages.PREFIX}/node/+/state", 1), (f"{messages.PREFIX}/node/+/telemetry", 0),
                 (f"{messages.PREFIX}/node/+/events", 1), (f"{messages.PREFIX}/node/+/reply", 1)]
-        self.bus = Bus(self.broker, f"dlshare-rdma-{self.consumer_id}", subs, self._on_message,
-                       on_connect=_no_delay)
+        # several consumers may share an id (one per node): the MQTT client id must not
+        self.bus = Bus(self.broker, f"dlshare-rdma-{self.consumer_id}-{uuid.uuid4().hex[:8]}", subs,
+                       self._on_message, on_connect=_no_delay)
         task = asyncio.create_task(self.bus.run(self._stop))
         try:
             await asyncio.wait_for(self.bus.connected.wait(), timeout=20)

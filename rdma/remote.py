@@ -12,6 +12,7 @@ back at once (the ack the donor waits for); a sole copy is moved first.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -34,6 +35,15 @@ COPY_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short eno
 
 
 class RemoteMemory:
+    """Replicated remote memory from the donors on ``broker``.
+
+    ``replicas``: copies of every extent, on different donors (2 survives the loss of
+    any one donor).  ``consumer_id``: the borrower's name in donors' telemetry
+    (default: ``$DLSHARE_NODE_ID``, else random).  ``checksums``: keep the CRC-32C of
+    every page written and check every page read against it.  ``io_timeout_s``:
+    how long one data-plane call may wait before its donor counts as lost.
+    """
+
     def __init__(self, broker: str, replicas: int = 2, consumer_id: str | None = None, checksums: bool = True,
                  page_size: int = 4096, io_timeout_s: float = 5.0, discover_timeout_s: float = 15.0,
                  seed: int | None = None) -> None:
@@ -43,7 +53,9 @@ class RemoteMemory:
         self.checksums = checksums
         self.page_size = page_size
         self.io_timeout_ms = int(io_timeout_s * 1000)
-        self.consumer_id = consumer_id or f"mem-{uuid.uuid4().hex[:12]}"
+        # Name the borrower after its node (DLSHARE_NODE_ID, as `dlshare node` uses) so that
+        # `dlshare status` counts what this node borrows; otherwise a random id.
+        self.consumer_id = consumer_id or os.environ.get("DLSHARE_NODE_ID") or f"mem-{uuid.uuid4().hex[:12]}"
         self.rng = random.Random(seed)
         self.stats: dict[str, int] = {"failover_reads": 0, "replicas_lost": 0, "replicas_rebuilt": 0,
                                       "evictions": 0, "bytes_copied": 0}
