@@ -49,7 +49,6 @@ typedef struct tcp_conn {
     uint8_t *req;     /* header + descriptors of the request being sent */
     uint8_t *scratch; /* received bytes not consumed yet */
     size_t sb_off, sb_len;
-    uint64_t sent_total, calls;
     int rcv_timeout_ms; /* SO_RCVTIMEO as set */
 } tcp_conn;
 
@@ -216,7 +215,6 @@ static int pump_send(run *r) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
             return DLS_E_IO;
         }
-        r->c->sent_total += (uint64_t)n;
         size_t left = (size_t)n;
         size_t h = r->req_len - r->req_sent;
         if (left >= h) {
@@ -407,7 +405,6 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
         struct pollfd p = {.fd = c->fd, .events = (short)((r->count ? POLLIN : 0) | (r->sending ? POLLOUT : 0))};
         int pr = poll(&p, 1, timeout);
         if (pr == 0) {
-            if (getenv("DLS_DEBUG")) fprintf(stderr, "timeout: stage=%d rgot=%zu cgot=%zu/%zu dgot=%lu/%lu sb=%zu/%zu count=%d sending=%d next=%u/%u sent=%lu req_len=%zu req_sent=%zu\n", r->stage, r->rgot, r->cgot, r->cneed, (unsigned long)r->dgot, (unsigned long)r->ring[r->head].data_len, c->sb_off, c->sb_len, r->count, r->sending, r->next_seg, b->nseg, (unsigned long)c->sent_total, r->req_len, r->req_sent);
             rc = DLS_E_TIMEOUT;
             break;
         }
