@@ -33,6 +33,7 @@ from nodesvc.extension import NodeContext
 from nodesvc.messages import PayloadError
 from nodesvc.reclaim import (
     ForceUnmap,
+    LeaseBook,
     NotifyEvict,
     PressureSample,
     ReclaimCore,
@@ -128,6 +129,7 @@ class DonorExtension:
         self.pressure = pressure
         self.clock = clock
         self.core = ReclaimCore(self.headroom, float(d["psi_threshold"]), float(d["reclaim_deadline_s"]))
+        self.lease_book = LeaseBook()
         self.leases: dict[int, Lease] = {}
         self.stats = DonorStats()
         self.server = None
@@ -165,7 +167,7 @@ class DonorExtension:
         self.leases.clear()
 
     def commands(self) -> dict[str, Callable]:
-        return {"map": self.cmd_map, "unmap": self.cmd_unmap, "reclaim": self.cmd_reclaim,
+        return {"map": self.cmd_map, "unmap": self.cmd_unmap, "renew": self.cmd_renew, "reclaim": self.cmd_reclaim,
                 "donor_status": self.cmd_status}
 
     def telemetry(self) -> dict[str, Any]:
@@ -218,8 +220,11 @@ class DonorExtension:
 
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
         count = messages.arg(args, "count", int, required=False, default=1)
+        lease_s = messages.arg(args, "lease_s", float, required=False, default=0.0)
         if not 1 <= count <= 1024:
             raise PayloadError("'count' must be between 1 and 1024")
+        if lease_s < 0:
+            raise PayloadError("'lease_s' must not be negative")
         granted: list[tuple[int, bytes, Any]] = []
         async with self._lock:
             available = self._slabs_available(self.lendable_bytes())
@@ -242,6 +247,8 @@ class DonorExtension:
                 for slab, _, _ in granted:
                     self._release(slab, "map failed", count_unmap=False)
                 raise
+            if lease_s:
+                self.lease_book.renew(consumer, self.clock(), lease_s)
             for slab, _, _ in granted:
                 self.stats.maps += 1
                 self.core.handle(SlabLent(self._sid("map"), self.clock(), slab, consumer, self.slab_bytes))
@@ -286,6 +293,17 @@ class DonorExtension:
         for slab in checked:  # all were valid: release them all
             self._release(slab, "returned by consumer")
         return {"released": checked, "slab": checked[0] if len(checked) == 1 else None}
+
+    async def cmd_renew(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Extend ``consumer``'s lease by ``lease_s``; answers how many slabs it holds here."""
+        consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
+        lease_s = messages.arg(args, "lease_s", float)
+        if lease_s <= 0:
+            raise PayloadError("'lease_s' must be positive")
+        held = sorted(s for s, x in self.leases.items() if x.consumer == consumer)
+        if held:
+            self.lease_book.renew(consumer, self.clock(), lease_s)
+        return {"slabs": held}
 
     async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
         """Take ``bytes`` back now; ``pause_s`` also stops lending for that long (a drain)."""
@@ -370,6 +388,9 @@ class DonorExtension:
                 age = (mono_now_ns - st.last_access_ns) / 1e9
                 out += self.core.handle(SlabAccessed(self._sid("access"), now, slab, now - age))
         out += self.core.handle(PressureSample(self._sid("pressure"), now, avail, psi))
+        for consumer in self.lease_book.expired(now):
+            for slab in sorted(s for s, x in self.leases.items() if x.consumer == consumer):
+                out.append(ForceUnmap(slab, consumer, "consumer lease expired", self._sid("lease")))
         return out
 
     async def _reclaim_loop(self) -> None:

@@ -170,3 +170,25 @@ class ReclaimCore:
                 self.log.append((ev.stimulus_id, f"unmap {lease.slab} after deadline"))
                 del self.leases[lease.slab]
         return out
+
+
+@dataclass
+class LeaseBook:
+    """Consumer leases (pure): a consumer that maps with a lease must renew it, or the
+    donor takes its slabs back.  This is what returns memory whose consumer died
+    without unmapping.  Times come from the caller's clock."""
+
+    expiry: dict[str, float] = field(default_factory=dict)
+
+    def renew(self, consumer: str, t: float, ttl_s: float) -> None:
+        self.expiry[consumer] = max(self.expiry.get(consumer, float("-inf")), t + ttl_s)
+
+    def expired(self, t: float) -> list[str]:
+        """Consumers whose lease ran out (they are forgotten)."""
+        gone = sorted(c for c, until in self.expiry.items() if t >= until)
+        for c in gone:
+            del self.expiry[c]
+        return gone
+
+    def forget(self, consumer: str) -> None:
+        self.expiry.pop(consumer, None)

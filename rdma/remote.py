@@ -42,11 +42,13 @@ class RemoteMemory:
     (default: ``$DLSHARE_NODE_ID``, else random).  ``checksums``: keep the CRC-32C of
     every page written and check every page read against it.  ``io_timeout_s``:
     how long one data-plane call may wait before its donor counts as lost.
+    ``lease_s``: donors take this consumer's slabs back if it stops renewing for
+    that long (it renews every third of it), so a consumer that dies leaks nothing.
     """
 
     def __init__(self, broker: str, replicas: int = 2, consumer_id: str | None = None, checksums: bool = True,
                  page_size: int = 4096, io_timeout_s: float = 5.0, discover_timeout_s: float = 15.0,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, lease_s: float = 30.0) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
         self.replicas = replicas
@@ -74,6 +76,10 @@ class RemoteMemory:
         self._closed = False
         self._repair_thread = threading.Thread(target=self._repair_loop, name="rdma-repair", daemon=True)
         self._repair_thread.start()
+        self.lease_s = lease_s
+        self._stop_leases = threading.Event()
+        self._lease_thread = threading.Thread(target=self._renew_loop, name="rdma-lease", daemon=True)
+        self._lease_thread.start()
 
     # --- allocation ----------------------------------------------------------------------
 
@@ -111,8 +117,8 @@ class RemoteMemory:
             for n in nodes:
                 want[n] = want.get(n, 0) + 1
         granted: dict[str, list[Replica]] = {}
-        results = self.control.call_many([(n, "map", {"consumer": self.consumer_id, "count": k})
-                                          for n, k in want.items()])
+        results = self.control.call_many([(n, "map", {"consumer": self.consumer_id, "count": k,
+                                                      "lease_s": self.lease_s}) for n, k in want.items()])
         for (n, k), res in zip(want.items(), results):
             if isinstance(res, BaseException):
                 log.info("batched map of %d slabs on %s refused: %s", k, n, res)
@@ -173,7 +179,8 @@ class RemoteMemory:
             except NoDonorError as exc:
                 raise MemoryError(f"cannot place a slab: {exc}") from None
             try:
-                res = self.control.call(node, "map", {"consumer": self.consumer_id}, timeout=10)
+                res = self.control.call(node, "map", {"consumer": self.consumer_id, "lease_s": self.lease_s},
+                                        timeout=10)
             except (CommandError, TimeoutError, ConnectionError) as exc:
                 log.info("map on %s refused: %s", node, exc)
                 failed.add(node)
@@ -412,6 +419,23 @@ class RemoteMemory:
             self.stats["bytes_copied"] += n * P
         return True
 
+    def _renew_loop(self) -> None:
+        while not self._stop_leases.wait(self.lease_s / 3):
+            nodes = {r.node for b in list(self._buffers) for e in b.extents for r in list(e.replicas)
+                     if r.state != LOST} - self._dead_nodes
+            if not nodes:
+                continue
+            try:
+                results = self.control.call_many(
+                    [(n, "renew", {"consumer": self.consumer_id, "lease_s": self.lease_s}) for n in sorted(nodes)],
+                    timeout=max(1.0, self.lease_s / 3))
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("lease renewal failed")
+                continue
+            for n, res in zip(sorted(nodes), results):
+                if isinstance(res, BaseException):
+                    log.warning("renewing the lease on %s failed: %s", n, res)
+
     def wait_healthy(self, buf: RemoteBuffer, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -428,6 +452,7 @@ class RemoteMemory:
         for buf in list(self._buffers):
             buf.free()
         self._closed = True
+        self._stop_leases.set()
         self._repairs.put(None)
         self._repair_thread.join(5)
         self.control.close()

@@ -173,3 +173,20 @@ async def test_map_many_is_all_or_nothing_and_unmap_many(donor):
     assert sorted(out["released"]) == sorted(s["slab"] for s in res["slabs"]) and ext.leases == {}
     with pytest.raises(messages.PayloadError):
         await ext.cmd_map({"consumer": "c1", "count": 0})
+
+
+async def test_a_consumer_that_stops_renewing_loses_its_slabs(donor):
+    ext, fake = donor
+    a = await ext.cmd_map({"consumer": "dies", "count": 2, "lease_s": 5.0})
+    b = await ext.cmd_map({"consumer": "lives", "lease_s": 5.0})
+    c = await ext.cmd_map({"consumer": "no-lease"})
+    fake.t += 4.0
+    assert (await ext.cmd_renew({"consumer": "lives", "lease_s": 5.0}))["slabs"] == [b["slab"]]
+    fake.t += 2.0
+    await ext._execute(ext.sample())
+    assert sorted(ext.leases) == sorted([b["slab"], c["slab"]])
+    revoked = [p for t, p in fake.published if p.get("event") == "revoked"]
+    assert sorted(e["slab"] for e in revoked) == sorted(s["slab"] for s in a["slabs"])
+    assert all(e["reason"] == "consumer lease expired" for e in revoked)
+    with pytest.raises(messages.PayloadError):
+        await ext.cmd_renew({"consumer": "lives", "lease_s": 0})

@@ -250,7 +250,7 @@ def test_donor_survives_bad_commands(mosquitto, donor_factory):
 
 def test_standalone_donor_shell_serves_consumers(amqtt_broker, donor_factory):
     donor_factory(amqtt_broker.url, 2, shell="donor")
-    with RemoteMemory(broker=amqtt_broker.url, replicas=2) as mem:
+    with RemoteMemory(broker=amqtt_broker.url, replicas=2, lease_s=1.0) as mem:
         buf = mem.alloc(SLAB)
         buf.write(0, b"x" * 5000)
         assert bytes(buf.read(4990, 10)) == b"x" * 10
@@ -267,3 +267,36 @@ def test_standalone_donor_shell_serves_consumers(amqtt_broker, donor_factory):
         assert buf.placement() == before and buf.healthy()
         assert mem.stats["replicas_lost"] == 0
         assert bytes(buf.read(0, 3)) == b"xxx"
+        # renewals keep the 1 s leases alive well past a second
+        time.sleep(1.5)
+        for n in ("donor0", "donor1"):
+            assert len(mem.control.call(n, "donor_status", {})["slabs"]) == 1
+        assert bytes(buf.read(0, 3)) == b"xxx"
+
+
+def test_slabs_of_a_killed_consumer_come_back(mosquitto, donor_factory):
+    import subprocess
+    import sys
+
+    from memhelpers import ROOT
+
+    donor_factory(mosquitto.url, 1)
+    code = (
+        "import sys, time\n"
+        "from rdma import RemoteMemory\n"
+        f"m = RemoteMemory(broker={mosquitto.url!r}, replicas=1, consumer_id='doomed', lease_s=1.0)\n"
+        "b = m.alloc(3 * (1 << 20)); b.write(0, b'x' * 100)\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        with _ctl(mosquitto.url) as ctl:
+            assert len(ctl.call("donor0", "donor_status", {})["slabs"]) == 3
+            proc.kill()
+            proc.wait(10)
+            wait_for(lambda: ctl.call("donor0", "donor_status", {})["slabs"] == [], 10,
+                     "the dead consumer's slabs to be taken back")
+    finally:
+        proc.kill()
+        proc.wait(10)
