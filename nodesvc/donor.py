@@ -7,9 +7,22 @@ the C slab server (rdma.native_mem.SlabServer), never through Python.  A slab's
 memory is mmapped when it is mapped and munmapped when it comes back, so a free
 slab costs nothing and a returned one really goes back to the OS.
 
+Commands (on the node's ``.../cmd`` topic):
+
+- ``map {consumer, count?=1, lease_s?}`` -> ``{addr, provider, slab_bytes, slabs: [{slab, token}], slab, token}``
+  (all ``count`` slabs or none; ``token`` is 128 random bits, hex);
+- ``unmap {slab, token}`` or ``unmap {slabs: [{slab, token}, ...]}`` (all valid or none released);
+- ``renew {consumer, lease_s}``: a consumer that mapped with ``lease_s`` must renew, or
+  its slabs are taken back (a consumer that died leaks nothing);
+- ``reclaim {bytes?, pause_s?}``: take memory back now (operators, tests); ``pause_s``
+  also stops lending for that long;
+- ``donor_status {}``: slabs, server counters, statistics.
+
 Reclaim (nodesvc.reclaim) watches PSI and MemAvailable and evicts the least
-recently used slabs: it notifies their consumers on ``.../events`` with a
-deadline, and unmaps when they ack (``unmap``) or when the deadline passes.
+recently used slabs: it notifies their consumers on ``.../events``
+(``{"event": "evict", "slab", "consumer", "deadline_s", "reason", "addr"}``, QoS 1)
+and unmaps when they ack (``unmap``) or when the deadline passes
+(``{"event": "revoked", ...}``).
 
 Run standalone for tests and development with
 ``python -m nodesvc.donor --broker URL --node-id ID`` (see nodesvc/donor_shell.py).
