@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nodesvc import config, messages
 from nodesvc.donor import DonorExtension, read_pressure
@@ -190,3 +193,59 @@ async def test_a_consumer_that_stops_renewing_loses_its_slabs(donor):
     assert all(e["reason"] == "consumer lease expired" for e in revoked)
     with pytest.raises(messages.PayloadError):
         await ext.cmd_renew({"consumer": "lives", "lease_s": 0})
+
+
+_FUZZ_MAPS: list[int] = []
+json_values = st.recursive(
+    st.sampled_from(["c1", "c2", 1, 2, 0, 0.5, 3.0, "00" * 16])  # valid-looking values, often
+    | st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+arg_dicts = st.dictionaries(
+    st.sampled_from(["consumer", "count", "lease_s", "slab", "token", "slabs", "bytes", "pause_s", "x"]),
+    json_values, max_size=5)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(
+    st.tuples(st.just("map"), st.fixed_dictionaries(
+        {"consumer": st.sampled_from(["c1", "c2"])},
+        optional={"count": st.integers(1, 3), "lease_s": st.floats(0.5, 3.0)})),
+    st.tuples(st.just("renew"), st.fixed_dictionaries({"consumer": st.sampled_from(["c1", "c2"]),
+                                                       "lease_s": st.floats(0.5, 3.0)})),
+    st.tuples(st.sampled_from(["map", "unmap", "renew", "reclaim", "donor_status"]), arg_dicts),
+), max_size=8))
+def test_commands_fuzzed_either_work_or_say_why(calls):
+    maps_ok = _FUZZ_MAPS
+    """Any argument object: a result or a PayloadError, never another exception, and the
+    books stay consistent (every lease is served, nothing served is unleased)."""
+    fake = Fake()
+    cfg = config.load(env={}, flags={"donor": {"slab_bytes": 64 << 10, "headroom_bytes": 0, "max_slabs": 4}})
+    ext = DonorExtension(cfg, pressure=fake.pressure, clock=fake.clock)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(ext.start(NodeContext("n1", cfg, fake.publish)))
+        ext._task.cancel()
+        handlers = ext.commands()
+        for op, args in calls:
+            try:
+                res = loop.run_until_complete(handlers[op](args))
+                assert isinstance(res, dict)
+            except messages.PayloadError:
+                pass
+            fake.t += 0.5
+            loop.run_until_complete(ext._execute(ext.sample()))
+        assert len(ext.leases) <= 4
+        maps_ok.append(ext.stats.maps)
+        for slab in ext.leases:
+            assert ext.server.slab_stats(slab) is not None
+    finally:
+        loop.run_until_complete(ext.stop())
+        loop.close()
+
+
+def test_fuzzing_reached_successful_maps():
+    """The fuzz above is only worth something if some of its commands succeeded."""
+    if not _FUZZ_MAPS:  # run alone: run the fuzz here
+        test_commands_fuzzed_either_work_or_say_why()
+    assert sum(_FUZZ_MAPS) > 0
