@@ -30,6 +30,26 @@ class CommandError(RuntimeError):
     """A donor answered a command with an error."""
 
 
+def donor_view(node: str, donor: Any, online: bool = True) -> DonorView | None:
+    """The ``donor`` section of a node's telemetry as a DonorView; None when it is absent,
+    disabled or malformed (a bad report never places a slab)."""
+    if not isinstance(donor, dict) or donor.get("enabled") is not True:
+        return None
+    addr, slab_bytes, free = donor.get("addr"), donor.get("slab_bytes"), donor.get("free_slabs")
+    if not isinstance(addr, str) or ":" not in addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    for v in (slab_bytes, free):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return None
+    if slab_bytes == 0 or slab_bytes % 4096:
+        return None
+    provider = donor.get("provider", "tcp")
+    return DonorView(node, addr, slab_bytes, free, online, provider if isinstance(provider, str) else "tcp")
+
+
 def set_no_delay(bus: Bus) -> None:
     """Turn Nagle off on the bus socket: paho-mqtt leaves it on, and a command and its
     reply are small writes that otherwise each wait out a delayed ACK (~40 ms a hop)."""
@@ -122,13 +142,8 @@ class ControlPlane:
             if online and was is False and self.on_online:
                 await asyncio.to_thread(self.on_online, node)
         elif leaf == "telemetry":
-            donor = body.get("donor")
-            if not isinstance(donor, dict) or not donor.get("enabled"):
-                return
-            try:
-                view = DonorView(node, str(donor["addr"]), int(donor["slab_bytes"]), int(donor["free_slabs"]),
-                                 self._online.get(node, True), str(donor.get("provider", "tcp")))
-            except (KeyError, TypeError, ValueError):
+            view = donor_view(node, body.get("donor"), self._online.get(node, True))
+            if view is None:
                 return
             with self._changed:
                 self._donors[node] = view
