@@ -133,7 +133,7 @@ class JobState:
 
 
 def _describe(h: Header) -> str:
-    dt = DType(h.dtype).name.lower()
+    dt = DType(h.dtype).label
     return f"{dt} {Op(h.op).name.lower()} with {h.numel} elements in {h.nchunks} chunks ({h.nbytes}-byte chunk)"
 
 

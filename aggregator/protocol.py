@@ -70,6 +70,10 @@ class DType(enum.IntEnum):
     def itemsize(self) -> int:
         return 4 if self is DType.F32 else 2
 
+    @property
+    def label(self) -> str:
+        return {1: "float32", 2: "float16", 3: "bfloat16"}[int(self)]
+
 
 class Op(enum.IntEnum):
     SUM = 0
