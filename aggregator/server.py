@@ -77,6 +77,9 @@ class _Conn:
             item = self.outq.get()
             if item is None:
                 break
+            if item == "close":
+                self.close()
+                continue
             header, payload, done = item
             try:
                 if self.alive:
@@ -94,8 +97,12 @@ class _Conn:
                 item = self.outq.get_nowait()
             except queue.Empty:
                 break
-            if item and item[2]:
+            if isinstance(item, tuple) and item[2]:
                 item[2]()
+
+    def close_after_flush(self) -> None:
+        """Close once what is queued (typically an error message) has been sent."""
+        self.outq.put("close")
 
     def close(self) -> None:
         if self.alive:
@@ -142,6 +149,10 @@ class AggregationServer:
     def stop(self) -> None:
         self._stop.set()
         try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        except OSError:
+            pass
+        try:
             self.listener.close()
         except OSError:
             pass
@@ -170,7 +181,7 @@ class AggregationServer:
                 for b in d.bufs:
                     self.buffers.release(b)
             elif isinstance(d, Close):
-                d.conn.close()
+                d.conn.close_after_flush()
 
     def _reduce(self, d: Reduce) -> None:
         dst = d.bufs[0]
