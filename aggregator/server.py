@@ -347,7 +347,8 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
     bus = Bus(broker, f"dlshare-agg-{sid}", subscriptions=[(messages.topic("agg", sid, "cmd"), 1)],
               handler=on_message, on_connect=on_connect,
               will=(state_t, messages.encode({"status": "offline", "server": sid}), 1, True))
-    runner = asyncio.ensure_future(bus.run(stop))
+    bus_stop = asyncio.Event()  # outlives ``stop`` long enough to publish the offline state
+    runner = asyncio.ensure_future(bus.run(bus_stop))
     try:
         while not stop.is_set():
             try:
@@ -364,7 +365,7 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
             await bus.publish(messages.topic("agg", sid, "telemetry"), messages.encode(st))
         await bus.publish(state_t, messages.encode({"status": "offline", "server": sid}), qos=1, retain=True)
     finally:
-        stop.set()
+        bus_stop.set()
         await runner
 
 
