@@ -301,6 +301,7 @@ class AggregationServer:
                      "busy_fraction": round(s.busy_fraction, 4) if s else 0.0,
                      "demand_cores": round(s.demand_cores, 4) if s else 0.0,
                      "busy_seconds": round(self.pool.busy_seconds, 4), "queued": len(self.pool.queue),
+                     "held_core_seconds": round(self.pool.held_core_seconds(), 4),
                      "cores_avg": round(self.pool.held_core_seconds() / max(1e-9, now - self.started), 4)},
             "jobs": jobs,
             "connections": len(self._conns),

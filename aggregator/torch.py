@@ -15,8 +15,8 @@ division by the world size), which for two ranks gives exactly the bits of
 DDP's default all-reduce.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP checks the hook's annotations against the real
+# ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects.
 from dataclasses import dataclass
 
 import torch

@@ -25,19 +25,13 @@ def build() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
-def train(rank: int, steps: int, client: Client | None, seen: list) -> list[torch.Tensor]:
+def train(rank: int, steps: int, client: Client | None) -> list[torch.Tensor]:
     model = build()
     # 10 KiB buckets: DDP starts with one bucket (its first-bucket cap is 1 MiB) and re-lays out
     # into several after iteration 0, which the hook must cope with.
     ddp = DDP(model, bucket_cap_mb=0.01)
     if client is not None:
-        state = AggState(client)
-
-        def traced(st, bucket):
-            seen.append((st.iteration, bucket.index(), bucket.buffer().numel()))
-            return comm_hook(st, bucket)
-
-        ddp.register_comm_hook(state, traced)
+        ddp.register_comm_hook(AggState(client), comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1000 + rank)
     for _ in range(steps):
@@ -48,6 +42,18 @@ def train(rank: int, steps: int, client: Client | None, seen: list) -> list[torc
         loss.backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+class TracingClient(Client):
+    """Records (round, key, elements) of every bucket the hook reduces."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: list = []
+
+    def allreduce_async(self, x, op="mean", key=0, round=None):
+        self.seen.append((round, key, x.numel()))
+        return super().allreduce_async(x, op, key, round)
 
 
 def main() -> int:
@@ -62,10 +68,10 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
-    plain = train(a.rank, a.steps, None, [])
-    seen: list = []
-    with Client(a.agg.split(","), a.job, a.rank, a.world, timeout_s=30) as client:
-        hooked = train(a.rank, a.steps, client, seen)
+    plain = train(a.rank, a.steps, None)
+    with TracingClient(a.agg.split(","), a.job, a.rank, a.world, timeout_s=30) as client:
+        hooked = train(a.rank, a.steps, client)
+        seen = client.seen
     torch.save({"plain": plain, "hook": hooked, "seen": seen}, a.out)
     dist.destroy_process_group()
     return 0
