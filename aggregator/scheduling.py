@@ -87,8 +87,9 @@ class PoolController:
     """Sizes the pool from measured busy time, between ``min_cores`` and ``max_cores``.
 
     ``demand`` is the busy core-seconds per second over the last interval.  The
-    pool grows at once when it is more than ``grow_above`` busy or tasks wait,
-    to ``ceil(demand / target_util)`` and at least one more thread.  It shrinks
+    pool grows at once when it is more than ``grow_above`` busy,
+    to ``ceil(demand / target_util)`` and at least one more thread; a backlog of more than
+    two tasks per thread also grows it when the pool is more than ``shrink_below`` busy.  It shrinks
     only after ``shrink_after_s`` below ``shrink_below`` busy (hysteresis), so a
     burst-idle-burst pattern with a short gap keeps its threads.
     """
@@ -119,7 +120,9 @@ class PoolController:
         demand = max(0.0, busy_total_s - b0) / dt
         frac = min(1.0, demand / self.size)
         want = math.ceil(demand / self.target_util - 1e-9) if demand > 0 else 0
-        if frac > self.grow_above or queued > self.size:
+        # A backlog alone is a burst the pool drains in a moment; it adds threads only when the pool is
+        # also measurably busy, so bursty low-volume work keeps the pool small.
+        if frac > self.grow_above or (queued > 2 * self.size and frac > self.shrink_below):
             self.size = min(self.max, max(self.size + 1, want))
             self._low_since = None
         elif frac < self.shrink_below:

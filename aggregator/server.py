@@ -45,7 +45,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     """Fill ``view`` from ``sock``; False on a clean EOF before the first byte."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        # MSG_WAITALL: one system call (and one GIL release) per message instead of one per segment
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             if got == 0:
                 return False
@@ -396,7 +397,10 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
     if ready_event is not None:
         ready_event.set()
     try:
-        stop_event.wait()
+        # Poll: a signal delivered to another thread only runs its Python handler when the main
+        # thread next runs bytecode, which a plain wait() would never do.
+        while not stop_event.wait(0.2):
+            pass
     finally:
         if astop:
             loop, ev = astop[0]

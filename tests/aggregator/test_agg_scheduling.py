@@ -79,8 +79,9 @@ def test_pool_hysteresis_keeps_size_in_the_band():
 def test_pool_grows_on_backlog_and_respects_max():
     c = PoolController(2, 3)
     c.observe(0.0, 0.0, 0)
-    assert c.observe(0.25, 0.0, queued=10).target == 3
-    assert c.observe(0.5, 0.5, queued=10).target == 3
+    assert c.observe(0.25, 0.0, queued=10).target == 2  # an idle pool with a momentary burst stays
+    assert c.observe(0.5, 0.25, queued=10).target == 3  # 50% busy and a backlog: grow
+    assert c.observe(0.75, 0.75, queued=10).target == 3  # never past max
 
 
 def test_pool_rejects_bad_bounds():
