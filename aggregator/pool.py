@@ -79,12 +79,14 @@ class ElasticPool:
                     if fn is not None:
                         break
                     self._cond.wait()
-            t0 = time.perf_counter()
+            # CPU time of this thread, not wall time: a thread preempted on a busy machine is not
+            # using a core, and counting its wait would grow the pool for nothing.
+            t0 = time.thread_time()
             try:
                 fn()
             except Exception:  # a failed task is reported by the task itself; the pool lives on
                 log.exception("reduction task failed")
-            dt = time.perf_counter() - t0
+            dt = time.thread_time() - t0
             with self._cond:
                 self._busy_s += dt
                 self.tasks_done += 1
