@@ -269,7 +269,9 @@ class AggregationServer:
             conn.outq.put(None)  # the sender flushes what is queued (the error) and ends
             self._conns.discard(conn)
             # let the sender flush a last error before the socket goes
-            threading.Timer(0.5, self._finish, args=(conn,)).start()
+            closer = threading.Timer(0.5, self._finish, args=(conn,))
+            closer.daemon = True
+            closer.start()
 
     def _finish(self, conn: _Conn) -> None:
         conn.close()
@@ -305,6 +307,7 @@ class AggregationServer:
                      "held_core_seconds": round(self.pool.held_core_seconds(), 4),
                      "cores_avg": round(self.pool.held_core_seconds() / max(1e-9, now - self.started), 4)},
             "jobs": jobs,
+            "uptime_s": round(now - self.started, 4),
             "connections": len(self._conns),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
@@ -375,9 +378,12 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
           ready_event: threading.Event | None = None) -> AggregationServer:
     """Run an aggregation server from config until ``stop_event`` is set.
 
-    ``cfg["agg"]``: listen, id, min_cores, max_cores, round_timeout_s, telemetry_interval_s;
+    ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s;
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
+    from aggregator.cli import resolve
+
+    cfg = resolve(cfg)
     a = cfg["agg"]
     host, port = split_hostport(a["listen"])
     server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"]).start()

@@ -302,14 +302,17 @@ def _run_jobs(ctx, servers: list[_Server], jobs: int, nbytes: int, compute_s: fl
     args = [(j, r, servers[j % len(servers)].addr, nbytes, compute_s, iters, offsets[j], q)
             for j in range(jobs) for r in range(2)]
     cpu0 = [s.cpu_s() for s in servers]
-    held0 = [s.stats()["pool"]["held_core_seconds"] for s in servers]
+    st0 = [s.stats() for s in servers]
     t0 = time.perf_counter()
     ps = _spawn(ctx, _job_worker, args)
     res = _gather(q, len(args), ps, timeout=600)
     wall = time.perf_counter() - t0
-    _join(ps)
+    st1 = [s.stats() for s in servers]
     cpu = sum(s.cpu_s() - c for s, c in zip(servers, cpu0))
-    held = sum(s.stats()["pool"]["held_core_seconds"] - h for s, h in zip(servers, held0))
+    _join(ps)
+    # pool core-seconds held over the servers' own clock, per server, summed: cores held on average
+    held = sum((b["pool"]["held_core_seconds"] - a["pool"]["held_core_seconds"])
+               / max(1e-9, b["uptime_s"] - a["uptime_s"]) for a, b in zip(st0, st1)) * wall
     per_job: dict[int, list[float]] = {}
     for j, _, times in res:
         per_job.setdefault(j, []).extend(times[1:])  # the first iteration carries the start offset
