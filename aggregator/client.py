@@ -158,16 +158,13 @@ class _ServerLink:
                     raise AggregationError(f"cannot reach aggregation server {self.addr}: {exc}", "unreachable")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        try:
+            h, body = self._handshake(sock)
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            sock.close()
+            raise AggregationError(f"handshake with aggregation server {self.addr} failed: {exc}",
+                                   "unreachable") from None
         c = self.client
-        sock.sendall(hello(c.job, c.rank, c.world))
-        hb = bytearray(HEADER_SIZE)
-        if not recv_exact(sock, memoryview(hb)):
-            raise AggregationError(f"server {self.addr} closed the connection at HELLO", "unreachable")
-        h = parse_header(hb)
-        body = parse_body(self._read(sock, h.nbytes))
         if h.mtype == MsgType.ERROR:
             sock.close()
             raise AggregationError(f"server {self.addr} refused job {c.job} rank {c.rank}: {body.get('message')}",
@@ -176,12 +173,28 @@ class _ServerLink:
             sock.close()
             raise AggregationError(f"server {self.addr} answered HELLO with {h.mtype.name}", "bad_message")
         sock.settimeout(None)
-        self.handle = int(body["job_handle"])
+        try:
+            self.handle = int(body["job_handle"])
+        except (KeyError, TypeError, ValueError):
+            sock.close()
+            raise AggregationError(f"server {self.addr} sent a WELCOME without a job handle", "bad_message") from None
         self.sock = sock
         self.gen += 1
         threading.Thread(target=self._reader, args=(sock, self.gen), name=f"agg-client-{self.addr}",
                          daemon=True).start()
         return sock
+
+    def _handshake(self, sock: socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        c = self.client
+        sock.sendall(hello(c.job, c.rank, c.world))
+        hb = bytearray(HEADER_SIZE)
+        if not recv_exact(sock, memoryview(hb)):
+            raise ConnectionError("the server closed the connection at HELLO")
+        h = parse_header(hb)
+        return h, parse_body(self._read(sock, h.nbytes))
 
     @staticmethod
     def _read(sock: socket.socket, n: int) -> bytearray:
@@ -391,6 +404,10 @@ class Client:
             return True
         except AggregationError as exc:
             opr.fail(exc)
+            return False
+        except Exception as exc:  # the sender thread must live on; the caller gets the error
+            log.exception("push of round %d key %d chunk %d failed", opr.round, opr.key, chunk)
+            opr.fail(AggregationError(f"push of round {opr.round} failed: {exc!r}", "error", opr.round))
             return False
 
     def _resend(self, opr: _Op, chunk: int, off: int, n: int) -> None:

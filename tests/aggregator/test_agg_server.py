@@ -237,3 +237,33 @@ def test_round_timeout_when_a_rank_never_pushes(agg_servers):
         with pytest.raises(AggregationError, match=r"ranks \[1\] never pushed") as ei:
             c0.allreduce(np.ones(16, np.float32))
         assert ei.value.code == "timeout" and time.monotonic() - t0 < 3.0
+
+
+def test_a_server_speaking_garbage_gives_an_error_not_a_hang():
+    lst = socket.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+    stop = False
+
+    def serve_garbage():
+        while not stop:
+            try:
+                s, _ = lst.accept()
+            except OSError:
+                return
+            s.recv(1024)
+            s.sendall(b"\xde\xad" * 24)
+            s.close()
+
+    import threading
+
+    t = threading.Thread(target=serve_garbage, daemon=True)
+    t.start()
+    try:
+        with Client([f"127.0.0.1:{port}"], "g", 0, 1, connect_timeout_s=1, timeout_s=5) as c:
+            for _ in range(2):  # the client stays usable: each call fails with a clear error
+                with pytest.raises(AggregationError, match="handshake .* bad magic") as ei:
+                    c.allreduce(np.ones(4, np.float32))
+                assert ei.value.code == "unreachable"
+    finally:
+        stop = True
+        lst.close()
