@@ -31,7 +31,8 @@ import numpy as np
 from aggregator.core import ALL
 from aggregator.protocol import (HEADER_SIZE, DType, MsgType, Op, ProtocolError, data_header, hello,
                                  parse_body, parse_header)
-from aggregator.server import SOCK_BUF, recv_exact, split_hostport
+from aggregator.server import SOCK_BUF, split_hostport
+from aggregator.sockio import recv_exact, send_all
 
 log = logging.getLogger("dlshare.agg.client")
 
@@ -130,6 +131,17 @@ class _Op:
         self.future.set_result(self.target)
 
 
+def _recv_timed(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the server closed the connection at HELLO")
+        got += k
+    return buf
+
+
 class _ServerLink:
     """One TCP connection to one server, re-established on demand."""
 
@@ -190,11 +202,9 @@ class _ServerLink:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         c = self.client
         sock.sendall(hello(c.job, c.rank, c.world))
-        hb = bytearray(HEADER_SIZE)
-        if not recv_exact(sock, memoryview(hb)):
-            raise ConnectionError("the server closed the connection at HELLO")
-        h = parse_header(hb)
-        return h, parse_body(self._read(sock, h.nbytes))
+        # plain socket calls here: the socket still has its connect timeout (non-blocking underneath)
+        h = parse_header(_recv_timed(sock, HEADER_SIZE))
+        return h, parse_body(_recv_timed(sock, h.nbytes))
 
     @staticmethod
     def _read(sock: socket.socket, n: int) -> bytearray:
@@ -211,8 +221,7 @@ class _ServerLink:
         with self.lock:
             self.pending[(op.round, op.key, chunk)] = (op, offset, nbytes)
         try:
-            sock.sendall(h.pack())
-            sock.sendall(memoryview(op.data)[offset:offset + nbytes])
+            send_all(sock, h.pack(), memoryview(op.data)[offset:offset + nbytes])
         except OSError as exc:
             self._lost(sock, f"lost connection to aggregation server {self.addr} while pushing round {op.round}: "
                              f"{exc}")

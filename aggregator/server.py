@@ -28,6 +28,7 @@ from aggregator.core import (AggregationCore, ChunkArrived, Close, ConnectionLos
 from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MsgType, ProtocolError, error, parse_header, parse_hello)
 from aggregator.scheduling import PoolController
+from aggregator.sockio import recv_exact, send_all
 
 log = logging.getLogger("dlshare.agg")
 
@@ -39,20 +40,6 @@ def split_hostport(text: str, default_port: int = 7700) -> tuple[str, int]:
     if not host:
         host, port = text, str(default_port)
     return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False on a clean EOF before the first byte."""
-    got, n = 0, len(view)
-    while got < n:
-        # MSG_WAITALL: one system call (and one GIL release) per message instead of one per segment
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            if got == 0:
-                return False
-            raise ConnectionError(f"peer closed the connection mid-message ({got} of {n} bytes)")
-        got += k
-    return True
 
 
 class _Conn:
@@ -84,9 +71,7 @@ class _Conn:
             header, payload, done = item
             try:
                 if self.alive:
-                    self.sock.sendall(header)
-                    if payload is not None:
-                        self.sock.sendall(payload)
+                    send_all(self.sock, header, payload)
             except OSError:
                 self.close()
             finally:
