@@ -127,10 +127,10 @@ class ElasticPool:
     def busy_seconds(self) -> float:
         return self._busy_s
 
-    def held_core_seconds(self) -> float:
-        """Integral of the pool size over time (for "cores reserved, time-averaged")."""
+    def held_core_seconds(self, now: float | None = None) -> float:
+        """Integral of the pool size over time up to ``now`` (for "cores reserved, time-averaged")."""
         with self._cond:
-            self._account(time.monotonic())
+            self._account(max(self._held_since, time.monotonic() if now is None else now))
             return self._held_integral
 
     def stop(self) -> None:

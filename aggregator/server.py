@@ -1,8 +1,9 @@
 """The aggregation server shell: TCP connections, the elastic pool, timers, MQTT telemetry.
 
 Each connection has a reader thread that receives headers and payloads straight
-into pooled buffers (``recv_into``; the GIL is released while it waits), and a
-sender thread with a queue, so a slow peer never blocks a pool thread.  All
+into pooled buffers, and a sender thread with a queue, so a slow peer never
+blocks a pool thread.  Both move whole messages in C (aggregator/sockio.py), one
+GIL release per message.  All
 state changes go through :class:`~aggregator.core.AggregationCore` under one
 lock; the decisions it returns are carried out here.
 
@@ -279,6 +280,7 @@ class AggregationServer:
     def stats(self) -> dict[str, Any]:
         s = self.pool.last_sample
         now = time.monotonic()
+        held = self.pool.held_core_seconds(now)  # the same instant as uptime_s, so their ratio is exact
         with self._lock:
             jobs = self.core.summary()
             draining = self.core.draining
@@ -289,10 +291,10 @@ class AggregationServer:
                      "busy_fraction": round(s.busy_fraction, 4) if s else 0.0,
                      "demand_cores": round(s.demand_cores, 4) if s else 0.0,
                      "busy_seconds": round(self.pool.busy_seconds, 4), "queued": len(self.pool.queue),
-                     "held_core_seconds": round(self.pool.held_core_seconds(), 4),
-                     "cores_avg": round(self.pool.held_core_seconds() / max(1e-9, now - self.started), 4)},
+                     "held_core_seconds": held,
+                     "cores_avg": round(held / max(1e-9, now - self.started), 4)},
             "jobs": jobs,
-            "uptime_s": round(now - self.started, 4),
+            "uptime_s": now - self.started,
             "connections": len(self._conns),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,

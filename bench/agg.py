@@ -353,7 +353,7 @@ def bench_shared(ctx, jobs: int, nbytes: int, compute_s: float, iters: int, repe
     sh_iter = {j: float(np.median(v)) for j, v in sh_iters.items()}
     slow = {j: sh_iter[j] / ded_iter[j] for j in sh_iter}
     return {
-        "shared_cores_avg": float(np.mean(sh_cores)),
+        "shared_cores_avg": round(float(np.mean(sh_cores)), 6),  # float noise of the integral beyond this
         "dedicated_cores": float(jobs * dedicated_threads),
         "shared_cpu_s": float(np.mean(sh_cpu)),
         "dedicated_cpu_s": float(np.mean(ded_cpu)),
