@@ -314,9 +314,18 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
     state_t = messages.topic("agg", sid, "state")
     last = {"t": time.monotonic(), "in": server.bytes_in, "out": server.bytes_out}
 
+    def state(st: dict[str, Any], rate_in: float = 0.0) -> bytes:
+        # The retained state carries a load summary, so `dlshare status` shows load from retained
+        # messages alone; telemetry has the full figures.
+        pool = st["pool"]
+        summary = {"cores": pool["size"], "min_cores": pool["min"], "max_cores": pool["max"],
+                   "busy": pool["busy_fraction"], "cores_avg": pool["cores_avg"], "jobs": sorted(st["jobs"]),
+                   "bytes_in_per_s": rate_in, "draining": st["draining"]}
+        return messages.encode({"status": "online", "server": sid, "address": st["address"], "ts": time.time(),
+                                "summary": summary})
+
     async def on_connect(bus: Bus) -> None:
-        await bus.publish(state_t, messages.encode({"status": "online", "server": sid,
-                                                    "address": server.stats()["address"]}), qos=1, retain=True)
+        await bus.publish(state_t, state(server.stats()), qos=1, retain=True)
 
     async def on_message(topic: str, payload: bytes) -> None:
         cid = messages.command_id_of(payload)
@@ -355,6 +364,7 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
             st["bytes_out_per_s"] = round((server.bytes_out - last["out"]) / dt, 1)
             last.update(t=now, **{"in": server.bytes_in, "out": server.bytes_out})
             await bus.publish(messages.topic("agg", sid, "telemetry"), messages.encode(st))
+            await bus.publish(state_t, state(st, st["bytes_in_per_s"]), qos=1, retain=True)
         await bus.publish(state_t, messages.encode({"status": "offline", "server": sid}), qos=1, retain=True)
     finally:
         bus_stop.set()
