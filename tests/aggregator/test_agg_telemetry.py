@@ -75,12 +75,14 @@ async def test_telemetry_state_and_commands(mosquitto):
     def done(got):
         replies = [b for t, b in got if t.endswith("/reply")]
         tele = [b for t, b in got if t.endswith("/telemetry") and "tele2" in b["jobs"]]
-        return len(replies) >= 3 and tele and tele[-1]["draining"]
+        states = [b for t, b in got if t.endswith("/state") and "tele2" in b.get("summary", {}).get("jobs", [])]
+        return len(replies) >= 3 and tele and tele[-1]["draining"] and states
 
     got = await _watch(_port(mosquitto.url), "dlshare/v1/agg/aggT/#", done, publish=commands)
     state = [b for t, b in got if t.endswith("/state")]
     assert state[0]["status"] == "online" and state[0]["address"] == f"127.0.0.1:{port}"
     summ = state[-1]["summary"]  # the load summary `dlshare status` reads from retained state
+    assert summ["draining"]
     assert summ["min_cores"] == 1 and summ["max_cores"] == 2 and 1 <= summ["cores"] <= 2
     assert "tele2" in summ["jobs"] and 0.0 <= summ["busy"] <= 1.0
     replies = {b.get("id"): b for t, b in got if t.endswith("/reply")}
