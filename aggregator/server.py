@@ -347,7 +347,7 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
 
     bus = Bus(broker, f"dlshare-agg-{sid}", subscriptions=[(messages.topic("agg", sid, "cmd"), 1)],
               handler=on_message, on_connect=on_connect,
-              will=(state_t, messages.encode({"status": "offline", "server": sid}), 1, True))
+              will=(state_t, messages.encode({"status": "offline", "server": sid, "address": server.stats()["address"]}), 1, True))
     bus_stop = asyncio.Event()  # outlives ``stop`` long enough to publish the offline state
     runner = asyncio.ensure_future(bus.run(bus_stop))
     try:
@@ -365,7 +365,7 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
             last.update(t=now, **{"in": server.bytes_in, "out": server.bytes_out})
             await bus.publish(messages.topic("agg", sid, "telemetry"), messages.encode(st))
             await bus.publish(state_t, state(st, st["bytes_in_per_s"]), qos=1, retain=True)
-        await bus.publish(state_t, messages.encode({"status": "offline", "server": sid}), qos=1, retain=True)
+        await bus.publish(state_t, messages.encode({"status": "offline", "server": sid, "address": server.stats()["address"]}), qos=1, retain=True)
     finally:
         bus_stop.set()
         await runner
