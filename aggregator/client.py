@@ -99,6 +99,22 @@ def as_bytes(x: Any) -> tuple[np.ndarray, DType]:
     raise TypeError(f"allreduce takes a numpy array or torch tensor, not {type(x).__name__}")
 
 
+def make_layout(spec: dict[int, Any]):
+    """The layout a job registers: ``{key: tensor or array}`` or ``{key: (elements, "float32")}``."""
+    names = {"float32": DType.F32, "float16": DType.F16, "bfloat16": DType.BF16}
+    out = []
+    for key, v in spec.items():
+        if isinstance(v, tuple):
+            numel, name = v
+            if name not in names:
+                raise ValueError(f"layout key {key}: dtype must be one of {', '.join(names)}, not {name!r}")
+            out.append((int(key), int(numel), int(names[name])))
+        else:
+            data, dt = as_bytes(v)
+            out.append((int(key), data.nbytes // dt.itemsize, int(dt)))
+    return tuple(sorted(out))
+
+
 @dataclass
 class _Op:
     target: Any
@@ -201,7 +217,7 @@ class _ServerLink:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         c = self.client
-        sock.sendall(hello(c.job, c.rank, c.world))
+        sock.sendall(hello(c.job, c.rank, c.world, c.layout))
         # plain socket calls here: the socket still has its connect timeout (non-blocking underneath)
         h = parse_header(_recv_timed(sock, HEADER_SIZE))
         return h, parse_body(_recv_timed(sock, h.nbytes))
@@ -308,12 +324,16 @@ class Client:
     shared by all ranks; ``rank`` in ``0..world-1``.  ``timeout_s`` bounds a
     round on this side (the server fails a round after its own
     ``round_timeout_s``).  Every rank must call ``allreduce`` in the same order
-    with tensors of the same shape and dtype.
+    with tensors of the same shape and dtype.  ``layout`` (optional,
+    ``{key: tensor}`` or ``{key: (elements, "float32")}``) registers the job's
+    keys: a rank registering a different layout is refused, and a tensor that
+    does not fit its key is refused before anything is sent.  Without it, each
+    key is checked across ranks within its round (what DDP's changing buckets need).
     """
 
     def __init__(self, servers: list[str] | str, job: str, rank: int, world: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 60.0,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         if not 0 <= rank < world:
@@ -321,6 +341,8 @@ class Client:
         if chunk_bytes <= 0 or chunk_bytes % 4:
             raise ValueError("chunk_bytes must be a positive multiple of 4")
         self.job, self.rank, self.world = job, rank, world
+        self.layout = None if layout is None else make_layout(layout)
+        self._layout = None if self.layout is None else {k: (n, dt) for k, n, dt in self.layout}
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -352,6 +374,12 @@ class Client:
         except KeyError:
             raise ValueError(f"op must be 'sum' or 'mean', not {op!r}") from None
         data, dtype = as_bytes(x)
+        if self._layout is not None:
+            want = self._layout.get(key)
+            have = (data.nbytes // dtype.itemsize, int(dtype))
+            if want != have:
+                exp = "not in the layout" if want is None else f"{want[0]} {DType(want[1]).label} elements"
+                raise ValueError(f"key {key} has {have[0]} {dtype.label} elements; the job's layout says {exp}")
         rnd = next(self._round) if round is None else int(round)
         fut: Future = Future()
         nbytes = data.nbytes

@@ -128,6 +128,7 @@ class JobState:
     failed: OrderedDict = field(default_factory=OrderedDict)  # round -> (code, message)
     max_round: int = -1
     drain_from: int | None = None
+    layout: dict[int, tuple[int, int]] | None = None  # key -> (elements, dtype code), when registered
     bytes_in: int = 0
     rounds_done: int = 0
 
@@ -135,6 +136,16 @@ class JobState:
 def _describe(h: Header) -> str:
     dt = DType(h.dtype).label
     return f"{dt} {Op(h.op).name.lower()} with {h.numel} elements in {h.nchunks} chunks ({h.nbytes}-byte chunk)"
+
+
+def _layout_diff(have: dict[int, tuple[int, int]], new: tuple) -> str:
+    theirs = {k: (n, dt) for k, n, dt in new}
+    for k in sorted(set(have) | set(theirs)):
+        a, b = have.get(k), theirs.get(k)
+        if a != b:
+            fmt = lambda v: "absent" if v is None else f"{v[0]} {DType(v[1]).label} elements"  # noqa: E731
+            return f"key {k}: job has {fmt(a)}, this rank {fmt(b)}"
+    return ""
 
 
 class AggregationCore:
@@ -183,6 +194,11 @@ class AggregationCore:
         if job is not None and job.world != h.world:
             msg = f"job {h.job} has world size {job.world} on server {self.server_id}; rank {h.rank} says {h.world}"
             return [Send(ev.conn, error("world_mismatch", msg)), Close(ev.conn)]
+        if job is not None and h.layout is not None and job.layout is not None:
+            diff = _layout_diff(job.layout, h.layout)
+            if diff:
+                msg = f"rank {h.rank} registered a layout that differs from job {h.job}'s: {diff}"
+                return [Send(ev.conn, error("layout_mismatch", msg)), Close(ev.conn)]
         if job is None:
             job = JobState(h.job, self._next_handle, h.world)
             self._next_handle += 1
@@ -196,6 +212,8 @@ class AggregationCore:
             out.append(Close(old))
             if h.job not in self.jobs:  # the job went away with its last rank
                 self.jobs[h.job] = job
+        if h.layout is not None and job.layout is None:
+            job.layout = {k: (n, dt) for k, n, dt in h.layout}
         job.conns[h.rank] = ev.conn
         self.conn_job[ev.conn] = (h.job, h.rank)
         body: dict[str, Any] = {"server": self.server_id, "job_handle": job.handle}
@@ -221,6 +239,13 @@ class AggregationCore:
         if h.round in job.failed:
             code, msg = job.failed[h.round]
             return [Release((ev.buf,)), Send(ev.conn, error(code, msg, h.round, ALL, ALL, job.handle))]
+        if job.layout is not None:
+            want = job.layout.get(h.key)
+            if want != (h.numel, h.dtype):
+                exp = "no such key" if want is None else f"{want[0]} {DType(want[1]).label} elements"
+                msg = (f"layout mismatch in job {job.name} round {h.round}: rank {rank} pushed key {h.key} "
+                       f"as {h.numel} {DType(h.dtype).label} elements; the registered layout has {exp}")
+                return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
         unit_id = h.unit
         unit = job.units.get(unit_id)
         if unit is None:

@@ -177,11 +177,40 @@ def parse_body(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
     return obj
 
 
+MAX_LAYOUT_KEYS = 2048  # fits the 64 KiB control payload with room to spare
+
+Layout = tuple[tuple[int, int, int], ...]  # sorted (key, elements, dtype code)
+
+
 @dataclass(frozen=True)
 class Hello:
     job: str
     rank: int
     world: int
+    layout: Layout | None = None  # optional: the keys the job will push, checked on every push
+
+
+def parse_layout(obj: Any) -> Layout:
+    """``[[key, elements, dtype code], ...]`` -> a sorted tuple; keys unique."""
+    if not isinstance(obj, list) or not 0 < len(obj) <= MAX_LAYOUT_KEYS:
+        raise ProtocolError(f"layout must be a list of 1..{MAX_LAYOUT_KEYS} [key, elements, dtype] entries")
+    out = []
+    for ent in obj:
+        if (not isinstance(ent, list) or len(ent) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in ent)):
+            raise ProtocolError(f"layout entry {ent!r} is not [key, elements, dtype]")
+        key, numel, dt = ent
+        if not 0 <= key < 2**32:
+            raise ProtocolError(f"layout key {key} out of range")
+        if not 0 < numel <= MAX_NUMEL:
+            raise ProtocolError(f"layout key {key}: {numel} elements out of range")
+        if dt not in (1, 2, 3):
+            raise ProtocolError(f"layout key {key}: unknown dtype code {dt}")
+        out.append((key, numel, dt))
+    out.sort()
+    if len({k for k, _, _ in out}) != len(out):
+        raise ProtocolError("layout names a key twice")
+    return tuple(out)
 
 
 def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
@@ -199,11 +228,15 @@ def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
         raise ProtocolError(f"world size {world} out of range 1..{MAX_WORLD}")
     if not 0 <= rank < world:
         raise ProtocolError(f"rank {rank} out of range for world size {world}")
-    return Hello(job, rank, world)
+    layout = obj.get("layout")
+    return Hello(job, rank, world, None if layout is None else parse_layout(layout))
 
 
-def hello(job: str, rank: int, world: int) -> bytes:
-    return control(MsgType.HELLO, {"job": job, "rank": rank, "world": world}, rank=rank, world=world)
+def hello(job: str, rank: int, world: int, layout: Layout | None = None) -> bytes:
+    body: dict[str, Any] = {"job": job, "rank": rank, "world": world}
+    if layout is not None:
+        body["layout"] = [list(e) for e in layout]
+    return control(MsgType.HELLO, body, rank=rank, world=world)
 
 
 def error(code: str, message: str, rnd: int = 0, key: int = 0, chunk: int = 0, job: int = 0) -> bytes:

@@ -179,3 +179,23 @@ def test_last_rank_leaving_forgets_the_job():
     assert "j" not in core.jobs
     job(core, "j", 4)  # a new incarnation may use another world size
     assert core.jobs["j"].world == 4
+
+
+def test_registered_layout_is_checked_at_registration_and_on_every_push():
+    core = AggregationCore("s", 5.0)
+    lay = ((0, 4, int(DType.F32)), (1, 8, int(DType.F16)))
+    c0, c1, c2 = Conn("a"), Conn("b"), Conn("c")
+    assert msgs(core.handle(Register(1, c0, Hello("j", 0, 2, lay), 0.0)))[0][1].mtype == MsgType.WELCOME
+    d = core.handle(Register(2, c1, Hello("j", 1, 2, ((0, 4, int(DType.F32)), (1, 9, int(DType.F16)))), 0.0))
+    (_, _, body), = msgs(d)
+    assert body["code"] == "layout_mismatch" and "key 1: job has 8 float16 elements, this rank 9" in body["message"]
+    core.handle(Register(3, c2, Hello("j", 1, 2), 0.0))  # a rank without a layout joins the registered one
+    hd = core.jobs["j"].handle
+    d = push(core, c0, 0, 2, 0, key=1, nbytes=16, numel=4, handle=hd)  # key 1 is float16 x 8
+    (_, _, body), = msgs(d, c0)
+    assert body["code"] == "mismatch" and "registered layout has 8 float16 elements" in body["message"]
+    d = push(core, c2, 1, 2, 1, key=7, handle=hd)
+    assert "no such key" in msgs(d, c2)[0][2]["message"]
+    push(core, c0, 0, 2, 2, key=0, handle=hd)
+    (red,) = push(core, c2, 1, 2, 2, key=0, handle=hd)
+    assert isinstance(red, Reduce)

@@ -118,3 +118,15 @@ def test_fuzz_control_bodies(data):
 def test_struct_layout_is_little_endian():
     raw = _push(job=0x01020304).pack()
     assert raw[:4] == MAGIC and struct.unpack_from("<I", raw, 8)[0] == 0x01020304
+
+
+def test_hello_layout_round_trips_and_is_validated():
+    from aggregator.protocol import HEADER_SIZE as HS
+
+    msg = hello("j", 0, 2, ((3, 10, 1), (1, 4, 3)))
+    assert parse_hello(msg[HS:]).layout == ((1, 4, 3), (3, 10, 1))
+    for bad, needle in [('[[1, 4]]', "not \\[key"), ('[[1, 0, 1]]', "0 elements"), ('[[1, 4, 9]]', "dtype code 9"),
+                        ('[[1, 4, 1], [1, 5, 1]]', "twice"), ('[]', "list of 1"), ('[[-1, 4, 1]]', "out of range"),
+                        ('[[true, 4, 1]]', "not \\[key")]:
+        with pytest.raises(ProtocolError, match=needle):
+            parse_hello(('{"job":"j","rank":0,"world":2,"layout":%s}' % bad).encode())

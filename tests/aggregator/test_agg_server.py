@@ -267,3 +267,24 @@ def test_a_server_speaking_garbage_gives_an_error_not_a_hang():
     finally:
         stop = True
         lst.close()
+
+
+def test_registered_layouts_give_clear_errors(agg_servers):
+    (srv,) = agg_servers(1)
+    lay = {0: np.zeros(100, np.float32), 1: (50, "float16")}
+    with Client([addr(srv)], "lay", 0, 2, layout=lay) as c0, Client([addr(srv)], "lay", 1, 2, layout=lay) as c1:
+        with pytest.raises(ValueError, match="key 0 has 99 float32 elements; the job's layout says 100"):
+            c0.allreduce(np.zeros(99, np.float32), key=0)
+        with pytest.raises(ValueError, match="not in the layout"):
+            c0.allreduce(np.zeros(4, np.float32), key=5)
+        xs = [np.full(100, float(r), np.float32) for r in range(2)]
+        fs = [c.allreduce_async(x, key=0, round=0) for c, x in zip((c0, c1), xs)]
+        for f in fs:
+            np.testing.assert_array_equal(f.result(10), np.full(100, 0.5, np.float32))
+        other = {0: (100, "float32"), 1: (51, "float16")}
+        with Client([addr(srv)], "lay", 1, 2, layout=other, connect_timeout_s=2) as bad:
+            with pytest.raises(AggregationError, match="key 1: job has 50 float16 elements, this rank 51") as ei:
+                bad.allreduce(np.zeros(100, np.float32), key=0)
+            assert ei.value.code == "layout_mismatch"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Client([addr(srv)], "lay2", 0, 1, layout={0: (4, "int8")})
