@@ -23,6 +23,7 @@ config.register_section("agg", {
     "max_cores": 0,  # 0: every CPU of the machine
     "round_timeout_s": 30.0,
     "telemetry_interval_s": 2.0,
+    "max_job_bytes": 4 << 30,  # unfinished reductions one job may hold in server memory
 })
 
 
@@ -33,6 +34,8 @@ def resolve(cfg: dict) -> dict:
         a["max_cores"] = max(a["min_cores"], os.cpu_count() or 1)
     if not 1 <= a["min_cores"] <= a["max_cores"]:
         raise config.ConfigError(f"agg.min_cores ({a['min_cores']}) must be 1..max_cores ({a['max_cores']})")
+    if a["max_job_bytes"] <= 0:
+        raise config.ConfigError("agg.max_job_bytes must be positive")
     if a["round_timeout_s"] <= 0:
         raise config.ConfigError("agg.round_timeout_s must be positive")
     return {**cfg, "agg": a}

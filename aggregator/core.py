@@ -20,6 +20,8 @@ from aggregator.protocol import DType, Header, Hello, MsgType, Op, control, erro
 ALL = 0xFFFFFFFF  # key/chunk value of an error that covers a whole round
 FAILED_ROUNDS_KEPT = 256  # failed rounds remembered per job, to answer late pushes at once
 
+DEFAULT_MAX_JOB_BYTES = 4 << 30  # per job: bounds what ranks that push unmatched rounds can pin
+
 ConnId = Hashable
 
 
@@ -131,6 +133,7 @@ class JobState:
     layout: dict[int, tuple[int, int]] | None = None  # key -> (elements, dtype code), when registered
     bytes_in: int = 0
     rounds_done: int = 0
+    held_bytes: int = 0  # chunks received and not yet reduced or dropped
 
 
 def _describe(h: Header) -> str:
@@ -151,9 +154,10 @@ def _layout_diff(have: dict[int, tuple[int, int]], new: tuple) -> str:
 class AggregationCore:
     """All jobs of one server.  Not thread-safe: the shell serialises calls."""
 
-    def __init__(self, server_id: str, round_timeout_s: float) -> None:
+    def __init__(self, server_id: str, round_timeout_s: float, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> None:
         self.server_id = server_id
         self.round_timeout_s = round_timeout_s
+        self.max_job_bytes = max_job_bytes
         self.jobs: dict[str, JobState] = {}
         self.conn_job: dict[ConnId, tuple[str, int]] = {}
         self.draining = False
@@ -162,7 +166,7 @@ class AggregationCore:
     # public view for telemetry
     def summary(self) -> dict[str, Any]:
         return {
-            name: {"world": j.world, "ranks": sorted(j.conns), "pending": len(j.units),
+            name: {"world": j.world, "ranks": sorted(j.conns), "pending": len(j.units), "held_bytes": j.held_bytes,
                    "rounds_done": j.rounds_done, "bytes_in": j.bytes_in, "draining_from": j.drain_from}
             for name, j in self.jobs.items()
         }
@@ -246,6 +250,11 @@ class AggregationCore:
                 msg = (f"layout mismatch in job {job.name} round {h.round}: rank {rank} pushed key {h.key} "
                        f"as {h.numel} {DType(h.dtype).label} elements; the registered layout has {exp}")
                 return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
+        if job.held_bytes + h.nbytes > self.max_job_bytes:
+            msg = (f"job {job.name} holds {job.held_bytes} bytes of unfinished reductions on server "
+                   f"{self.server_id}; another {h.nbytes} would pass its limit of {self.max_job_bytes} "
+                   f"(agg.max_job_bytes): are its ranks pushing different rounds?")
+            return [Release((ev.buf,))] + self._fail_round(job, h.round, "over_limit", msg)
         unit_id = h.unit
         unit = job.units.get(unit_id)
         if unit is None:
@@ -266,9 +275,11 @@ class AggregationCore:
         unit.bufs[rank] = ev.buf
         unit.arrived += 1
         job.bytes_in += h.nbytes
+        job.held_bytes += h.nbytes
         if unit.arrived < job.world:
             return []
         del job.units[unit_id]
+        job.held_bytes -= h.nbytes * job.world
         job.rounds_done += 1
         conns = tuple(job.conns.get(r) for r in range(job.world))
         f = unit.first
@@ -286,6 +297,7 @@ class AggregationCore:
         for uid in [u for u in job.units if u[0] == rnd]:
             unit = job.units.pop(uid)
             bufs = tuple(b for b in unit.bufs if b is not None)
+            job.held_bytes -= unit.first.nbytes * len(bufs)
             if bufs:
                 out.append(Release(bufs))
         for conn in job.conns.values():

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from aggregator import kernel
-from aggregator.core import (AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
+from aggregator.core import (DEFAULT_MAX_JOB_BYTES, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
                              Release, Send, Tick)
 from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MsgType, ProtocolError, error, parse_header, parse_hello)
@@ -103,9 +103,9 @@ class _Conn:
 class AggregationServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, server_id: str = "agg0", min_cores: int = 1,
                  max_cores: int = 4, round_timeout_s: float = 30.0, tick_s: float = 0.1,
-                 shrink_after_s: float = 1.0) -> None:
+                 shrink_after_s: float = 1.0, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> None:
         self.server_id = server_id
-        self.core = AggregationCore(server_id, round_timeout_s)
+        self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes)
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
         self._lock = threading.Lock()
@@ -252,9 +252,10 @@ class AggregationServer:
             log.debug("connection %s lost: %s", conn.peer, exc)
         finally:
             self._handle(ConnectionLost(next(self._eids), conn, time.monotonic(), orderly))
-            conn.outq.put(None)  # the sender flushes what is queued (the error) and ends
+            conn.close_after_flush()  # the sender flushes what is queued (an error), shuts the socket down
+            conn.outq.put(None)  # and ends
             self._conns.discard(conn)
-            # let the sender flush a last error before the socket goes
+            # the descriptor itself is closed a little later, once no thread can still be using it
             closer = threading.Timer(0.5, self._finish, args=(conn,))
             closer.daemon = True
             closer.start()
@@ -375,7 +376,8 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
           ready_event: threading.Event | None = None) -> AggregationServer:
     """Run an aggregation server from config until ``stop_event`` is set.
 
-    ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s;
+    ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s,
+    max_job_bytes;
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
     from aggregator.cli import resolve
@@ -383,7 +385,8 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
     cfg = resolve(cfg)
     a = cfg["agg"]
     host, port = split_hostport(a["listen"])
-    server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"]).start()
+    server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"],
+                               max_job_bytes=a["max_job_bytes"]).start()
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
     astop: list = []

@@ -199,3 +199,21 @@ def test_registered_layout_is_checked_at_registration_and_on_every_push():
     push(core, c0, 0, 2, 2, key=0, handle=hd)
     (red,) = push(core, c2, 1, 2, 2, key=0, handle=hd)
     assert isinstance(red, Reduce)
+
+
+def test_a_job_cannot_pin_more_than_its_byte_limit():
+    core = AggregationCore("s", 5.0, max_job_bytes=48)
+    conns, hd = job(core, "j", 2)
+    push(core, conns[0], 0, 2, 0, handle=hd)  # 16 bytes a chunk
+    push(core, conns[0], 0, 2, 1, handle=hd)
+    (red,) = push(core, conns[1], 1, 2, 0, handle=hd)  # 48 held at the peak: allowed
+    assert isinstance(red, Reduce) and core.jobs["j"].held_bytes == 16
+    push(core, conns[0], 0, 2, 2, handle=hd)
+    push(core, conns[0], 0, 2, 3, handle=hd)
+    assert core.jobs["j"].held_bytes == 48
+    d = push(core, conns[0], 0, 2, 4, handle=hd)
+    errs = msgs(d)
+    assert {b["code"] for _, _, b in errs} == {"over_limit"} and "limit of 48" in errs[0][2]["message"]
+    assert core.jobs["j"].held_bytes == 48  # round 4 held nothing; rounds 1-3 still wait
+    core.handle(ConnectionLost(9, conns[1], 1.0))
+    assert core.jobs["j"].held_bytes == 0

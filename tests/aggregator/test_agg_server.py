@@ -288,3 +288,46 @@ def test_registered_layouts_give_clear_errors(agg_servers):
             assert ei.value.code == "layout_mismatch"
     with pytest.raises(ValueError, match="dtype must be one of"):
         Client([addr(srv)], "lay2", 0, 1, layout={0: (4, "int8")})
+
+
+def test_server_survives_a_flood_of_random_and_half_valid_messages(agg_servers):
+    import random
+
+    from aggregator.protocol import HEADER, MAGIC, hello
+
+    (srv,) = agg_servers(1)
+    rng = random.Random(1234)
+    for i in range(120):
+        with socket.create_connection(srv.address, timeout=2) as s:
+            kind = i % 3
+            if kind == 0:  # noise
+                s.sendall(rng.randbytes(rng.randint(1, 300)))
+            else:  # a valid HELLO, then headers with random fields and a payload of the stated size
+                s.sendall(hello("fuzz", 0, rng.choice([1, 2])))
+                for _ in range(3):
+                    n = rng.choice([0, 4, 8, 64, 255])
+                    fields = [rng.choice([0, 1, rng.randrange(2**32)]) for _ in range(5)]
+                    raw = HEADER.pack(MAGIC, 1, rng.randint(0, 9), rng.randint(0, 4), rng.randint(0, 2), fields[0],
+                                      rng.randint(0, 2), rng.randint(0, 2), rng.randrange(4), rng.randrange(3),
+                                      rng.randrange(3), rng.randrange(1, 4), n, rng.choice([1, 2, 16, 64, 2**41]))
+                    try:
+                        s.sendall(raw + rng.randbytes(n))
+                    except (BrokenPipeError, ConnectionResetError):
+                        break  # the server hung up on a bad message: what it should do
+            try:
+                s.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            try:
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
+    with Client([addr(srv)], "after-fuzz", 0, 1) as c:
+        x = np.arange(1000, dtype=np.float32)
+        c.allreduce(x, op="sum")
+        np.testing.assert_array_equal(x, np.arange(1000, dtype=np.float32))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "fuzz" in srv.core.jobs:
+        time.sleep(0.05)
+    assert "fuzz" not in srv.core.jobs  # every fuzzing connection was cleaned up
