@@ -244,15 +244,20 @@ class _ServerLink:
             raise AggregationError(f"lost connection to aggregation server {self.addr}: {exc}", "server_lost",
                                    op.round) from None
 
-    def _lost(self, sock: socket.socket, why: str) -> None:
+    def _lost(self, sock: socket.socket, why: str, reader: bool = False) -> None:
+        """Forget ``sock`` and fail what was in flight on it.  Only its reader thread closes the
+        descriptor (others shut it down, which wakes the reader), so a descriptor number is never
+        reused while a thread may still read from it."""
         with self.lock:
             if self.sock is sock:
                 self.sock = None
             pend, self.pending = self.pending, {}
         try:
-            sock.close()
+            sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if reader:
+            sock.close()
         for op, _, _ in pend.values():
             op.fail(AggregationError(why, "server_lost", op.round))
 
@@ -290,7 +295,7 @@ class _ServerLink:
                     self._read(sock, h.nbytes)
         except (OSError, ConnectionError, ProtocolError, ValueError, KeyError) as exc:
             why = f"lost connection to aggregation server {self.addr}: {exc}"
-        self._lost(sock, why + " (round in flight failed; the next round reconnects)")
+        self._lost(sock, why + " (round in flight failed; the next round reconnects)", reader=True)
 
     def _error(self, h, code: str, message: str) -> None:
         with self.lock:
