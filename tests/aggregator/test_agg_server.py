@@ -331,3 +331,36 @@ def test_server_survives_a_flood_of_random_and_half_valid_messages(agg_servers):
     while time.monotonic() < deadline and "fuzz" in srv.core.jobs:
         time.sleep(0.05)
     assert "fuzz" not in srv.core.jobs  # every fuzzing connection was cleaned up
+
+
+def test_workers_may_start_before_the_server_and_in_any_order():
+    """BytePS users report hangs on start order; here a rank waits (connect_timeout_s) for the server,
+    and ranks join a round whenever they arrive, with no per-tensor set-up."""
+    import threading
+
+    from aggregator import AggregationServer
+    from aggtest import free_port
+
+    port = free_port()
+    results: dict[int, np.ndarray] = {}
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        with Client([f"127.0.0.1:{port}"], "early", r, 2, connect_timeout_s=10) as c:
+            x = np.full(1000, float(r), np.float32)
+            c.allreduce(x)
+            results[r] = x
+
+    threads = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 1.2))]
+    for t in threads:
+        t.start()
+    time.sleep(0.6)  # rank 0 is already retrying its connection
+    srv = AggregationServer("127.0.0.1", port, server_id="late").start()
+    try:
+        for t in threads:
+            t.join(timeout=20)
+        assert set(results) == {0, 1}
+        for x in results.values():
+            np.testing.assert_array_equal(x, np.full(1000, 0.5, np.float32))
+    finally:
+        srv.stop()
