@@ -459,12 +459,27 @@ class SchedulerState:
         ctx = self._ctx()
         keys = self._wait_key
         share_possible = self.profile.share != "never"
+        # Equivalence classes (as kube-scheduler caches them): once a (type, GPUs)
+        # job found no place, its twins will not either until something is placed.
+        failed: set[tuple[str, int, float, float]] = set()
         for rec in sorted(self.waiting.values(), key=lambda r: keys[r.job.id]):
             if self.free_gpus == 0 and not share_possible:
                 break
+            job = rec.job
+            if self.free_gpus < job.gpus and not self._share_ok(rec):
+                if not self.profile.backfill:
+                    break
+                continue
+            cls = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
+            if cls in failed:
+                continue
             placed = self._try_place(rec, ctx, cause, out)
-            if not placed and not self.profile.backfill:
-                break
+            if placed:
+                failed.clear()
+            else:
+                failed.add(cls)
+                if not self.profile.backfill:
+                    break
 
     def _preemptive_pass(self, cause: str, out: list[Decision]) -> None:
         ctx = self._ctx()
