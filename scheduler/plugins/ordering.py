@@ -147,6 +147,7 @@ class GittinsTable:
         total = w.sum()
         if total <= 0:
             self.index = np.ones(n)
+            self._grid, self._index = self.grid.tolist(), self.index.tolist()
             return
         # tail[i] = weight of D >= x[i]; cum_xw[i] = sum_{k<i} w_k x_k
         tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])
@@ -164,10 +165,12 @@ class GittinsTable:
             rate = np.where(spent > 0, done / np.maximum(spent, 1e-12), 0.0)
             index[i] = rate.max()
         self.index = index
+        self._grid = self.grid.tolist()
+        self._index = index.tolist()
 
     def __call__(self, attained: float) -> float:
-        i = int(np.searchsorted(self.grid, attained, side="right")) - 1
-        return float(self.index[max(0, min(i, len(self.index) - 1))])
+        i = bisect.bisect_right(self._grid, attained) - 1
+        return self._index[max(0, min(i, len(self._index) - 1))]
 
     def next_point(self, attained: float) -> float:
         i = int(np.searchsorted(self.grid, attained, side="right"))
