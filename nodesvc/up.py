@@ -1,0 +1,260 @@
+"""``dlshare up``: the whole stack on one machine, as supervised child processes.
+
+It starts the embedded MQTT broker, N node daemons with distinct ids (donors
+of remote memory when that part is installed), and, when those parts are
+installed, the aggregation server and the scheduler service.  It prints where
+everything listens and stops everything, in reverse order, on Ctrl-C.
+``--tour`` runs a short scripted tour of the running stack and then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nodesvc import config, netns
+from nodesvc.broker import split_hostport
+from nodesvc.netns import HostNet
+
+log = logging.getLogger("dlshare.up")
+
+config.register_section("up", {
+    "nodes": 2,
+    "broker_listen": "127.0.0.1:1883",
+    "agg_listen": "127.0.0.1:7700",
+    "sched_listen": "127.0.0.1:7800",
+    "fake_gpus": 4,  # this machine has no GPU: each node simulates this many (marked simulated)
+    "interval": 2.0,
+    "state_dir": "/tmp/dlshare-up",
+    # Run each node daemon in its own network namespace, standing in for a separate host:
+    # "auto" (when root and iproute2 allow it), "on" (fail if they do not) or "off" (all on loopback).
+    "netns": "auto",
+})
+
+
+def _has(mod: str) -> bool:
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _pick(host: str, port: int) -> int:
+    """The configured port, or a free one when it is taken (said in the log)."""
+    if _port_free(host, port):
+        return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        free = s.getsockname()[1]
+    log.warning("port %d on %s is in use; using %d instead", port, host, free)
+    return free
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[3] if len(proc.args) > 3 else proc.args} exited with {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+
+
+@dataclass
+class Stack:
+    broker_url: str = ""
+    node_ids: list[str] = field(default_factory=list)
+    agg_addr: str | None = None
+    sched_url: str | None = None
+    sched_token: str | None = None
+    state_dir: str = ""
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    net: HostNet | None = None
+    node_addrs: dict[str, str] = field(default_factory=dict)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              prefix: list[str] = ()) -> subprocess.Popen:
+        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+        logf = open(Path(self.state_dir) / f"{name}.log", "ab")
+        p = subprocess.Popen([*prefix, sys.executable, "-m", "nodesvc.cli", *argv], stdout=logf,
+                             stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self) -> None:
+        for name, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in reversed(self.procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in 10 s; killing it", name)
+                p.kill()
+                p.wait()
+        self.procs.clear()
+        if self.net is not None:
+            self.net.destroy()
+            self.net = None
+
+
+def _want_netns(mode: str) -> bool:
+    if mode not in ("auto", "on", "off"):
+        raise config.ConfigError(f"up.netns must be auto, on or off, not {mode!r}")
+    if mode == "off":
+        return False
+    reason = netns.available()
+    if reason is None:
+        return True
+    if mode == "on":
+        raise config.ConfigError(f"up.netns = on, but {reason}")
+    log.info("nodes share the loopback network: %s", reason)
+    return False
+
+
+def start(cfg: dict, log_json: bool = False) -> Stack:
+    u = cfg["up"]
+    st = Stack(state_dir=u["state_dir"])
+    try:
+        _start(st, u, log_json)
+    except BaseException:
+        st.stop()
+        raise
+    return st
+
+
+def _start(st: Stack, u: dict, log_json: bool) -> None:
+    common = ["--log-json"] if log_json else []
+    node_ids = [f"node-{i}" for i in range(1, int(u["nodes"]) + 1)]
+    if _want_netns(u["netns"]):
+        st.net = HostNet(node_ids).create()
+    host, port = split_hostport(u["broker_listen"], 1883)
+    port = _pick(host, port)
+    st.broker_url = f"mqtt://{host}:{port}"
+    listen = f"{host}:{port}" + (f",{st.net.gateway}:{port}" if st.net else "")
+    p = st.spawn("broker", ["broker", "--listen", listen, *common])
+    _wait_port(host, port, p)
+    lend = _has("nodesvc.donor")
+    for nid in node_ids:
+        addr = st.net.addrs[nid] if st.net else "127.0.0.1"
+        broker = f"mqtt://{st.net.gateway}:{port}" if st.net else st.broker_url
+        argv = ["node", "--broker", broker, "--node-id", nid, "--interval", str(u["interval"]),
+                "--metrics-listen", f"{addr}:0", "--fake-gpus", str(u["fake_gpus"]), *common]
+        env = {"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)}
+        if lend:
+            argv.append("--lend")
+            env["DLSHARE_DONOR_LISTEN"] = addr  # the slab server listens on this host's own address
+        st.spawn(nid, argv, env=env, prefix=st.net.prefix(nid) if st.net else [])
+        st.node_ids.append(nid)
+        st.node_addrs[nid] = addr
+    if _has("aggregator.cli"):
+        ahost, aport = split_hostport(u["agg_listen"], 7700)
+        if st.net:
+            ahost = st.net.gateway  # reachable from every node's namespace and from here
+        aport = _pick(ahost, aport)
+        p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--broker", st.broker_url, *common])
+        _wait_port(ahost, aport, p)
+        st.agg_addr = f"{ahost}:{aport}"
+    if _has("scheduler.service.cli"):
+        shost, sport = split_hostport(u["sched_listen"], 7800)
+        sport = _pick(shost, sport)
+        token = os.environ.get("DLSHARE_SCHED_TOKEN") or os.urandom(16).hex()
+        p = st.spawn("sched", ["sched", "--listen", f"{shost}:{sport}", "--broker", st.broker_url,
+                               "--db", str(Path(st.state_dir) / "sched.db"), "--token", token, *common])
+        _wait_port(shost, sport, p)
+        st.sched_url, st.sched_token = f"http://{shost}:{sport}", token
+
+
+def describe(st: Stack) -> str:
+    lines = [f"MQTT broker        {st.broker_url}" + (f" (hosts reach it at {st.net.gateway})" if st.net else "")]
+    for nid in st.node_ids:
+        where = f"network namespace {st.net.netns(nid)}, {st.node_addrs[nid]}" if st.net else "loopback"
+        lines.append(f"node daemon        {nid} ({where}; telemetry on dlshare/v1/node/{nid}/telemetry)")
+    if st.agg_addr:
+        lines.append(f"aggregation server tcp://{st.agg_addr}")
+    if st.sched_url:
+        lines.append(f"scheduler API      {st.sched_url}  (status page {st.sched_url}/, token {st.sched_token})")
+    lines.append(f"logs               {st.state_dir}/*.log")
+    return "\n".join(lines)
+
+
+def _run(args, cfg) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
+    st = Stack()
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with console.status("starting the dlshare stack..."):
+            st = start(cfg, cfg["dlshare"]["log_json"])
+            from nodesvc.tour import wait_nodes
+
+            asyncio.run(wait_nodes(st.broker_url, st.node_ids, timeout=30))
+        console.print("[bold]dlshare is up[/bold]")
+        console.print(describe(st))
+        if args.tour:
+            from nodesvc.tour import run_tour
+
+            ok = asyncio.run(run_tour(st, console))
+            return 0 if ok else 1
+        console.print("press Ctrl-C to stop")
+        deadline = time.monotonic() + args.duration if args.duration else None
+        while deadline is None or time.monotonic() < deadline:
+            for name, p in st.procs:
+                if p.poll() is not None:
+                    console.print(f"[red]{name} exited with {p.returncode}; stopping the stack[/red]")
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        with console.status("stopping..."):
+            st.stop()
+        console.print("stopped")
+
+
+def register(sub) -> None:
+    from nodesvc.cli import add_command, config_flag
+
+    p = add_command(sub, "up", _run, "run the whole stack on this machine (broker, nodes, aggregation, scheduler)",
+                    sections=["up"])
+    config_flag(p, "--nodes", "up", "nodes", type=int, help="number of node daemons (default 2)")
+    config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
+    config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
+    config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
+    config_flag(p, "--netns", "up", "netns", choices=["auto", "on", "off"],
+                help="node daemons in network namespaces, as separate hosts (default auto)")
+    p.add_argument("--tour", action="store_true", help="run the scripted tour, then stop")
+    p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: until Ctrl-C)")
