@@ -154,14 +154,14 @@ class GittinsTable:
         cum_xw = np.concatenate([[0.0], np.cumsum(w * x)])
         for i in range(n):
             a = x[i]
-            surv = tail[i]  # mass with D >= a (D in bins i..)
-            if surv <= 0:
+            # Condition on D > a: jobs in bin i finished at a, so survivors are bins i+1..
+            if tail[i + 1] <= 0 or i + 1 >= n:
                 index[i] = index[i - 1] if i else 0.0
                 continue
-            j = np.arange(i, n)
-            done = tail[i] - tail[j + 1]  # mass finishing by x[j]
-            # E[min(D, b) - a ; D >= a] = sum_{k=i..j} w_k (x_k - a) + tail[j+1] (b - a)
-            spent = (cum_xw[j + 1] - cum_xw[i]) - a * done + tail[j + 1] * (x[j] - a)
+            j = np.arange(i + 1, n)
+            done = tail[i + 1] - tail[j + 1]  # mass finishing by x[j]
+            # E[min(D, b) - a ; D > a] = sum_{k=i+1..j} w_k (x_k - a) + tail[j+1] (b - a)
+            spent = (cum_xw[j + 1] - cum_xw[i + 1]) - a * done + tail[j + 1] * (x[j] - a)
             rate = np.where(spent > 0, done / np.maximum(spent, 1e-12), 0.0)
             index[i] = rate.max()
         self.index = index
