@@ -49,11 +49,13 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
                 sensitivity: dict[str, Any] | None = None) -> list[TraceJob]:
     """Parse trace CSV ``text``.  ``throughputs`` (Gavel's v100 table) and
     ``sensitivity`` (Synergy's models) are used to reject unknown models."""
-    reader = csv.reader(io.StringIO(text))
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = [h.strip() for h in next(reader)]
     except StopIteration:
         raise TraceError(f"{source}: empty trace") from None
+    except csv.Error as exc:
+        raise TraceError(f"{source}: row 1 (header): {exc}") from None
     if set(PHILLY) <= set(header):
         kind = "philly"
     elif set(SYNERGY) <= set(header):
@@ -66,7 +68,7 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
     col = {h: i for i, h in enumerate(header)}
     out: list[TraceJob] = []
     seen: set[str] = set()
-    for n, row in enumerate(reader, start=2):
+    for n, row in _rows(reader, source):
         if not row or all(not c.strip() for c in row):
             continue
         if len(row) != len(header):
@@ -121,6 +123,19 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
         raise TraceError(f"{source}: no jobs")
     out.sort(key=lambda j: (j.arrival_s, j.id))
     return out
+
+
+def _rows(reader: Any, source: str) -> Any:
+    n = 1
+    while True:
+        n += 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceError(f"{source}: row {n}: {exc}") from None
+        yield n, row
 
 
 def load_trace(path: str | Path, *, check_models: bool = True) -> list[TraceJob]:
