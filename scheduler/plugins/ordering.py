@@ -185,8 +185,11 @@ class Gittins(_Preemptive):
     durations of jobs that finish (weight ``learn_weight`` each)."""
 
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
-                 quantum_s: float = 360.0) -> None:
+                 quantum_s: float = 360.0, starve_factor: float = 0.0) -> None:
         super().__init__(quantum_s)
+        if starve_factor < 0:
+            raise ValueError("starve_factor must be >= 0")
+        self.starve_factor = float(starve_factor)
         self.table = GittinsTable(_load_prior(prior))
         self.learn = learn
         self.learn_weight = float(learn_weight)
@@ -202,6 +205,11 @@ class Gittins(_Preemptive):
 
     def key(self, rec: JobRecord, ctx: Context) -> Any:
         t = rec.service(ctx.now) / rec.job.gpus
+        # Tiresias's starvation guard: a job that has waited longer than
+        # starve_factor x its attained time goes to the head (oldest first).
+        if (self.starve_factor and rec.run_since is None and t > 0
+                and ctx.now - rec.queued_since > self.starve_factor * t):
+            return (-rec.job.priority, -math.inf, *_tiebreak(rec))
         return (-rec.job.priority, -self.table(t) / rec.job.gpus, *_tiebreak(rec))
 
 
