@@ -206,9 +206,9 @@ class Gittins(_Preemptive):
     def key(self, rec: JobRecord, ctx: Context) -> Any:
         t = rec.service(ctx.now) / rec.job.gpus
         # Tiresias's starvation guard: a job that has waited longer than
-        # starve_factor x its attained time goes to the head (oldest first).
+        # starve_factor x its attained time (at least a round) goes to the head, oldest first.
         if (self.starve_factor and rec.run_since is None and t > 0
-                and ctx.now - rec.queued_since > self.starve_factor * t):
+                and ctx.now - rec.queued_since > self.starve_factor * max(t, self.quantum_s)):
             return (-rec.job.priority, -math.inf, *_tiebreak(rec))
         return (-rec.job.priority, -self.table(t) / rec.job.gpus, *_tiebreak(rec))
 

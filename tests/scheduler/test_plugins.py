@@ -46,6 +46,18 @@ def test_fifo_priority_then_arrival():
     assert order(Fifo(), [rec("b", arrival=2), rec("a", arrival=1), rec("p", arrival=3, prio=1)]) == ["p", "a", "b"]
 
 
+def test_gittins_starvation_guard_promotes_long_waiters():
+    g = Gittins.__new__(Gittins)
+    g.quantum_s, g.learn, g.starve_factor = 360.0, False, 2.0
+    g.table = GittinsTable(np.random.default_rng(1).pareto(1.0, 5000) * 60 + 1)
+    starving = rec("starving", service=100.0)
+    starving.queued_since = 0.0
+    fresh = rec("fresh", service=1.0)
+    fresh.queued_since = 250.0
+    assert order(g, [starving, fresh], now=500) == ["fresh", "starving"]  # waited 500 < 2 x max(100, 360)
+    assert order(g, [starving, fresh], now=800) == ["starving", "fresh"]  # waited 800 > 720; fresh only 550
+
+
 def test_srtf_uses_remaining_oracle_time():
     rs = [rec("long", duration=100), rec("short", duration=50), rec("half", duration=80, service=40)]
     assert order(Srtf(), rs) == ["half", "short", "long"]  # 40, 50, 100 s left
@@ -98,6 +110,7 @@ def test_gittins_prefers_young_jobs_under_heavy_tail_and_counts_gpus():
     g.quantum_s = 360.0
     g.table = GittinsTable(np.random.default_rng(1).pareto(1.0, 5000) * 60 + 1)
     g.learn = False
+    g.starve_factor = 0.0
     assert order(g, [rec("old", service=1e6), rec("young", service=10)]) == ["young", "old"]
     assert order(g, [rec("wide", gpus=8, service=80), rec("narrow", gpus=1, service=10)]) == ["narrow", "wide"]
 
