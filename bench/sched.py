@@ -34,7 +34,9 @@ def add_arguments(parser, seen: set[str]) -> None:
     for flag, kw in (("--trace", {"help": "sched: a trace (path or name) instead of the defaults"}),
                      ("--cluster", {"help": "sched: NODESxGPUS[:CORES:MEMGB] for --trace"}),
                      ("--policies", {"help": "sched: comma-separated profiles (default: all)"}),
-                     ("--seed", {"type": int, "default": 0, "help": "sched: simulation seed"})):
+                     ("--seed", {"type": int, "default": 0, "help": "sched: simulation seed"}),
+                     ("--latency-nodes", {"type": int, "default": 1000,
+                                          "help": "sched: cluster size for the decision-latency probe"})):
         if flag not in seen:
             parser.add_argument(flag, **kw)
             seen.add(flag)
@@ -125,8 +127,10 @@ def run(args) -> dict[str, Any]:
     seed = getattr(args, "seed", 0) or 0
     runs: list[dict[str, Any]] = []
     jcts: dict[tuple[str, str], np.ndarray] = {}
-    for trace_name, cluster_s in pairs:
-        trace = load_trace(data.resolve_trace(trace_name))
+    for trace_arg, cluster_s in pairs:
+        trace_path = data.resolve_trace(trace_arg)
+        trace_name = trace_path.stem
+        trace = load_trace(trace_path)
         cluster = Cluster.parse(cluster_s)
         pols = policies
         if quick and trace_name.startswith("vc_"):
@@ -143,8 +147,9 @@ def run(args) -> dict[str, Any]:
 
     models, X, y = data.colocation_util()
     cv = cross_validate(rows_to_sets(models, X), y)
-    lat = decision_latency("dlshare", decisions=150 if quick else 400)
-    lat_fifo = decision_latency("fifo", decisions=150 if quick else 400)
+    n_lat = getattr(args, "latency_nodes", None) or 1000
+    lat = decision_latency("dlshare", nodes=n_lat, decisions=150 if quick else 400)
+    lat_fifo = decision_latency("fifo", nodes=n_lat, decisions=150 if quick else 400)
 
     def get(trace: str, pol: str, key: str) -> float | None:
         for r in runs:
@@ -160,7 +165,7 @@ def run(args) -> dict[str, Any]:
         "interference_mape_cv": cv["mape"], "interference_mae_cv": cv["mae"],
         "interference_naive_mape_cv": cv["naive_mape"], "interference_mape_floor": cv["floor_mape"],
         "decision_p99_ms_1000_nodes": lat["p99_ms"], "decision_p50_ms_1000_nodes": lat["p50_ms"],
-        "decision_p99_ms_1000_nodes_fifo": lat_fifo["p99_ms"],
+        "decision_p99_ms_1000_nodes_fifo": lat_fifo["p99_ms"], "decision_latency_nodes": n_lat,
         "fidelity_fifo_avg_jct_h": fifo,
         "fidelity_fifo_in_range": (fifo is not None and FIFO_RANGE_H[0] * 0.95 <= fifo <= FIFO_RANGE_H[1] * 1.05),
         "dlshare_vs_best_peer": (dl / BEST_PEER_0E4A51_H) if dl else None,
