@@ -76,7 +76,12 @@ class SchedulerState:
     # ------------------------------------------------------------ public API
 
     def handle(self, *events: Event) -> list[Decision]:
-        """Apply ``events`` in order, then run one scheduling pass."""
+        """Apply ``events`` in order, then run one scheduling pass.
+
+        An event that cannot be applied raises :class:`SchedulerError` before it
+        changes anything; events earlier in the same call stay applied but no
+        pass runs, so a live shell should hand in one event per call (the
+        simulator batches events that share a timestamp)."""
         out: list[Decision] = []
         full_pass = False
         cause = ""
@@ -582,8 +587,11 @@ class SchedulerState:
             t = self.order.next_change(r, ctx)
             if t is not None and t < at:
                 at = t
-        if self.profile.min_run_s:
-            at = max(at if at < math.inf else 0.0, self.now + 1e-6)
+        if self.profile.min_run_s:  # also wake when a protected job may be preempted
+            for r in self.running.values():
+                t = (r.run_since or 0.0) + self.profile.min_run_s
+                if self.now < t < at:
+                    at = t
         if at == math.inf:
             return
         at = max(at, self.now + 1e-6)

@@ -172,3 +172,16 @@ def test_candidates_rank_without_changing_state():
     assert ranked[0][0].node.node.id == st.records["a"].shards[0].node  # consolidate
     assert ranked[0][1] >= ranked[-1][1]
     assert st.candidates(Job("probe", "m", gpus=2), node_ids=["n2"])[0][0].node.node.id == "n2"
+
+
+def test_min_run_protects_young_jobs_and_wakes_when_it_expires(tmp_path):
+    prof = tmp_path / "p.toml"
+    prof.write_text('name="p"\n[order]\nplugin="las"\n[placement]\nmin_run_s=1000\n')
+    st = SchedulerState(load_profile(prof), nodes(1, 4))
+    st.handle(JobArrived("1", 0, Job("old", "m", gpus=4)))
+    out = st.handle(JobArrived("2", 100, Job("new", "m", gpus=4)), Tick("t", 500))
+    assert not any(isinstance(d, Preempt) for d in out)  # 'old' ran only 500 s
+    wakes = [d.at for d in out if isinstance(d, Wakeup)]
+    assert wakes and min(wakes) > 500
+    out = st.handle(Tick("t2", 1001))
+    assert [d.job for d in out if isinstance(d, Preempt)] == ["old"]
