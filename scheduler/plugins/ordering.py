@@ -135,6 +135,14 @@ class GittinsTable:
         self.weights = np.zeros(bins)
         self.add(np.asarray(samples, dtype=float))
 
+    def scaled(self, total_weight: float) -> "GittinsTable":
+        """A copy whose distribution is the same but weighs ``total_weight`` in all."""
+        t = GittinsTable.__new__(GittinsTable)
+        t.grid = self.grid.copy()
+        t.weights = self.weights * (total_weight / max(self.weights.sum(), 1e-12))
+        t._build()
+        return t
+
     def add(self, samples: np.ndarray, weight: float = 1.0) -> None:
         idx = np.clip(np.searchsorted(self.grid, np.maximum(samples, self.grid[0])), 0, len(self.grid) - 1)
         np.add.at(self.weights, idx, weight)
@@ -181,24 +189,45 @@ class GittinsTable:
 class Gittins(_Preemptive):
     """2D-Gittins (Tiresias): the Gittins index of the job's attained time under
     a duration prior (Philly runtimes), divided by its GPU count, so a job's
-    service is counted in GPU-time.  With ``learn`` the prior absorbs the
-    durations of jobs that finish (weight ``learn_weight`` each)."""
+    service is counted in GPU-time.
+
+    ``learn``: the prior absorbs the run times of jobs that finish
+    (``learn_weight`` each).  ``per_type``: each job type (model, batch size,
+    GPUs) gets its own distribution, the global one scaled to ``prior_weight``
+    pseudo-jobs plus the run times of finished jobs of that type: history-based
+    priors, learned online, never from a job's own duration.
+    ``starve_factor``: Tiresias's starvation guard (0 = off).
+    """
 
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
-                 quantum_s: float = 360.0, starve_factor: float = 0.0) -> None:
+                 quantum_s: float = 360.0, starve_factor: float = 0.0, per_type: bool = False,
+                 prior_weight: float = 20.0) -> None:
         super().__init__(quantum_s)
-        if starve_factor < 0:
-            raise ValueError("starve_factor must be >= 0")
+        if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0:
+            raise ValueError("starve_factor, learn_weight must be >= 0 and prior_weight > 0")
         self.starve_factor = float(starve_factor)
         self.table = GittinsTable(_load_prior(prior))
         self.learn = learn
         self.learn_weight = float(learn_weight)
+        self.per_type = per_type
+        self.prior_weight = float(prior_weight)
+        self.types: dict[tuple[str, int], GittinsTable] = {}
         self._pending: list[float] = []
 
+    @staticmethod
+    def _type(rec: JobRecord) -> tuple[str, int]:
+        return (rec.job.job_type, rec.job.gpus)
+
     def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        run_time = rec.job.attained_service / rec.job.gpus
+        if self.per_type:
+            tab = self.types.get(self._type(rec))
+            if tab is None:
+                tab = self.types[self._type(rec)] = self.table.scaled(self.prior_weight)
+            tab.add(np.asarray([run_time]), 1.0)
         if not self.learn:
             return
-        self._pending.append(rec.job.attained_service / rec.job.gpus)
+        self._pending.append(run_time)
         if len(self._pending) >= 10:
             self.table.add(np.asarray(self._pending), self.learn_weight)
             self._pending.clear()
@@ -210,8 +239,8 @@ class Gittins(_Preemptive):
         if (self.starve_factor and rec.run_since is None and t > 0
                 and ctx.now - rec.queued_since > self.starve_factor * max(t, self.quantum_s)):
             return (-rec.job.priority, -math.inf, *_tiebreak(rec))
-        return (-rec.job.priority, -self.table(t) / rec.job.gpus, *_tiebreak(rec))
-
+        tab = self.types.get(self._type(rec), self.table) if self.per_type else self.table
+        return (-rec.job.priority, -tab(t) / rec.job.gpus, *_tiebreak(rec))
 
 
 __all__ = ["Fifo", "Srtf", "Las", "Tiresias", "Gittins", "GittinsTable", "JobState"]

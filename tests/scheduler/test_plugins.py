@@ -47,8 +47,7 @@ def test_fifo_priority_then_arrival():
 
 
 def test_gittins_starvation_guard_promotes_long_waiters():
-    g = Gittins.__new__(Gittins)
-    g.quantum_s, g.learn, g.starve_factor = 360.0, False, 2.0
+    g = Gittins(learn=False, starve_factor=2.0)
     g.table = GittinsTable(np.random.default_rng(1).pareto(1.0, 5000) * 60 + 1)
     starving = rec("starving", service=100.0)
     starving.queued_since = 0.0
@@ -106,11 +105,8 @@ def test_gittins_table_matches_brute_force_on_its_grid():
 
 
 def test_gittins_prefers_young_jobs_under_heavy_tail_and_counts_gpus():
-    g = Gittins.__new__(Gittins)
-    g.quantum_s = 360.0
+    g = Gittins(learn=False)
     g.table = GittinsTable(np.random.default_rng(1).pareto(1.0, 5000) * 60 + 1)
-    g.learn = False
-    g.starve_factor = 0.0
     assert order(g, [rec("old", service=1e6), rec("young", service=10)]) == ["young", "old"]
     assert order(g, [rec("wide", gpus=8, service=80), rec("narrow", gpus=1, service=10)]) == ["narrow", "wide"]
 
@@ -200,3 +196,19 @@ def test_horus_and_iadeep_profiles_share_when_full():
         st.handle(JobArrived("1", 0, Job("a", "A")))
         out = st.handle(JobArrived("2", 0, Job("b", "B")))
         assert st.records["b"].shards, prof
+
+
+def test_gittins_per_type_priors_learn_from_finished_jobs():
+    g = Gittins(per_type=True, prior_weight=5.0, learn=False)
+    short_type = [rec(f"s{i}", model="short", service=600.0) for i in range(30)]
+    for r in short_type:
+        g.observe_finished(r, ctx())
+    long_type = [rec(f"l{i}", model="long", service=5e5) for i in range(30)]
+    for r in long_type:
+        g.observe_finished(r, ctx())
+    # two fresh jobs with equal attained time: the type that finishes fast goes first
+    a, b = rec("a", model="long", service=300.0), rec("b", model="short", service=300.0)
+    assert order(g, [a, b]) == ["b", "a"]
+    assert ("short", 1) in g.types and ("long", 1) in g.types
+    # an unseen type falls back on the global prior
+    assert g.key(rec("c", model="new", service=300.0), ctx())[1] == -g.table(300.0)
