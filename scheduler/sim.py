@@ -285,6 +285,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         decisions = state.handle(*batch)
         n_decisions += len(decisions)
         touched: dict[str, None] = {}
+        placed_now: set[str] = set()
         for ev in batch:
             if isinstance(ev, JobFinished):
                 sj = jobs[ev.job]
@@ -301,6 +302,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
             if on_decision is not None:
                 on_decision(d)
             if isinstance(d, Place):
+                placed_now.add(d.job)
                 sj = jobs[d.job]
                 sj.shards_nodes = [s.node for s in d.shards]  # type: ignore[attr-defined]
                 if d.resumed and restart_overhead_s:
@@ -341,8 +343,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                     continue
                 sp = speed_of(sj)
                 if sp is None:  # the pair does not fit on the device: the newcomer fails to start
-                    reschedule(sj, t, 0.0)
-                    push(t, _FAIL, jid)
+                    reschedule(sj, t, 0.0)  # the resident stalls only until the failure is handled
+                    if jid in placed_now:
+                        push(t, _FAIL, jid)
                 elif abs(sp - sj.speed) > 1e-12:
                     reschedule(sj, t, sp)
         if bar and n_events % 2000 == 0:
