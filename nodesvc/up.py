@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ config.register_section("up", {
     # Run each node daemon in its own network namespace, standing in for a separate host:
     # "auto" (when root and iproute2 allow it), "on" (fail if they do not) or "off" (all on loopback).
     "netns": "auto",
+    # "amqtt": the embedded pure-Python broker (dlshare broker); "mosquitto": the production broker.
+    "broker": "amqtt",
 })
 
 
@@ -95,10 +98,12 @@ class Stack:
     node_addrs: dict[str, str] = field(default_factory=dict)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-              prefix: list[str] = ()) -> subprocess.Popen:
+              prefix: list[str] = (), raw: list[str] | None = None) -> subprocess.Popen:
+        """Start ``dlshare ARGV`` (or the ``raw`` command) as a supervised child, logging to state_dir."""
         Path(self.state_dir).mkdir(parents=True, exist_ok=True)
         logf = open(Path(self.state_dir) / f"{name}.log", "ab")
-        p = subprocess.Popen([*prefix, sys.executable, "-m", "nodesvc.cli", *argv], stdout=logf,
+        cmd = raw if raw is not None else [*prefix, sys.executable, "-m", "nodesvc.cli", *argv]
+        p = subprocess.Popen(cmd, stdout=logf,
                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
                              cwd=Path(__file__).resolve().parent.parent)
         self.procs.append((name, p))
@@ -155,7 +160,19 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
     port = _pick(host, port)
     st.broker_url = f"mqtt://{host}:{port}"
     listen = f"{host}:{port}" + (f",{st.net.gateway}:{port}" if st.net else "")
-    p = st.spawn("broker", ["broker", "--listen", listen, *common])
+    if u["broker"] == "mosquitto":
+        exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not os.path.exists(exe):
+            raise config.ConfigError("up.broker = mosquitto, but mosquitto is not installed (apt-get install mosquitto)")
+        Path(st.state_dir).mkdir(parents=True, exist_ok=True)
+        conf = Path(st.state_dir) / "mosquitto.conf"
+        conf.write_text("".join(f"listener {a.rpartition(':')[2]} {a.rpartition(':')[0]}\n" for a in listen.split(","))
+                        + "allow_anonymous true\npersistence false\n")
+        p = st.spawn("broker", [], raw=[exe, "-c", str(conf)])
+    elif u["broker"] == "amqtt":
+        p = st.spawn("broker", ["broker", "--listen", listen, *common])
+    else:
+        raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
     _wait_port(host, port, p)
     lend = _has("nodesvc.donor")
     for nid in node_ids:
@@ -254,6 +271,8 @@ def register(sub) -> None:
     config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
     config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
     config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
+    config_flag(p, "--broker", "up", "broker", choices=["amqtt", "mosquitto"],
+                help="which MQTT broker to run (default amqtt, the embedded one)")
     config_flag(p, "--netns", "up", "netns", choices=["auto", "on", "off"],
                 help="node daemons in network namespaces, as separate hosts (default auto)")
     p.add_argument("--tour", action="store_true", help="run the scripted tour, then stop")
