@@ -97,16 +97,17 @@ def _plot(runs: list[dict[str, Any]], jcts: dict[tuple[str, str], np.ndarray], o
     files = []
     for trace in sorted({r["trace"] for r in runs}):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in runs:
-            if r["trace"] != trace:
-                continue
+        mine = [r for r in runs if r["trace"] == trace]
+        colours = plt.get_cmap("tab20").colors
+        for i, r in enumerate(mine):
             v = np.sort(jcts[(trace, r["policy"])] / 3600.0)
-            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r["policy"],
-                    linewidth=2.2 if r["policy"] == "dlshare" else 1.0)
+            ours = r["policy"] == "dlshare"
+            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r["policy"], linewidth=2.4 if ours else 1.0,
+                    color="black" if ours else colours[(2 * i) % 20])
         ax.set_xscale("log")
         ax.set_xlabel("job completion time (h)")
         ax.set_ylabel("fraction of jobs")
-        ax.set_title(f"JCT CDF: {trace} ({r['cluster']})")
+        ax.set_title(f"JCT CDF: {trace}, cluster {mine[0]['cluster']}")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         p = out_dir / f"sched_jct_cdf_{trace}.png"
