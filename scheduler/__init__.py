@@ -30,7 +30,8 @@ Core (:mod:`scheduler.state`)
     (id -> JobRecord), ``state.nodes`` (id -> NodeState), ``state.waiting``, ``state.running``,
     ``state.queue()`` (waiting jobs in start order), ``state.candidates(job, node_ids=None)``
     (feasible placements with weighted scores 0-100 x weight, best first; changes nothing: for
-    the Kubernetes extender's filter/prioritize).
+    the Kubernetes extender's filter/prioritize), ``state.explain(job, node_ids=None)``
+    (node -> reason for each node that cannot take the job: the extender's ``FailedNodes``).
 
     A live shell does: on submit ``JobArrived``; on a node's telemetry ``NodeReport``; on
     a job exit ``JobFinished``; on the Last Will ``NodeLost``; on a ``Wakeup(at)`` a timer that

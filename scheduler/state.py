@@ -125,6 +125,37 @@ class SchedulerState(SchedulingPasses):
         cands = [c if c.gpus else Candidate(c.node, c.node.free_indices()[:job.gpus], (), c.more) for c in cands]
         return self._rank(rec, cands, ctx)
 
+    def explain(self, job: Job, node_ids: Iterable[str] | None = None) -> dict[str, str]:
+        """Why ``job`` cannot go on each node that has no feasible placement for
+        it (node id -> reason), as the Kubernetes extender's ``FailedNodes``
+        wants.  Nodes that would take it are absent.  Changes nothing."""
+        rec = self.records.get(job.id) or JobRecord(job=job, queued_since=self.now)
+        ctx = self._ctx()
+        ids = list(node_ids) if node_ids is not None else list(self.nodes)
+        cands = self._candidates(rec, ctx, limit=False, allowed=set(ids))
+        ok = {c.node.node.id for c in cands} | {ns.node.id for c in cands for ns, _ in c.more}
+        out: dict[str, str] = {}
+        for nid in ids:
+            if nid in ok:
+                continue
+            ns = self.nodes.get(nid)
+            if ns is None:
+                out[nid] = "unknown node"
+            elif not ns.alive:
+                out[nid] = "node offline"
+            elif job.gpus > ns.node.gpus and job.gpus > self.free_gpus:
+                out[nid] = f"needs {job.gpus} GPUs; {self.free_gpus} free in the cluster"
+            elif ns.free_gpus < job.gpus and not self._share_ok(rec):
+                out[nid] = f"needs {job.gpus} free GPUs, node has {ns.free_gpus}"
+            else:
+                cand = Candidate(ns, ns.free_indices()[:job.gpus])
+                if not self._fits_resources(rec, cand, ctx):
+                    out[nid] = "not enough CPU or memory for the job's minimum"
+                else:
+                    reasons = [r for f in self.filters if (r := f.filter(rec, cand, ctx))]
+                    out[nid] = reasons[0] if reasons else "no GPU it may share"
+        return out
+
     # ------------------------------------------------------------ events
 
     def _apply(self, ev: Event, out: list[Decision]) -> bool:
