@@ -92,9 +92,14 @@ class SchedulerState(SchedulingPasses):
         for ev in events:
             if ev.now < self.now - 1e-9:
                 raise SchedulerError(f"event {ev.id}: time went backwards ({ev.now} < {self.now})")
+            before = self.now
             self.now = max(self.now, ev.now)
             cause = ev.id
-            full_pass |= self._apply(ev, out)
+            try:
+                full_pass |= self._apply(ev, out)
+            except SchedulerError:
+                self.now = before
+                raise
         if events:
             self._schedule(cause, full_pass or not self.order.preemptive, out)
         return out
