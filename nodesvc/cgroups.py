@@ -223,21 +223,7 @@ class CgroupV2:
         g = self.path(job)
         if not g.exists():
             return
-        for pid in self.pids(job):
-            try:
-                _write(self.leaf / "cgroup.procs", str(pid))
-            except CgroupError:
-                log.warning("could not move pid %d out of %s", pid, g)
-        try:
-            g.rmdir()
-        except OSError as exc:
-            # A fake tree (tests) holds regular files; the kernel's does not.
-            if exc.errno == errno.ENOTEMPTY and not (g / "cgroup.events").exists():
-                for f in g.iterdir():
-                    f.unlink()
-                g.rmdir()
-            else:
-                raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+        _empty_and_remove(g, self.leaf / "cgroup.procs", kernel_file="cgroup.events")
 
 
 class CgroupV1:
@@ -352,24 +338,8 @@ class CgroupV1:
     def release(self, job: str) -> None:
         for c, b in self.bases.items():
             g = b / job
-            if not g.exists():
-                continue
-            procs = g / "cgroup.procs"
-            for pid in (_read(procs).split() if procs.exists() else []):
-                try:
-                    _write(b.parent / "cgroup.procs", pid)
-                except CgroupError:
-                    log.warning("could not move pid %s out of %s", pid, g)
-            try:
-                g.rmdir()
-            except OSError as exc:
-                # A fake tree (tests) holds regular files; the kernel's has "tasks".
-                if exc.errno == errno.ENOTEMPTY and not (g / "tasks").exists():
-                    for f in g.iterdir():
-                        f.unlink()
-                    g.rmdir()
-                else:
-                    raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+            if g.exists():
+                _empty_and_remove(g, b.parent / "cgroup.procs", kernel_file="tasks")
 
 
 class NoCgroups:
@@ -397,6 +367,29 @@ class NoCgroups:
 
     def release(self, job: str) -> None:
         return None
+
+
+def _empty_and_remove(g: Path, target_procs: Path, kernel_file: str) -> None:
+    """Move the group's processes to ``target_procs``, then remove the group.
+
+    ``kernel_file`` is one the kernel always creates in a group; where it is
+    missing this is a fake tree (tests), whose regular files must go first.
+    """
+    procs = g / "cgroup.procs"
+    for pid in (_read(procs).split() if procs.exists() else []):
+        try:
+            _write(target_procs, pid)
+        except CgroupError:
+            log.warning("could not move pid %s out of %s", pid, g)
+    try:
+        g.rmdir()
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY and not (g / kernel_file).exists():
+            for f in g.iterdir():
+                f.unlink()
+            g.rmdir()
+        else:
+            raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
 
 
 def _cleanup(base: Path) -> int:
