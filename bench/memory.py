@@ -4,6 +4,8 @@ One run measures, on this machine:
 
 - local memcpy bandwidth (numpy copy);
 - a raw Python socket 4 KiB request/response round trip (server in another process);
+  (the latency series, ours and the baselines, are measured in interleaved turns so that
+  the shared machine's drift hits all of them alike)
 - redis-py 4 KiB GET against a redis-server the bench starts on a free port;
 - our 4 KiB random read through ``RemoteBuffer.read`` (replicas=2, checksums on), p50/p99,
   and the same read at the C call (one segment) for reference;
@@ -114,15 +116,18 @@ while True:
 """
 
 
-def raw_socket_rtt(n: int) -> np.ndarray:
-    """A 16-byte request answered with 4 KiB by a Python server in another process."""
-    p = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE)
-    try:
-        port = int(p.stdout.readline())
-        c = socket.create_connection(("127.0.0.1", port))
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = bytearray(PAGE)
-        mv = memoryview(buf)
+class EchoBaseline:
+    """A Python server in another process answering a 16-byte request with 4 KiB."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE)
+        port = int(self.proc.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray(PAGE)
+
+    def measure(self, n: int) -> np.ndarray:
+        c, mv = self.sock, memoryview(self.buf)
         lat = np.empty(n, dtype=np.int64)
         for i in range(n):
             t = time.perf_counter_ns()
@@ -131,36 +136,43 @@ def raw_socket_rtt(n: int) -> np.ndarray:
             while got < PAGE:
                 got += c.recv_into(mv[got:])
             lat[i] = time.perf_counter_ns() - t
-        c.close()
         return lat
-    finally:
-        _stop(p)
+
+    def close(self) -> None:
+        self.sock.close()
+        _stop(self.proc)
 
 
-def redis_get_4k(n: int) -> tuple[np.ndarray | None, str | None]:
-    exe = shutil.which("redis-server")
-    if not exe:
-        return None, "redis-server is not installed"
-    import redis
+class RedisBaseline:
+    """redis-py GET of a 4 KiB value from a redis-server started on a free port."""
 
-    port = _free_port()
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_port(port, p)
-        r = redis.Redis(host="127.0.0.1", port=port)
-        r.set("k", b"v" * PAGE)
+    def __init__(self) -> None:
+        import redis
+
+        exe = shutil.which("redis-server")
+        if not exe:
+            raise FileNotFoundError("redis-server is not installed")
+        port = _free_port()
+        self.proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(port, self.proc)
+        self.r = redis.Redis(host="127.0.0.1", port=port)
+        self.r.set("k", b"v" * PAGE)
         for _ in range(200):
-            r.get("k")
+            self.r.get("k")
+
+    def measure(self, n: int) -> np.ndarray:
         lat = np.empty(n, dtype=np.int64)
+        get = self.r.get
         for i in range(n):
             t = time.perf_counter_ns()
-            r.get("k")
+            get("k")
             lat[i] = time.perf_counter_ns() - t
-        r.close()
-        return lat, None
-    finally:
-        _stop(p)
+        return lat
+
+    def close(self) -> None:
+        self.r.close()
+        _stop(self.proc)
 
 
 _SINK = r"""
@@ -263,10 +275,9 @@ def _wait(pred, timeout: float, what: str):
 # --- our path ------------------------------------------------------------------------------------
 
 def our_latency(buf, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """RemoteBuffer.read of random 4 KiB pages, and the same read at the C call."""
     out = np.empty(PAGE, dtype=np.uint8)
     pages = rng.integers(0, buf.npages, n)
-    for p in pages[:200]:
-        buf.read(int(p) * PAGE, PAGE, out)
     lat = np.empty(n, dtype=np.int64)
     for i, p in enumerate(pages):
         t = time.perf_counter_ns()
@@ -279,9 +290,23 @@ def our_latency(buf, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
     c_lat = np.empty(n, dtype=np.int64)
     for i, p in enumerate(rng.integers(0, ext.npages, n)):
         t = time.perf_counter_ns()
-        ep.read_one(rep.slab, rep.token, int(p) * PAGE, PAGE, out, crc=True)
+        ep.read_one(rep.slab, rep.token, int(p) * PAGE, PAGE, out, local_crc=True)
         c_lat[i] = time.perf_counter_ns() - t
     return lat, c_lat
+
+
+def interleaved_latency(buf, n: int, rng, baselines: dict[str, Any], rounds: int = 6) -> dict[str, np.ndarray]:
+    """Every series in short turns, so that the shared machine's drift hits all of them alike."""
+    chunk = max(100, n // rounds)
+    series: dict[str, list[np.ndarray]] = {"ours": [], "c_call": [], **{k: [] for k in baselines}}
+    our_latency(buf, 200, rng)  # warm up
+    for _ in range(rounds):
+        for name, b in baselines.items():
+            series[name].append(b.measure(chunk))
+        ours, c_call = our_latency(buf, chunk, rng)
+        series["ours"].append(ours)
+        series["c_call"].append(c_call)
+    return {k: np.concatenate(v) for k, v in series.items() if v}
 
 
 def our_throughput(buf, nbytes: int, rng, reps: int) -> tuple[float, float]:
@@ -383,14 +408,11 @@ def run(args) -> dict[str, Any]:
     t_start = time.perf_counter()
 
     m["memcpy_gbps"] = memcpy_gbps(64 * MIB if quick else 512 * MIB)
-    raw = raw_socket_rtt(n_lat)
-    m["raw_socket_rtt_p50_us"], m["raw_socket_rtt_p99_us"] = _pcts(raw)
-    red, why = redis_get_4k(n_lat)
-    if red is not None:
-        m["redis_get_4k_p50_us"], m["redis_get_4k_p99_us"] = _pcts(red)
-    else:
-        m["redis_get_4k_p50_us"] = None
-        notes.append(f"redis baseline skipped: {why}")
+    baselines: dict[str, Any] = {"raw": EchoBaseline()}
+    try:
+        baselines["redis"] = RedisBaseline()
+    except Exception as exc:  # noqa: BLE001 - reported, the rest of the bench still runs
+        notes.append(f"redis baseline skipped: {exc}")
 
     tmp = Path(tempfile.mkdtemp(prefix="dlshare-bench-mem-"))
     cluster = Cluster(n_donors, slab, tmp)
@@ -407,7 +429,13 @@ def run(args) -> dict[str, Any]:
             fill = rng.integers(0, 256, 16 * MIB, dtype=np.uint8)
             for off in range(0, main_bytes, len(fill)):
                 buf.write(off, fill[: min(len(fill), main_bytes - off)])
-            lat, c_lat = our_latency(buf, n_lat, rng)
+            lats = interleaved_latency(buf, n_lat, rng, baselines)
+            raw, red, lat, c_lat = lats["raw"], lats.get("redis"), lats["ours"], lats["c_call"]
+            m["raw_socket_rtt_p50_us"], m["raw_socket_rtt_p99_us"] = _pcts(raw)
+            if red is not None:
+                m["redis_get_4k_p50_us"], m["redis_get_4k_p99_us"] = _pcts(red)
+            else:
+                m["redis_get_4k_p50_us"] = m["redis_get_4k_p99_us"] = None
             m["read_4k_p50_us"], m["read_4k_p99_us"] = _pcts(lat)
             m["read_4k_c_call_p50_us"], m["read_4k_c_call_p99_us"] = _pcts(c_lat)
             # the shared machine's speed drifts: measure the loopback baseline right before
@@ -427,6 +455,8 @@ def run(args) -> dict[str, Any]:
             mem.close()
     finally:
         cluster.close()
+        for b in baselines.values():
+            b.close()
         shutil.rmtree(tmp, ignore_errors=True)
     m["slab_bytes"] = slab
     m["donors"] = n_donors
