@@ -65,7 +65,7 @@ struct dls_server {
     worker *workers;
     pthread_rwlock_t lock;
     slab **slabs;
-    uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out;
+    uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out, refused;
 };
 
 static char LISTEN_TAG, STOP_TAG;
@@ -353,6 +353,11 @@ static void accept_all(worker *w) {
     for (;;) {
         int fd = accept4(w->s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) return; /* EAGAIN, or a transient error: nothing more now */
+        if (LOAD(&w->s->open_connections) >= DLS_MAX_CONNECTIONS) {
+            close(fd); /* a flood of connections must not exhaust the donor */
+            ADD(&w->s->refused, 1);
+            continue;
+        }
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         conn *c = calloc(1, sizeof *c);
@@ -549,4 +554,5 @@ void dls_server_get_counters(dls_server *s, dls_server_counters *o) {
     o->bad_frames = LOAD(&s->bad_frames);
     o->bytes_in = LOAD(&s->bytes_in);
     o->bytes_out = LOAD(&s->bytes_out);
+    o->refused = LOAD(&s->refused);
 }

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #define DLS_MAX_SLAB_ID 65536
+#define DLS_MAX_CONNECTIONS 4096 /* per server; more are closed on accept */
 
 typedef struct dls_server dls_server;
 
@@ -18,7 +19,7 @@ typedef struct dls_slab_stats {
 } dls_slab_stats;
 
 typedef struct dls_server_counters {
-    uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out;
+    uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out, refused;
 } dls_server_counters;
 
 /* Listen on host:port (port 0 picks a free one) with `nthreads` workers. */

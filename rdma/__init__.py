@@ -1,6 +1,16 @@
 """dlshare remote memory: the Python face of csrc/.
 
-Public names are re-exported here on purpose; everything else is private.
+    from rdma import RemoteMemory, SpillCache
+
+    with RemoteMemory(broker="mqtt://127.0.0.1:1883", replicas=2) as mem:
+        buf = mem.alloc(1 << 30)              # slabs on 2 donors per extent
+        buf.write(0, array)                   # to every copy
+        out = buf.read(4096, 4096)            # from one live copy, page CRCs checked
+        pages = buf.read_pages([7, 3, 900])   # batched gather, pipelined in C
+        cache = SpillCache(4 << 30, remote=mem)  # key -> bytes, LRU locally, spills to mem
+
+Donors are node daemons started with ``lend = true`` (nodesvc/donor.py).  Public
+names are re-exported here on purpose; everything else is private.
 """
 
 from rdma.native import crc32c

@@ -125,7 +125,8 @@ class SlabServer:
         c = ffi.new("dls_server_counters *")
         lib.dls_server_get_counters(self._s, c)
         return {k: int(getattr(c, k)) for k in
-                ("connections", "open_connections", "requests", "errors", "bad_frames", "bytes_in", "bytes_out")}
+                ("connections", "open_connections", "requests", "errors", "bad_frames", "bytes_in", "bytes_out",
+                 "refused")}
 
     def stop(self) -> None:
         with self._lock:
