@@ -61,7 +61,7 @@ typedef struct worker {
 } worker;
 
 struct dls_server {
-    int lfd, port, nthreads;
+    int lfd, port, nthreads, max_conns;
     worker *workers;
     pthread_rwlock_t lock;
     slab **slabs;
@@ -353,7 +353,7 @@ static void accept_all(worker *w) {
     for (;;) {
         int fd = accept4(w->s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) return; /* EAGAIN, or a transient error: nothing more now */
-        if (LOAD(&w->s->open_connections) >= DLS_MAX_CONNECTIONS) {
+        if (LOAD(&w->s->open_connections) >= (uint64_t)w->s->max_conns) {
             close(fd); /* a flood of connections must not exhaust the donor */
             ADD(&w->s->refused, 1);
             continue;
@@ -407,7 +407,7 @@ static void set_err(char *err, size_t len, const char *what, int e) {
     if (len) snprintf(err, len, "%s: %s", what, strerror(e));
 }
 
-dls_server *dls_server_start(const char *host, int port, int nthreads, char *err, size_t err_len) {
+dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     dls_server *s = calloc(1, sizeof *s);
@@ -415,6 +415,7 @@ dls_server *dls_server_start(const char *host, int port, int nthreads, char *err
     s->slabs = calloc(DLS_MAX_SLAB_ID, sizeof(slab *));
     s->workers = calloc((size_t)nthreads, sizeof(worker));
     s->lfd = -1;
+    s->max_conns = max_conns > 0 ? max_conns : DLS_MAX_CONNECTIONS;
     if (!s->slabs || !s->workers) goto fail;
     pthread_rwlockattr_t attr;
     pthread_rwlockattr_init(&attr);

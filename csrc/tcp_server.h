@@ -22,8 +22,9 @@ typedef struct dls_server_counters {
     uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out, refused;
 } dls_server_counters;
 
-/* Listen on host:port (port 0 picks a free one) with `nthreads` workers. */
-dls_server *dls_server_start(const char *host, int port, int nthreads, char *err, size_t err_len);
+/* Listen on host:port (port 0 picks a free one) with `nthreads` workers, closing
+ * connections beyond `max_conns` on accept (0: DLS_MAX_CONNECTIONS). */
+dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len);
 int dls_server_port(const dls_server *s);
 void dls_server_stop(dls_server *s);
 /* Serve [base, base+size) as slab `id` under `token` (16 bytes).  0, or an error status. */

@@ -94,9 +94,9 @@ class SlabStats:
 class SlabServer:
     """The C slab server (epoll worker threads); slabs are added and removed from Python."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 2) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 2, max_connections: int = 0) -> None:
         err = ffi.new("char[256]")
-        self._s = lib.dls_server_start(host.encode(), int(port), int(threads), err, 256)
+        self._s = lib.dls_server_start(host.encode(), int(port), int(threads), int(max_connections), err, 256)
         if self._s == ffi.NULL:
             raise OSError(f"slab server on {host}:{port}: {ffi.string(err).decode()}")
         self.host = host

@@ -329,3 +329,35 @@ def test_responses_queue_correctly_when_the_reader_is_slow(served):
                 assert data[pos:pos + seg.length] == want
                 assert int(crcs[k]) == crc32c(want)
                 pos += seg.length
+
+
+def test_connection_flood_is_capped_and_served_clients_carry_on():
+    srv = SlabServer(max_connections=4)
+    reg = Region(1 << 20)
+    tok = random_token()
+    srv.add_slab(0, reg, tok)
+    try:
+        eps = [Endpoint("127.0.0.1", srv.port) for _ in range(4)]
+        for ep in eps:
+            ep.ping()  # these four are in
+        extra = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(3)]
+        for s in extra:
+            s.settimeout(5)
+            assert s.recv(1) == b""  # closed at once
+            s.close()
+        assert srv.counters()["refused"] == 3
+        eps[0].write(0, tok, [0], [3], b"abc")
+        out = np.zeros(3, np.uint8)
+        eps[1].read(0, tok, [0], [3], out)
+        assert out.tobytes() == b"abc"
+        eps[3].close()
+        import time
+
+        time.sleep(0.2)
+        with Endpoint("127.0.0.1", srv.port) as again:  # a freed place can be taken
+            again.ping()
+        for ep in eps[:3]:
+            ep.close()
+    finally:
+        srv.stop()
+        reg.release()
