@@ -217,16 +217,30 @@ class RemoteBuffer:
     def _read_page(self, p: int, dst: np.ndarray) -> None:
         """One page: the small random read, kept short (one C call, one CRC compare)."""
         ext = self.extents[bisect.bisect_right(self._start_list, p) - 1]
-        for rep in ext.replicas:
+        reps = ext.replicas
+        n = len(reps)
+        off = (p - ext.first_page) * self.page
+        for k in range(n):
+            rep = reps[(p + k) % n]  # spread single-page reads over the copies
             if rep.state != LIVE:
                 continue
             try:
-                crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, (p - ext.first_page) * self.page,
-                                                       self.page, dst, local_crc=self.checksums)
+                crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, off, self.page, dst,
+                                                       local_crc=self.checksums)
             except (RemoteMemoryError, ConnectionError):
                 break  # the general path below fails over and reports it
             if not self.checksums or crc == self.page_crc[p]:
                 return
+            with ext.lock:  # not a write racing this read?  then this copy is bad
+                try:
+                    crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, off, self.page, dst,
+                                                           local_crc=True)
+                except (RemoteMemoryError, ConnectionError):
+                    break
+                if crc == self.page_crc[p]:
+                    return
+                self.mem._replica_failed(self, ext, rep, RemoteMemoryError(
+                    wire.E_CRC, f"page {p} of slab {rep.slab} on {rep.node} does not match what was written"))
             break
         self._read_run(p, 1, dst[: self.page])
 
@@ -286,7 +300,9 @@ class RemoteBuffer:
             if not candidates:
                 raise DataLostError(wire.E_IO, f"extent {ext.index}: no live copy left "
                                                f"({[r.describe() for r in ext.replicas]})")
-            rep = candidates[0]
+            live = [r for r in candidates if r.state == LIVE]
+            # spread extents' reads over their live copies; a copy being evicted only as a last resort
+            rep = live[(ext.index + int(pages[0])) % len(live)] if live else candidates[0]
             tried.add(id(rep))
             try:
                 crcs = self.mem._endpoint(rep).read(rep.slab, rep.token, offs, lens, dst, local_crc=self.checksums)

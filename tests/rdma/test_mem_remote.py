@@ -61,6 +61,14 @@ def test_replicated_buffer_roundtrip(broker, donor_factory):
         assert np.array_equal(buf.read(SLAB, PAGE), data[SLAB:SLAB + PAGE])
         assert bad not in ext.replicas or bad.state != LIVE
         assert mem.wait_healthy(buf, 20)
+        # the same through a batched read, on the copy that batch reads from
+        ext2 = buf.extents[2]
+        live2 = [r for r in ext2.replicas if r.state == LIVE]
+        bad2 = live2[(ext2.index + ext2.first_page) % len(live2)]
+        mem._endpoint(bad2).write(bad2.slab, bad2.token, [5 * PAGE], [PAGE], np.zeros(PAGE, np.uint8))
+        assert np.array_equal(buf.read(2 * SLAB, SLAB), data[2 * SLAB:3 * SLAB])
+        assert bad2.state != LIVE
+        assert mem.wait_healthy(buf, 20)
         assert np.array_equal(buf.read(0, len(buf)), data)
         buf.free()
     # every slab went back
