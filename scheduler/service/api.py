@@ -1,0 +1,129 @@
+"""The HTTP API (FastAPI): job launchers' endpoints, the cluster view, the status page
+and the Kubernetes extender.
+
+Authentication: every ``/v1`` and ``/k8s`` endpoint needs ``Authorization: Bearer
+<token>``.  The status page ``/`` and its data ``/status.json`` are read-only and
+need the token too, given either as the header or once as ``/?token=...`` (the
+page then keeps it in the URL of its own refreshes).  ``/healthz``,
+``/openapi.json`` and ``/docs`` are open: they reveal no cluster state.
+"""
+
+
+import hmac
+import logging
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from scheduler.service import k8s, status_page
+from scheduler.service.live import SchedulerService
+from scheduler.service.models import ClusterView, ErrorBody, Job, JobEvents, JobList, JobSpec, JobState
+from scheduler.service.store import ConflictError
+
+log = logging.getLogger("dlshare.sched.api")
+
+_AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
+}
+_NOT_FOUND = {404: {"model": ErrorBody, "description": "no job with this id"}}
+_INVALID = {422: {"description": "the request does not validate; `detail` lists each field and rule broken"}}
+
+
+def create_app(service: SchedulerService, token: str) -> FastAPI:
+    app = FastAPI(
+        title="dlshare scheduler",
+        version="1",
+        description="Job-launcher API, cluster view and Kubernetes scheduler extender of dlshare. "
+        "Send `Authorization: Bearer <token>` (the token is in `<db>.token` unless configured).",
+    )
+    bearer = HTTPBearer(auto_error=False, description="the service token")
+
+    def check_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if creds is None or creds.scheme.lower() != "bearer":
+            raise HTTPException(401, "missing bearer token: send 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(creds.credentials.encode(), token.encode()):
+            raise HTTPException(401, "wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_page_token(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+                         tok: Annotated[str | None, Query(alias="token", description="the service token")] = None) -> str:
+        given = tok if tok is not None else (creds.credentials if creds is not None else None)
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "the status page needs the token: open /?token=<token>")
+        return given
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            errors.append({"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type"),
+                           "field": loc or "(body)"})
+        summary = "; ".join(f"{e['field']}: {e['msg']}" for e in errors)
+        return JSONResponse({"detail": errors, "message": f"invalid request: {summary}"}, status_code=422)
+
+    auth = [Depends(check_token)]
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/jobs", status_code=201, response_model=Job, dependencies=auth, tags=["jobs"],
+              responses={**_AUTH_RESPONSES, **_INVALID, 200: {"model": Job, "description": "an identical job with this id existed"},
+                         409: {"model": ErrorBody, "description": "a job with this id exists with a different spec"}})
+    async def submit(spec: JobSpec) -> Any:
+        try:
+            row, created = service.submit(spec.model_dump())
+        except ConflictError as exc:
+            raise HTTPException(409, str(exc)) from None
+        body = Job.model_validate(row.as_api()).model_dump(mode="json")
+        return JSONResponse(body, status_code=201 if created else 200)
+
+    @app.get("/v1/jobs", response_model=JobList, dependencies=auth, tags=["jobs"],
+             responses={**_AUTH_RESPONSES, **_INVALID})
+    async def list_jobs(state: Annotated[list[JobState] | None, Query(description="filter by state")] = None,
+                        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+                        offset: Annotated[int, Query(ge=0, le=1 << 40)] = 0) -> Any:
+        rows, total = service.store.list_jobs(states=state, limit=limit, offset=offset)
+        return {"jobs": [r.as_api() for r in rows], "total": total}
+
+    @app.get("/v1/jobs/{job_id}", response_model=Job, dependencies=auth, tags=["jobs"],
+             responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
+    async def get_job(job_id: str) -> Any:
+        row = service.store.get_job(job_id)
+        if row is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        return row.as_api()
+
+    @app.delete("/v1/jobs/{job_id}", response_model=Job, dependencies=auth, tags=["jobs"],
+                responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
+    async def cancel_job(job_id: str) -> Any:
+        row = await service.cancel(job_id)
+        if row is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        return row.as_api()
+
+    @app.get("/v1/jobs/{job_id}/events", response_model=JobEvents, dependencies=auth, tags=["jobs"],
+             responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
+    async def job_events(job_id: str, after: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Any:
+        if service.store.get_job(job_id) is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        return {"job": job_id, "events": service.store.events(job=job_id, after=after)}
+
+    @app.get("/v1/cluster", response_model=ClusterView, dependencies=auth, tags=["cluster"],
+             responses=_AUTH_RESPONSES)
+    async def cluster() -> Any:
+        return service.cluster()
+
+    @app.get("/", response_class=HTMLResponse, tags=["status"],
+             responses={**_AUTH_RESPONSES, **_INVALID})
+    async def status(tok: Annotated[str, Depends(check_page_token)],
+                     refresh: Annotated[int, Query(ge=1, le=3600, description="seconds between refreshes")] = 3) -> Any:
+        jobs, _ = service.store.list_jobs(limit=200, offset=max(0, service.store.list_jobs(limit=1)[1] - 200))
+        return HTMLResponse(status_page.render(service.cluster(), [j.as_api() for j in jobs], tok, refresh))
+
+    k8s.add_routes(app, service, auth)
+    return app
