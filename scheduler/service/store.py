@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sqlite3
 import threading
 import time
@@ -65,6 +66,13 @@ CREATE TABLE IF NOT EXISTS decisions (
     reply TEXT
 );
 CREATE INDEX IF NOT EXISTS decisions_state ON decisions(state);
+CREATE TABLE IF NOT EXISTS core_events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    batch INTEGER NOT NULL,
+    payload TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS core_events_batch ON core_events(batch, seq);
 """
 
 
@@ -279,6 +287,44 @@ class JobStore:
             db.execute("UPDATE decisions SET state=?, reply=? WHERE id=?",
                        (state, json.dumps(reply) if reply is not None else None, decision_id))
 
+    def record_batch(self, batch: int, events: list[tuple[str, str]], decisions: list[DecisionRow]) -> list[bool]:
+        """Log one batch of core events (id, JSON payload) and the decisions it produced, atomically.
+        Returns, per decision, True if it is new (False: replayed, already recorded)."""
+        out = []
+        with self.tx() as db:
+            db.executemany("INSERT OR IGNORE INTO core_events (id, batch, payload) VALUES (?,?,?)",
+                           [(eid, batch, payload) for eid, payload in events])
+            now = self.clock()
+            for d in decisions:
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO decisions (id, ts, kind, job, node, data, state) VALUES (?,?,?,?,?,?,?)",
+                    (d.id, now, d.kind, d.job, d.node, json.dumps(d.data, sort_keys=True), d.state))
+                out.append(cur.rowcount == 1)
+        return out
+
+    def core_batches(self) -> Iterator[tuple[int, list[str]]]:
+        """The logged core events, batch by batch, in order (for replay at start)."""
+        with self._lock:
+            rows = self.db.execute("SELECT batch, payload FROM core_events ORDER BY seq").fetchall()
+        cur_batch, acc = None, []
+        for b, payload in rows:
+            if b != cur_batch and acc:
+                yield cur_batch, acc
+                acc = []
+            cur_batch = b
+            acc.append(payload)
+        if acc:
+            yield cur_batch, acc
+
+    def last_batch(self) -> int:
+        with self._lock:
+            r = self.db.execute("SELECT MAX(batch) FROM core_events").fetchone()
+        return int(r[0] or 0)
+
+    def decision_states(self) -> dict[str, str]:
+        with self._lock:
+            return {r[0]: r[1] for r in self.db.execute("SELECT id, state FROM decisions").fetchall()}
+
     def pending_decisions(self) -> list[DecisionRow]:
         with self._lock:
             ids = [r[0] for r in self.db.execute(
@@ -293,13 +339,13 @@ def load_or_create_token(db_path: str, configured: str = "") -> str:
         return configured
     tpath = Path(db_path).with_name(Path(db_path).name + ".token") if db_path != ":memory:" else None
     if tpath is None:
-        return uuid.uuid4().hex + uuid.uuid4().hex
+        return secrets.token_urlsafe(32)
     if tpath.exists():
         tok = tpath.read_text().strip()
         if tok:
             return tok
     tpath.parent.mkdir(parents=True, exist_ok=True)
-    tok = uuid.uuid4().hex + uuid.uuid4().hex
+    tok = secrets.token_urlsafe(32)
     fd = os.open(tpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(tok + "\n")
