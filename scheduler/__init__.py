@@ -1,1 +1,73 @@
-"""dlshare interference-aware scheduler."""
+"""dlshare's interference-aware scheduler: a pure core, plugins, predictors and a simulator.
+
+Public API (import from ``scheduler``)
+======================================
+
+Model (:mod:`scheduler.model`)
+    ``Job(id, model, batch_size=0, gpus=1, cpus=0.0, memory_bytes=0, priority=0, arrival=0.0,
+    attained_service=0.0, state=JobState.QUEUED, duration=None, features=None, gpu_memory_bytes=0)``;
+    ``JobState`` (queued, running, preempted, done, failed); ``Node(id, gpus, cores, memory_bytes,
+    lendable_bytes=0, gpu_memory_bytes=32 GiB)``; ``Shard(node, gpus)``; ``Allocation(cpus, memory_bytes)``;
+    ``JobRecord`` (the core's per-job bookkeeping: ``shards``, ``allocation``, ``queueing_delay``...).
+    ``cpus``/``memory_bytes`` of 0 mean "let the allocation plugin decide".
+
+Events (:mod:`scheduler.events`), each with ``id: str`` and ``now: float`` (seconds, the caller's clock)
+    ``JobArrived(id, now, job)``, ``JobFinished(id, now, job, failed=False, reason="")``,
+    ``JobCancelled(id, now, job, reason)``, ``PlacementFailed(id, now, job, reason)``,
+    ``Tick(id, now)``, ``NodeReport(id, now, node, gpu_util=(), cpu_percent=None,
+    memory_available_bytes=None, jobs={job: JobSample(sm_percent, mem_percent, speed)})``
+    (the first report of a node registers it), ``NodeLost(id, now, node)``.
+
+Decisions, each with ``cause`` (the id of the event that produced it)
+    ``Place(cause, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the first
+    shard), ``Preempt(cause, job, reason)``, ``Allocate(cause, job, node, cpus, memory_bytes)``,
+    ``Reject(cause, job, reason)``, ``Wakeup(cause, at)`` (send a ``Tick`` at ``at``).
+
+Core (:mod:`scheduler.state`)
+    ``SchedulerState(profile, nodes=(), *, predictors=None, rng=random.Random(seed))``;
+    ``state.handle(*events) -> list[Decision]`` (raises ``SchedulerError``, a ``ValueError``, for an
+    event it cannot apply, leaving the state unchanged for that event); ``state.records``
+    (id -> JobRecord), ``state.nodes`` (id -> NodeState), ``state.waiting``, ``state.running``,
+    ``state.queue()`` (waiting jobs in start order), ``state.candidates(job, node_ids=None)``
+    (feasible placements with weighted scores 0-100 x weight, best first; changes nothing: for
+    the Kubernetes extender's filter/prioritize).
+
+    A live shell does: on submit ``JobArrived``; on a node's telemetry ``NodeReport``; on
+    a job exit ``JobFinished``; on the Last Will ``NodeLost``; on a ``Wakeup(at)`` a timer that
+    sends ``Tick`` at ``at``; and it carries out ``Place`` (run), ``Preempt`` (stop, then the job
+    is queued again by the core), ``Allocate`` (node ``allocate`` command). ``Place`` is
+    followed by the ``Allocate`` decisions for that node in the same list.
+
+Profiles (:mod:`scheduler.profile`)
+    ``load_profile(name_or_toml_path) -> Profile`` (packaged: ``packaged_profiles()``:
+    fifo, srtf, las, tiresias, gittins, spread, gandiva, horus, iadeep, synergy, dlshare);
+    ``ProfileError``. Plugins: :mod:`scheduler.framework` (``register``, ``available``).
+
+Predictors (:mod:`scheduler.predictors`)
+    ``Predictors`` (bundle; ``Predictors.from_data()`` trains on the shared data),
+    ``InterferencePredictor``, ``UtilisationPredictor`` / ``graph_features``, ``SensitivityModel``;
+    each with ``fit``/``predict``/``update``.
+
+Simulator (:mod:`scheduler.sim`)
+    ``load_trace(path) -> list[TraceJob]`` (``TraceError`` names the row), ``Cluster.parse("16x4")``,
+    ``simulate(trace, cluster, profile, seed=0) -> SimResult`` (JCT mean/median/p99, makespan,
+    queueing delay, GPU/CPU/memory utilisation).
+
+Data (:mod:`scheduler.data`): ``data_dir()``, ``path(rel)``; ``dlshare data fetch`` fills the cache.
+"""
+
+from scheduler.events import (
+    Allocate, Decision, Event, JobArrived, JobCancelled, JobFinished, JobSample, NodeLost, NodeReport, Place,
+    PlacementFailed, Preempt, Reject, Tick, Wakeup,
+)
+from scheduler.model import Allocation, Job, JobRecord, JobState, Node, Shard
+from scheduler.predictors import Predictors
+from scheduler.profile import Profile, ProfileError, load_profile, packaged_profiles
+from scheduler.state import SchedulerError, SchedulerState
+
+__all__ = [
+    "Allocate", "Allocation", "Decision", "Event", "Job", "JobArrived", "JobCancelled", "JobFinished",
+    "JobRecord", "JobSample", "JobState", "Node", "NodeLost", "NodeReport", "Place", "PlacementFailed",
+    "Preempt", "Predictors", "Profile", "ProfileError", "Reject", "SchedulerError", "SchedulerState", "Shard",
+    "Tick", "Wakeup", "load_profile", "packaged_profiles",
+]

@@ -1,0 +1,156 @@
+"""Events the scheduler core consumes and decisions it returns.
+
+Every event carries ``id`` (unique, chosen by the sender: a replay of the same
+events reproduces the same decisions) and ``now`` (seconds on the sender's
+clock; the core never reads a clock).  Every decision carries ``cause``, the id
+of the event that produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from scheduler.model import Job, Node, Shard
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str
+    now: float
+
+
+@dataclass(frozen=True)
+class JobArrived(Event):
+    """A job was submitted.  The core copies ``job`` and owns the copy."""
+
+    job: Job
+
+
+@dataclass(frozen=True)
+class JobFinished(Event):
+    """A job's processes exited: ``failed`` when the exit was abnormal."""
+
+    job: str
+    failed: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class JobCancelled(Event):
+    """The user withdrew a job (queued or running).  It ends as failed."""
+
+    job: str
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True)
+class PlacementFailed(Event):
+    """A placement could not be carried out (device out of memory at start,
+    node refused).  The job is requeued; when it was co-located, that pairing
+    of job types is remembered as incompatible."""
+
+    job: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    """Time passed: preemptive policies re-evaluate (also the answer to a :class:`Wakeup`)."""
+
+
+@dataclass(frozen=True)
+class JobSample:
+    """One job's measured figures on a node: SM and memory-bandwidth utilisation
+    (percent, of the devices it uses) and its normalised speed (throughput now /
+    throughput alone; ``None`` when unknown)."""
+
+    sm_percent: float | None = None
+    mem_percent: float | None = None
+    speed: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeReport(Event):
+    """A node's resources and telemetry.  The first report registers the node;
+    later ones update its resources (e.g. lendable memory) and feed the online
+    predictors.  ``gpu_util`` is per-device utilisation in percent,
+    ``jobs`` maps job id -> :class:`JobSample`."""
+
+    node: Node
+    gpu_util: tuple[float, ...] = ()
+    cpu_percent: float | None = None
+    memory_available_bytes: int | None = None
+    jobs: Mapping[str, JobSample] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeLost(Event):
+    """A node went away (Last Will, missed telemetry).  Its jobs are requeued."""
+
+    node: str
+
+
+# ---------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Decision:
+    cause: str
+
+
+@dataclass(frozen=True)
+class Place(Decision):
+    """Start (or resume, after a preemption) ``job`` on ``shards``.
+    ``colocated_with`` lists jobs already on any of those GPUs."""
+
+    job: str
+    shards: tuple[Shard, ...]
+    colocated_with: tuple[str, ...] = ()
+    resumed: bool = False
+
+    @property
+    def node(self) -> str:
+        """The (first) node: most jobs fit on one."""
+        return self.shards[0].node
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """GPU indices on :attr:`node`."""
+        return self.shards[0].gpus
+
+
+@dataclass(frozen=True)
+class Preempt(Decision):
+    """Stop ``job`` (checkpoint and exit); it goes back to the queue as preempted."""
+
+    job: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Allocate(Decision):
+    """Give ``job`` ``cpus`` cores and ``memory_bytes`` host memory on ``node``
+    (sent after a placement and whenever the node's split changes)."""
+
+    job: str
+    node: str
+    cpus: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Reject(Decision):
+    """``job`` can never run here (e.g. more GPUs than the cluster has); it is failed."""
+
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wakeup(Decision):
+    """The core wants a :class:`Tick` at ``at`` (a queue boundary, a quantum end)."""
+
+    at: float

@@ -1,0 +1,154 @@
+"""The plugin framework (after the Kubernetes scheduling framework).
+
+Four extension points, one small interface each:
+
+* :class:`QueueSort` ("order"): ``key(record, ctx)``; lower keys run first.
+  ``preemptive`` sorts decide every pass which jobs *should* run and preempt
+  the rest; non-preemptive ones only start queued jobs.  ``next_change`` lets
+  the core ask for a :class:`~scheduler.events.Wakeup` when a job's key will
+  move (a queue boundary, a quantum).
+* :class:`Filter`: ``filter(record, candidate, ctx) -> None | reason``.
+* :class:`Score`: ``score(record, candidate, ctx) -> float`` (raw, higher is
+  better).  The core min-max normalises each plugin's scores over the feasible
+  candidates to 0-100 and adds them with the profile's weights.
+* :class:`Allocator` ("allocate"): splits a node's CPU cores and host memory
+  between the jobs on it.
+
+A :class:`Candidate` is one way to place a job: a set of GPUs on one node (or
+whole nodes for a job larger than a node), with the jobs already resident on
+them when the placement shares GPUs.
+
+Plugins are registered by name with :func:`register`; a profile
+(:mod:`scheduler.profile`) names the ones it uses, with arguments.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from scheduler.model import Allocation, JobRecord, Node
+
+if TYPE_CHECKING:  # pragma: no cover
+    from scheduler.predictors import Predictors
+
+
+@dataclass
+class NodeState:
+    """The core's live view of one node."""
+
+    node: Node
+    residents: list[list[str]]  # per GPU: ids of the jobs on it
+    free_gpus: int
+    alive: bool = True
+    gpu_util: tuple[float, ...] = ()
+    cpu_percent: float | None = None
+    memory_available_bytes: int | None = None
+    jobs: dict[str, int] = field(default_factory=dict)  # job -> GPUs it holds here
+
+    @classmethod
+    def fresh(cls, node: Node) -> "NodeState":
+        return cls(node=node, residents=[[] for _ in range(node.gpus)], free_gpus=node.gpus)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to place a job: ``gpus`` on ``node`` (plus ``more`` shards for
+    jobs that span nodes); ``residents`` are the jobs already on those GPUs."""
+
+    node: NodeState
+    gpus: tuple[int, ...]
+    residents: tuple[str, ...] = ()
+    more: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.residents)
+
+
+@dataclass
+class Context:
+    """What plugins may read while the core decides.  Read-only by convention."""
+
+    now: float
+    records: dict[str, JobRecord]
+    nodes: dict[str, NodeState]
+    predictors: "Predictors"
+    rng: random.Random
+    total_gpus: int = 0
+    free_gpus: int = 0
+
+
+class QueueSort(Protocol):
+    name: ClassVar[str]
+    preemptive: bool
+
+    def key(self, rec: JobRecord, ctx: Context) -> Any: ...
+
+    def next_change(self, rec: JobRecord, ctx: Context) -> float | None: ...
+
+
+class Filter(Protocol):
+    name: ClassVar[str]
+
+    def filter(self, rec: JobRecord, cand: Candidate, ctx: Context) -> str | None: ...
+
+
+class Score(Protocol):
+    name: ClassVar[str]
+
+    def score(self, rec: JobRecord, cand: Candidate, ctx: Context) -> float: ...
+
+
+class Allocator(Protocol):
+    name: ClassVar[str]
+
+    def demand(self, rec: JobRecord, node: NodeState, gpus_here: int, ctx: Context) -> Allocation:
+        """The least this job needs on ``node`` to run (used to filter)."""
+        ...
+
+    def split(self, node: NodeState, ctx: Context) -> dict[str, Allocation]:
+        """CPU cores and host memory for every job on ``node``."""
+        ...
+
+
+KINDS = ("order", "filter", "score", "allocate")
+_REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in KINDS}
+
+
+def register(kind: str, name: str) -> Callable[[type], type]:
+    """Class decorator: make plugin ``name`` of ``kind`` available to profiles."""
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown plugin kind {kind!r}")
+
+    def deco(cls: type) -> type:
+        cls.name = name
+        _REGISTRY[kind][name] = cls
+        return cls
+
+    return deco
+
+
+def build(kind: str, name: str, args: dict[str, Any] | None = None) -> Any:
+    """Instantiate plugin ``name`` of ``kind`` with ``args``; a clear error if unknown."""
+    _load_builtin()
+    try:
+        cls = _REGISTRY[kind][name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY.get(kind, {})))
+        raise ValueError(f"unknown {kind} plugin {name!r} (known: {known})") from None
+    try:
+        return cls(**(args or {}))
+    except TypeError as exc:
+        raise ValueError(f"{kind} plugin {name!r}: bad arguments {args!r}: {exc}") from None
+
+
+def available(kind: str) -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY[kind])
+
+
+def _load_builtin() -> None:
+    import scheduler.plugins  # noqa: F401  (registers the built-in plugins)

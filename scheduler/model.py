@@ -1,0 +1,150 @@
+"""The scheduler's domain model: jobs, nodes and where a job runs.
+
+Everything here is plain data.  :class:`Job` and :class:`Node` are what a
+launcher submits and what a node daemon reports; the scheduler core
+(:mod:`scheduler.state`) owns the live copies and changes them only while it
+handles an event.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+
+
+class JobState(str, enum.Enum):
+    """Life cycle: queued -> running <-> preempted -> done | failed."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def active(self) -> bool:
+        return self in (JobState.QUEUED, JobState.RUNNING, JobState.PREEMPTED)
+
+
+@dataclass
+class Job:
+    """A training job as the scheduler sees it.
+
+    ``id``, ``model``, ``batch_size``, ``gpus`` identify the work; ``cpus`` and
+    ``memory_bytes`` are what the launcher asked for (0 means "decide for me":
+    the allocation plugin picks).  ``arrival`` is in seconds on the caller's
+    clock.  ``attained_service`` is GPU-seconds received so far (Tiresias's
+    service measure); the core keeps it.  ``duration`` is the isolated run time
+    in seconds: only an oracle policy (SRTF) reads it, and it is ``None`` in
+    production.  ``features`` holds computation-graph features
+    (:class:`scheduler.predictors.utilisation.GraphFeatures` as a dict) when the
+    launcher extracted them.  ``gpu_memory_bytes`` is the per-GPU footprint when
+    known (0 = unknown).
+    """
+
+    id: str
+    model: str
+    batch_size: int = 0
+    gpus: int = 1
+    cpus: float = 0.0
+    memory_bytes: int = 0
+    priority: int = 0
+    arrival: float = 0.0
+    attained_service: float = 0.0
+    state: JobState = JobState.QUEUED
+    duration: float | None = None
+    features: dict[str, float] | None = None
+    gpu_memory_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("job id must not be empty")
+        if self.gpus < 1:
+            raise ValueError(f"job {self.id}: gpus must be >= 1, got {self.gpus}")
+        if self.cpus < 0 or self.memory_bytes < 0:
+            raise ValueError(f"job {self.id}: cpus and memory_bytes must be >= 0")
+        if self.arrival < 0:
+            raise ValueError(f"job {self.id}: arrival must be >= 0, got {self.arrival}")
+        if isinstance(self.state, str) and not isinstance(self.state, JobState):
+            self.state = JobState(self.state)
+
+    @property
+    def job_type(self) -> str:
+        """Model and batch size: the key interference and speed are learned under."""
+        return f"{self.model}@{self.batch_size}" if self.batch_size else self.model
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "model": self.model, "batch_size": self.batch_size, "gpus": self.gpus,
+            "cpus": self.cpus, "memory_bytes": self.memory_bytes, "priority": self.priority,
+            "arrival": self.arrival, "attained_service": self.attained_service,
+            "state": self.state.value, "duration": self.duration, "features": self.features,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Job":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+@dataclass
+class Node:
+    """A server: ``gpus`` devices of ``gpu_memory_bytes`` each, ``cores`` CPU
+    cores, ``memory_bytes`` host memory, of which ``lendable_bytes`` are
+    currently idle and lendable (remote memory; reported by the donor)."""
+
+    id: str
+    gpus: int
+    cores: int
+    memory_bytes: int
+    lendable_bytes: int = 0
+    gpu_memory_bytes: int = 32 * GiB  # a V100-32GB, the device Gavel's throughputs were measured on
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("node id must not be empty")
+        if self.gpus < 0 or self.cores < 0 or self.memory_bytes < 0 or self.lendable_bytes < 0:
+            raise ValueError(f"node {self.id}: resources must be >= 0")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a job on one node: the node and the GPU indices it uses there."""
+
+    node: str
+    gpus: tuple[int, ...]
+
+
+@dataclass
+class Allocation:
+    """CPU cores and host memory granted to a job on one node."""
+
+    cpus: float
+    memory_bytes: int
+
+
+@dataclass
+class JobRecord:
+    """The core's bookkeeping for one job (the :class:`Job` plus where and since when it runs)."""
+
+    job: Job
+    shards: tuple[Shard, ...] = ()
+    run_since: float | None = None  # when the current run began (None when not running)
+    first_start: float | None = None
+    finished_at: float | None = None
+    queued_since: float = 0.0
+    queueing_delay: float = 0.0  # total time spent waiting (queued or preempted)
+    preemptions: int = 0
+    allocation: dict[str, Allocation] = field(default_factory=dict)
+    speed: float = 1.0  # last measured normalised speed (1 = as fast as alone)
+
+    def service(self, now: float) -> float:
+        """Attained GPU-seconds at ``now`` (computed lazily, so no per-event sweep)."""
+        s = self.job.attained_service
+        if self.run_since is not None:
+            s += self.job.gpus * max(0.0, now - self.run_since)
+        return s

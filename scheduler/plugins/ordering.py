@@ -1,0 +1,206 @@
+"""Queue-sort plugins: FIFO, SRTF (oracle), LAS, 2D-LAS (Tiresias) and 2D-Gittins."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+import numpy as np
+
+from scheduler.framework import Context, register
+from scheduler.model import JobRecord, JobState
+
+
+def _tiebreak(rec: JobRecord) -> tuple[float, str]:
+    return (rec.job.arrival, rec.job.id)
+
+
+@register("order", "fifo")
+class Fifo:
+    """Arrival order, higher ``priority`` first.  Never preempts."""
+
+    preemptive = False
+
+    def key(self, rec: JobRecord, ctx: Context) -> Any:
+        return (-rec.job.priority, *_tiebreak(rec))
+
+    def next_change(self, rec: JobRecord, ctx: Context) -> float | None:
+        return None
+
+
+class _Preemptive:
+    preemptive = True
+
+    def __init__(self, quantum_s: float = 360.0) -> None:
+        # 360 s: Gavel's round length, the granularity its preemptive policies decide at.
+        if quantum_s <= 0:
+            raise ValueError("quantum_s must be > 0")
+        self.quantum_s = float(quantum_s)
+
+    def next_change(self, rec: JobRecord, ctx: Context) -> float | None:
+        return ctx.now + self.quantum_s
+
+
+@register("order", "srtf")
+class Srtf(_Preemptive):
+    """Shortest remaining time first, from the job's true ``duration`` (an oracle:
+    for reference only; jobs without a duration go last)."""
+
+    def key(self, rec: JobRecord, ctx: Context) -> Any:
+        d = rec.job.duration
+        rem = math.inf if d is None else d - rec.service(ctx.now) / rec.job.gpus
+        return (-rec.job.priority, rem, *_tiebreak(rec))
+
+
+@register("order", "las")
+class Las(_Preemptive):
+    """Least attained service (GPU-seconds) first, re-evaluated every quantum."""
+
+    def key(self, rec: JobRecord, ctx: Context) -> Any:
+        return (-rec.job.priority, rec.service(ctx.now), *_tiebreak(rec))
+
+
+def _load_prior(prior: str) -> np.ndarray:
+    if prior == "philly":
+        from scheduler import data
+
+        return data.philly_runtimes()
+    raise ValueError(f"unknown duration prior {prior!r} (known: philly)")
+
+
+@register("order", "tiresias")
+class Tiresias(_Preemptive):
+    """2D-LAS: discretised queues on attained GPU-time, FIFO inside a queue.
+
+    ``thresholds`` (GPU-seconds) may be given; by default they come from the
+    scale of the work itself: quantiles ``quantiles`` of the GPU-time of jobs
+    that finished so far, starting from the Philly duration prior, so a trace of
+    multi-day jobs does not collapse into one queue as Tiresias's fixed
+    3,250/7,200/18,000 GPU-s do.
+    """
+
+    def __init__(self, thresholds: list[float] | None = None, quantiles: list[float] = (0.5, 0.8, 0.95),
+                 prior: str = "philly", quantum_s: float = 360.0, min_samples: int = 20) -> None:
+        super().__init__(quantum_s)
+        self.fixed = thresholds is not None
+        if thresholds is not None:
+            if sorted(thresholds) != list(thresholds) or any(t <= 0 for t in thresholds):
+                raise ValueError("thresholds must be positive and increasing")
+            self.thresholds = [float(t) for t in thresholds]
+        else:
+            self.quantiles = [float(q) for q in quantiles]
+            self.prior = np.sort(_load_prior(prior)) if prior else np.array([])
+            self.seen: list[float] = []
+            self.min_samples = min_samples
+            self.thresholds = self._from(self.prior)
+
+    def _from(self, sample: np.ndarray) -> list[float]:
+        if len(sample) == 0:
+            return [3600.0]
+        qs = np.quantile(sample, self.quantiles)
+        return sorted({max(1.0, float(q)) for q in qs})
+
+    def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        if self.fixed:
+            return
+        bisect.insort(self.seen, rec.job.attained_service)
+        if len(self.seen) >= self.min_samples:
+            self.thresholds = self._from(np.asarray(self.seen))
+
+    def queue_of(self, service: float) -> int:
+        return bisect.bisect_right(self.thresholds, service)
+
+    def key(self, rec: JobRecord, ctx: Context) -> Any:
+        return (-rec.job.priority, self.queue_of(rec.service(ctx.now)), *_tiebreak(rec))
+
+    def next_change(self, rec: JobRecord, ctx: Context) -> float | None:
+        s = rec.service(ctx.now)
+        q = self.queue_of(s)
+        if q >= len(self.thresholds):
+            return ctx.now + self.quantum_s
+        return min(ctx.now + self.quantum_s, ctx.now + (self.thresholds[q] - s) / rec.job.gpus + 1e-6)
+
+
+class GittinsTable:
+    """Gittins index of a duration distribution on a log-spaced grid of attained time.
+
+    index(a) = max over b > a of P(D <= b | D > a) / E[min(D, b) - a | D > a]:
+    the best completion rate per unit of further service.  Built from weighted
+    samples (a histogram), so finished jobs can be added online.
+    """
+
+    def __init__(self, samples: np.ndarray, lo: float = 1.0, hi: float = 3e7, bins: int = 160) -> None:
+        self.grid = np.geomspace(lo, hi, bins)
+        self.weights = np.zeros(bins)
+        self.add(np.asarray(samples, dtype=float))
+
+    def add(self, samples: np.ndarray, weight: float = 1.0) -> None:
+        idx = np.clip(np.searchsorted(self.grid, np.maximum(samples, self.grid[0])), 0, len(self.grid) - 1)
+        np.add.at(self.weights, idx, weight)
+        self._build()
+
+    def _build(self) -> None:
+        x, w = self.grid, self.weights
+        n = len(x)
+        index = np.zeros(n)
+        total = w.sum()
+        if total <= 0:
+            self.index = np.ones(n)
+            return
+        # tail[i] = weight of D >= x[i]; cum_xw[i] = sum_{k<i} w_k x_k
+        tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])
+        cum_xw = np.concatenate([[0.0], np.cumsum(w * x)])
+        for i in range(n):
+            a = x[i]
+            surv = tail[i]  # mass with D >= a (D in bins i..)
+            if surv <= 0:
+                index[i] = index[i - 1] if i else 0.0
+                continue
+            j = np.arange(i, n)
+            done = tail[i] - tail[j + 1]  # mass finishing by x[j]
+            # E[min(D, b) - a ; D >= a] = sum_{k=i..j} w_k (x_k - a) + tail[j+1] (b - a)
+            spent = (cum_xw[j + 1] - cum_xw[i]) - a * done + tail[j + 1] * (x[j] - a)
+            rate = np.where(spent > 0, done / np.maximum(spent, 1e-12), 0.0)
+            index[i] = rate.max()
+        self.index = index
+
+    def __call__(self, attained: float) -> float:
+        i = int(np.searchsorted(self.grid, attained, side="right")) - 1
+        return float(self.index[max(0, min(i, len(self.index) - 1))])
+
+    def next_point(self, attained: float) -> float:
+        i = int(np.searchsorted(self.grid, attained, side="right"))
+        return float(self.grid[i]) if i < len(self.grid) else math.inf
+
+
+@register("order", "gittins")
+class Gittins(_Preemptive):
+    """2D-Gittins (Tiresias): the Gittins index of the job's attained time under
+    a duration prior (Philly runtimes), divided by its GPU count, so a job's
+    service is counted in GPU-time.  With ``learn`` the prior absorbs the
+    durations of jobs that finish (weight ``learn_weight`` each)."""
+
+    def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
+                 quantum_s: float = 360.0) -> None:
+        super().__init__(quantum_s)
+        self.table = GittinsTable(_load_prior(prior))
+        self.learn = learn
+        self.learn_weight = float(learn_weight)
+        self._pending: list[float] = []
+
+    def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        if not self.learn:
+            return
+        self._pending.append(rec.job.attained_service / rec.job.gpus)
+        if len(self._pending) >= 10:
+            self.table.add(np.asarray(self._pending), self.learn_weight)
+            self._pending.clear()
+
+    def key(self, rec: JobRecord, ctx: Context) -> Any:
+        t = rec.service(ctx.now) / rec.job.gpus
+        return (-rec.job.priority, -self.table(t) / rec.job.gpus, *_tiebreak(rec))
+
+
+
+__all__ = ["Fifo", "Srtf", "Las", "Tiresias", "Gittins", "GittinsTable", "JobState"]

@@ -1,0 +1,194 @@
+"""Scheduling profiles: which plugins run, with which arguments and weights.
+
+A profile is TOML.  The packaged ones live in ``scheduler/profiles/NAME.toml``
+(``fifo``, ``srtf``, ``las``, ``tiresias``, ``gittins``, ``gandiva``,
+``horus``, ``iadeep``, ``synergy``, ``dlshare``, ...)::
+
+    name = "dlshare"
+    description = "..."
+
+    [order]                      # exactly one queue sort
+    plugin = "gittins"
+    args = { prior = "philly" }
+
+    [placement]
+    share = "when_full"          # never | when_full | always: may jobs share GPUs?
+    max_share = 2                # jobs per GPU at most
+    share_max_gpus = 1           # only jobs this small share GPUs
+    backfill = true              # non-preemptive sorts: may a later job start when the head cannot?
+    nodes_to_score_percent = 0   # 0 = adaptive (Kubernetes' percentageOfNodesToScore rule)
+    min_run_s = 0                # preemptive sorts: never preempt a job younger than this
+
+    [[filter]]
+    plugin = "gpu_memory"
+
+    [[score]]
+    plugin = "consolidate"
+    weight = 1
+
+    [allocate]
+    plugin = "proportional"
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from scheduler import framework
+
+SHARE_MODES = ("never", "when_full", "always")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the profile and the key."""
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    plugin: str
+    args: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    order: PluginSpec
+    filters: tuple[PluginSpec, ...] = ()
+    scores: tuple[PluginSpec, ...] = ()
+    allocate: PluginSpec = PluginSpec("proportional")
+    share: str = "never"
+    max_share: int = 2
+    share_max_gpus: int = 1
+    backfill: bool = True
+    nodes_to_score_percent: float = 0.0
+    min_run_s: float = 0.0
+    description: str = ""
+
+    def build_order(self) -> Any:
+        return framework.build("order", self.order.plugin, self.order.args)
+
+    def build_filters(self) -> list[Any]:
+        return [framework.build("filter", s.plugin, s.args) for s in self.filters]
+
+    def build_scores(self) -> list[tuple[Any, float]]:
+        return [(framework.build("score", s.plugin, s.args), s.weight) for s in self.scores]
+
+    def build_allocator(self) -> Any:
+        return framework.build("allocate", self.allocate.plugin, self.allocate.args)
+
+
+def packaged_profiles() -> list[str]:
+    """Names of the profiles shipped in ``scheduler/profiles``."""
+    root = resources.files("scheduler") / "profiles"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """Load a packaged profile by name (``"dlshare"``) or a TOML file by path.
+
+    Raises :class:`ProfileError` with the profile and key at fault; every
+    plugin named is built once to check that it exists and accepts its args.
+    """
+    text, label = _read(name_or_path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"profile {label}: not valid TOML: {exc}") from None
+    return parse_profile(data, label)
+
+
+def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
+    """Validate a profile already parsed from TOML (see the module docstring)."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {label}: must be a table")
+    known = {"name", "description", "order", "placement", "filter", "score", "allocate"}
+    extra = set(data) - known
+    if extra:
+        raise ProfileError(f"profile {label}: unknown keys {sorted(extra)}")
+    if "order" not in data:
+        raise ProfileError(f"profile {label}: missing [order]")
+    order = _spec(data["order"], label, "order", weighted=False)
+    filters = tuple(_spec(x, label, f"filter[{i}]", weighted=False) for i, x in enumerate(_list(data.get("filter", []), label, "filter")))
+    scores = tuple(_spec(x, label, f"score[{i}]", weighted=True) for i, x in enumerate(_list(data.get("score", []), label, "score")))
+    allocate = _spec(data.get("allocate", {"plugin": "proportional"}), label, "allocate", weighted=False)
+    pl = data.get("placement", {})
+    if not isinstance(pl, dict):
+        raise ProfileError(f"profile {label}: [placement] must be a table")
+    placement_keys = {"share", "max_share", "share_max_gpus", "backfill", "nodes_to_score_percent", "min_run_s"}
+    extra = set(pl) - placement_keys
+    if extra:
+        raise ProfileError(f"profile {label}: unknown [placement] keys {sorted(extra)}")
+    share = pl.get("share", "never")
+    if share not in SHARE_MODES:
+        raise ProfileError(f"profile {label}: placement.share must be one of {SHARE_MODES}, got {share!r}")
+    max_share = _typed(pl, "max_share", int, 2, label)
+    share_max_gpus = _typed(pl, "share_max_gpus", int, 1, label)
+    backfill = _typed(pl, "backfill", bool, True, label)
+    pct = float(_typed(pl, "nodes_to_score_percent", (int, float), 0.0, label))
+    min_run = float(_typed(pl, "min_run_s", (int, float), 0.0, label))
+    if max_share < 1 or share_max_gpus < 0 or not 0 <= pct <= 100 or min_run < 0:
+        raise ProfileError(f"profile {label}: placement values out of range")
+    name = data.get("name", label)
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"profile {label}: name must be a non-empty string")
+    prof = Profile(name=name, order=order, filters=filters, scores=scores, allocate=allocate, share=share,
+                   max_share=max_share, share_max_gpus=share_max_gpus, backfill=backfill,
+                   nodes_to_score_percent=pct, min_run_s=min_run,
+                   description=str(data.get("description", "")))
+    try:
+        prof.build_order(), prof.build_filters(), prof.build_scores(), prof.build_allocator()
+    except ValueError as exc:
+        raise ProfileError(f"profile {label}: {exc}") from None
+    return prof
+
+
+def _read(name_or_path: str | Path) -> tuple[str, str]:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        try:
+            return p.read_text(), str(p)
+        except OSError as exc:
+            raise ProfileError(f"profile {p}: cannot read: {exc}") from None
+    name = str(name_or_path)
+    res = resources.files("scheduler") / "profiles" / f"{name}.toml"
+    if not name.replace("_", "").replace("-", "").isalnum() or not res.is_file():
+        raise ProfileError(f"no profile {name!r} (packaged: {', '.join(packaged_profiles())}; or give a .toml path)")
+    return res.read_text(), name
+
+
+def _list(v: Any, label: str, key: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise ProfileError(f"profile {label}: [[{key}]] must be an array of tables")
+    return v
+
+
+def _typed(d: dict[str, Any], key: str, typ: Any, default: Any, label: str) -> Any:
+    v = d.get(key, default)
+    if isinstance(v, bool) and typ is not bool and bool not in (typ if isinstance(typ, tuple) else (typ,)):
+        raise ProfileError(f"profile {label}: placement.{key} must be a number, got {v!r}")
+    if not isinstance(v, typ):
+        raise ProfileError(f"profile {label}: placement.{key} has the wrong type: {v!r}")
+    return v
+
+
+def _spec(v: Any, label: str, where: str, weighted: bool) -> PluginSpec:
+    if isinstance(v, str):
+        v = {"plugin": v}
+    if not isinstance(v, dict) or not isinstance(v.get("plugin"), str):
+        raise ProfileError(f"profile {label}: {where} needs plugin = \"NAME\"")
+    allowed = {"plugin", "args"} | ({"weight"} if weighted else set())
+    extra = set(v) - allowed
+    if extra:
+        raise ProfileError(f"profile {label}: {where}: unknown keys {sorted(extra)}")
+    args = v.get("args", {})
+    if not isinstance(args, dict):
+        raise ProfileError(f"profile {label}: {where}.args must be a table")
+    weight = v.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+        raise ProfileError(f"profile {label}: {where}.weight must be a number >= 0")
+    return PluginSpec(v["plugin"], dict(args), float(weight))

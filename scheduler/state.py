@@ -1,0 +1,577 @@
+"""The pure scheduler core: :class:`SchedulerState`.
+
+``SchedulerState.handle(*events) -> list[Decision]`` is the only way its state
+changes.  It reads no clock (time is ``event.now``), does no I/O and draws
+randomness only from the ``random.Random`` handed in.  The simulator, the live
+service and the Kubernetes extender all drive this same object.
+
+One pass per ``handle`` call:
+
+* Non-preemptive orders (FIFO): start queued jobs in key order while they fit
+  (with ``backfill``, later jobs may start when the head cannot).
+* Preemptive orders (LAS, 2D-LAS, Gittins, SRTF): on a :class:`Tick` the core
+  picks the jobs that should hold the GPUs (in key order, greedily, up to the
+  cluster's GPUs), preempts running jobs outside that set only where their GPUs
+  are needed, and starts the rest.  Other events only fill free GPUs.  While
+  jobs wait, the core asks for the next Tick with a :class:`Wakeup`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from scheduler.events import (
+    Allocate, Decision, Event, JobArrived, JobCancelled, JobFinished, NodeLost, NodeReport, Place,
+    PlacementFailed, Preempt, Reject, Tick, Wakeup,
+)
+from scheduler.framework import Candidate, Context, NodeState
+from scheduler.model import Allocation, Job, JobRecord, JobState, Node, Shard
+from scheduler.profile import Profile, load_profile
+
+
+class SchedulerError(ValueError):
+    """An event the core cannot apply (unknown job, duplicate id).  State is unchanged."""
+
+
+class SchedulerState:
+    """The scheduler's state machine (see the module docstring).
+
+    ``profile``: a :class:`Profile`, a packaged profile name or a TOML path.
+    ``nodes``: the initial cluster (more nodes arrive with :class:`NodeReport`).
+    ``predictors``: a :class:`scheduler.predictors.Predictors` (default: the
+    uninformed one, which learns online from node reports).
+    ``rng``: the only source of randomness (seeded; default ``Random(0)``).
+    """
+
+    def __init__(self, profile: Profile | str | Path, nodes: Iterable[Node] = (), *,
+                 predictors: Any = None, rng: random.Random | None = None) -> None:
+        from scheduler.predictors import Predictors
+
+        self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
+        self.order = self.profile.build_order()
+        self.filters = self.profile.build_filters()
+        self.scores = self.profile.build_scores()
+        self.allocator = self.profile.build_allocator()
+        self.predictors = predictors if predictors is not None else Predictors.default()
+        self.rng = rng if rng is not None else random.Random(0)
+        self.records: dict[str, JobRecord] = {}
+        self.nodes: dict[str, NodeState] = {}
+        self.waiting: dict[str, JobRecord] = {}  # queued or preempted, insertion-ordered
+        self.running: dict[str, JobRecord] = {}
+        self._wait_key: dict[str, Any] = {}
+        self._by_free: dict[int, dict[str, None]] = {}  # free GPU count -> nodes (ordered set)
+        self.total_gpus = 0
+        self.free_gpus = 0
+        self.max_node_gpus = 0
+        self.now = 0.0
+        self._wakeup_at: float | None = None
+        self._incompatible: set[frozenset[str]] = set()
+        for n in nodes:
+            self._add_node(n)
+
+    # ------------------------------------------------------------ public API
+
+    def handle(self, *events: Event) -> list[Decision]:
+        """Apply ``events`` in order, then run one scheduling pass."""
+        out: list[Decision] = []
+        full_pass = False
+        cause = ""
+        for ev in events:
+            if ev.now < self.now - 1e-9:
+                raise SchedulerError(f"event {ev.id}: time went backwards ({ev.now} < {self.now})")
+            self.now = max(self.now, ev.now)
+            cause = ev.id
+            full_pass |= self._apply(ev, out)
+        if events:
+            self._schedule(cause, full_pass or not self.order.preemptive, out)
+        return out
+
+    def job(self, job_id: str) -> JobRecord:
+        try:
+            return self.records[job_id]
+        except KeyError:
+            raise SchedulerError(f"unknown job {job_id!r}") from None
+
+    def queue(self) -> list[JobRecord]:
+        """Waiting jobs in the order the profile would start them now."""
+        ctx = self._ctx()
+        return sorted(self.waiting.values(), key=lambda r: self.order.key(r, ctx))
+
+    def context(self) -> Context:
+        """A plugin context for the current state (for explaining and for the extender)."""
+        return self._ctx()
+
+    def candidates(self, job: Job, node_ids: Iterable[str] | None = None) -> list[tuple[Candidate, float]]:
+        """Feasible candidates for a (possibly unsubmitted) job with their
+        weighted scores, best first: what the Kubernetes extender's filter and
+        prioritize answer with.  Changes nothing."""
+        rec = self.records.get(job.id) or JobRecord(job=job, queued_since=self.now)
+        ctx = self._ctx()
+        allowed = set(node_ids) if node_ids is not None else None
+        cands = self._candidates(rec, ctx, limit=False, allowed=allowed)
+        return self._rank(rec, cands, ctx)
+
+    # ------------------------------------------------------------ events
+
+    def _apply(self, ev: Event, out: list[Decision]) -> bool:
+        """Apply one event; returns True when it asks for a full (preemptive) pass."""
+        if isinstance(ev, JobArrived):
+            job = Job.from_dict(ev.job.to_dict())
+            if job.id in self.records:
+                raise SchedulerError(f"event {ev.id}: duplicate job id {job.id!r}")
+            job.state = JobState.QUEUED
+            job.attained_service = max(0.0, job.attained_service)
+            rec = JobRecord(job=job, queued_since=ev.now)
+            self.records[job.id] = rec
+            if job.gpus > self.max_node_gpus and self.max_node_gpus and job.gpus > self.total_gpus:
+                job.state = JobState.FAILED
+                rec.finished_at = ev.now
+                out.append(Reject(ev.id, job.id, f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"))
+                return False
+            self._enqueue(rec)
+            return False
+        if isinstance(ev, Tick):
+            return True
+        if isinstance(ev, (JobFinished, JobCancelled)):
+            rec = self.job(ev.job)
+            if not rec.job.state.active:
+                raise SchedulerError(f"event {ev.id}: job {ev.job!r} already {rec.job.state.value}")
+            failed = isinstance(ev, JobCancelled) or ev.failed
+            self._end(rec, JobState.FAILED if failed else JobState.DONE, ev.id, out)
+            return False
+        if isinstance(ev, PlacementFailed):
+            rec = self.job(ev.job)
+            if rec.job.state is not JobState.RUNNING:
+                raise SchedulerError(f"event {ev.id}: job {ev.job!r} is not running")
+            shared = self._co_residents(rec)
+            if shared:
+                for other in shared:
+                    self._incompatible.add(frozenset((rec.job.job_type, self.records[other].job.job_type)))
+            self._stop(rec, ev.id, out, requeue=True)
+            return False
+        if isinstance(ev, NodeReport):
+            self._report(ev)
+            return False
+        if isinstance(ev, NodeLost):
+            ns = self.nodes.get(ev.node)
+            if ns is None:
+                raise SchedulerError(f"event {ev.id}: unknown node {ev.node!r}")
+            if ns.alive:
+                for jid in list(ns.jobs):
+                    self._stop(self.records[jid], ev.id, out, requeue=True)
+                self._set_alive(ns, False)
+            return False
+        raise SchedulerError(f"event {getattr(ev, 'id', '?')}: unknown event type {type(ev).__name__}")
+
+    def _report(self, ev: NodeReport) -> None:
+        ns = self.nodes.get(ev.node.id)
+        if ns is None:
+            self._add_node(ev.node)
+            ns = self.nodes[ev.node.id]
+        else:
+            if ev.node.gpus != ns.node.gpus and ns.jobs:
+                raise SchedulerError(f"event {ev.id}: node {ev.node.id} changed its GPU count while running jobs")
+            if ev.node.gpus != ns.node.gpus:
+                self._set_alive(ns, False)
+                del self.nodes[ev.node.id]
+                self._add_node(ev.node)
+                ns = self.nodes[ev.node.id]
+            else:
+                ns.node = ev.node
+            if not ns.alive:
+                self._set_alive(ns, True)
+        ns.gpu_util = tuple(ev.gpu_util)
+        ns.cpu_percent = ev.cpu_percent
+        ns.memory_available_bytes = ev.memory_available_bytes
+        for jid, sample in ev.jobs.items():
+            rec = self.records.get(jid)
+            if rec is None or rec.job.state is not JobState.RUNNING:
+                continue
+            others = tuple(self.records[o].job.job_type for o in self._co_residents(rec))
+            if sample.speed is not None:
+                rec.speed = sample.speed
+            self.predictors.observe(rec.job.job_type, others, sample)
+
+    # ------------------------------------------------------------ nodes
+
+    def _add_node(self, node: Node) -> None:
+        if node.id in self.nodes:
+            raise SchedulerError(f"duplicate node {node.id!r}")
+        ns = NodeState.fresh(node)
+        self.nodes[node.id] = ns
+        self.total_gpus += node.gpus
+        self.free_gpus += node.gpus
+        self.max_node_gpus = max(self.max_node_gpus, node.gpus)
+        self._by_free.setdefault(node.gpus, {})[node.id] = None
+
+    def _set_alive(self, ns: NodeState, alive: bool) -> None:
+        if ns.alive == alive:
+            return
+        ns.alive = alive
+        sign = 1 if alive else -1
+        self.total_gpus += sign * ns.node.gpus
+        self.free_gpus += sign * ns.free_gpus
+        if alive:
+            self._by_free.setdefault(ns.free_gpus, {})[ns.node.id] = None
+        else:
+            self._by_free.get(ns.free_gpus, {}).pop(ns.node.id, None)
+
+    def _set_free(self, ns: NodeState, free: int) -> None:
+        if ns.alive:
+            self._by_free[ns.free_gpus].pop(ns.node.id, None)
+            self._by_free.setdefault(free, {})[ns.node.id] = None
+            self.free_gpus += free - ns.free_gpus
+        ns.free_gpus = free
+
+    # ------------------------------------------------------------ job moves
+
+    def _enqueue(self, rec: JobRecord) -> None:
+        self.waiting[rec.job.id] = rec
+        rec.queued_since = self.now
+        self._wait_key[rec.job.id] = self.order.key(rec, self._ctx())
+
+    def _co_residents(self, rec: JobRecord) -> list[str]:
+        seen: dict[str, None] = {}
+        for sh in rec.shards:
+            ns = self.nodes[sh.node]
+            for g in sh.gpus:
+                for o in ns.residents[g]:
+                    if o != rec.job.id:
+                        seen[o] = None
+        return list(seen)
+
+    def _start(self, rec: JobRecord, cand: Candidate, cause: str, out: list[Decision]) -> None:
+        job = rec.job
+        shards = [(cand.node, cand.gpus), *cand.more]
+        resumed = job.state is JobState.PREEMPTED
+        touched = []
+        for ns, gpus in shards:
+            newly = 0
+            for g in gpus:
+                if not ns.residents[g]:
+                    newly += 1
+                ns.residents[g].append(job.id)
+            ns.jobs[job.id] = len(gpus)
+            self._set_free(ns, ns.free_gpus - newly)
+            touched.append(ns)
+        rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
+        self.waiting.pop(job.id, None)
+        self._wait_key.pop(job.id, None)
+        self.running[job.id] = rec
+        job.state = JobState.RUNNING
+        rec.run_since = self.now
+        rec.queueing_delay += self.now - rec.queued_since
+        if rec.first_start is None:
+            rec.first_start = self.now
+        out.append(Place(cause, job.id, rec.shards, tuple(cand.residents), resumed))
+        for ns in touched:
+            self._reallocate(ns, cause, out)
+
+    def _release(self, rec: JobRecord) -> list[NodeState]:
+        job = rec.job
+        touched = []
+        for sh in rec.shards:
+            ns = self.nodes[sh.node]
+            freed = 0
+            for g in sh.gpus:
+                res = ns.residents[g]
+                if job.id in res:
+                    res.remove(job.id)
+                    if not res:
+                        freed += 1
+            ns.jobs.pop(job.id, None)
+            self._set_free(ns, ns.free_gpus + freed)
+            touched.append(ns)
+        if rec.run_since is not None:
+            job.attained_service += job.gpus * max(0.0, self.now - rec.run_since)
+            rec.run_since = None
+        rec.shards = ()
+        rec.allocation = {}
+        self.running.pop(job.id, None)
+        return touched
+
+    def _stop(self, rec: JobRecord, cause: str, out: list[Decision], requeue: bool, reason: str = "") -> None:
+        touched = self._release(rec)
+        if requeue:
+            rec.job.state = JobState.PREEMPTED
+            rec.preemptions += 1
+            self._enqueue(rec)
+        for ns in touched:
+            if ns.alive:
+                self._reallocate(ns, cause, out)
+
+    def _end(self, rec: JobRecord, state: JobState, cause: str, out: list[Decision]) -> None:
+        if rec.job.state is JobState.RUNNING:
+            touched = self._release(rec)
+        else:
+            touched = []
+            self.waiting.pop(rec.job.id, None)
+            self._wait_key.pop(rec.job.id, None)
+        rec.job.state = state
+        rec.finished_at = self.now
+        hook = getattr(self.order, "observe_finished", None)
+        if hook is not None and state is JobState.DONE:
+            hook(rec, self._ctx())
+        for ns in touched:
+            if ns.alive:
+                self._reallocate(ns, cause, out)
+
+    def _reallocate(self, ns: NodeState, cause: str, out: list[Decision]) -> None:
+        split = self.allocator.split(ns, self._ctx())
+        for jid, alloc in split.items():
+            rec = self.records[jid]
+            old = rec.allocation.get(ns.node.id)
+            if old is None or abs(old.cpus - alloc.cpus) > 1e-9 or old.memory_bytes != alloc.memory_bytes:
+                rec.allocation[ns.node.id] = alloc
+                out.append(Allocate(cause, jid, ns.node.id, alloc.cpus, alloc.memory_bytes))
+
+    # ------------------------------------------------------------ placement
+
+    def _ctx(self) -> Context:
+        return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
+                       rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus)
+
+    def _score_limit(self) -> int:
+        n = len(self.nodes)
+        pct = self.profile.nodes_to_score_percent
+        if pct <= 0:  # Kubernetes' adaptive percentageOfNodesToScore: 50% - n/125, at least 5%
+            if n <= 100:
+                return n
+            pct = max(5.0, 50.0 - n / 125.0)
+        return max(100, math.ceil(n * pct / 100.0))
+
+    def _share_ok(self, rec: JobRecord) -> bool:
+        return self.profile.share != "never" and rec.job.gpus <= self.profile.share_max_gpus
+
+    def _candidates(self, rec: JobRecord, ctx: Context, limit: bool = True,
+                    allowed: set[str] | None = None) -> list[Candidate]:
+        g = rec.job.gpus
+        cands: list[Candidate] = []
+        cap = self._score_limit() if limit else 1 << 60
+        if g <= self.max_node_gpus:
+            for free in range(g, self.max_node_gpus + 1):
+                bucket = self._by_free.get(free)
+                if not bucket:
+                    continue
+                for nid in bucket:
+                    if allowed is not None and nid not in allowed:
+                        continue
+                    ns = self.nodes[nid]
+                    gpus = tuple(i for i, r in enumerate(ns.residents) if not r)[:g]
+                    cands.append(Candidate(ns, gpus))
+                    if len(cands) >= cap:
+                        break
+                if len(cands) >= cap:
+                    break
+        elif g <= self.free_gpus:
+            # Spans nodes: take whole free nodes, emptiest first, then the remainder.
+            picked: list[tuple[NodeState, tuple[int, ...]]] = []
+            need = g
+            for free in range(self.max_node_gpus, 0, -1):
+                for nid in self._by_free.get(free, {}):
+                    if allowed is not None and nid not in allowed:
+                        continue
+                    ns = self.nodes[nid]
+                    take = min(need, free)
+                    picked.append((ns, tuple(i for i, r in enumerate(ns.residents) if not r)[:take]))
+                    need -= take
+                    if need == 0:
+                        break
+                if need == 0:
+                    break
+            if need == 0:
+                cands.append(Candidate(picked[0][0], picked[0][1], (), tuple(picked[1:])))
+        share = self._share_ok(rec) and (self.profile.share == "always" or not cands)
+        if share:
+            incompatible = self._incompatible
+            jt = rec.job.job_type
+            for ns in self.nodes.values():
+                if not ns.alive or (allowed is not None and ns.node.id not in allowed):
+                    continue
+                seen: set[tuple[str, ...]] = set()
+                for i, res in enumerate(ns.residents):
+                    if not res or len(res) >= self.profile.max_share:
+                        continue
+                    types = tuple(sorted(self.records[o].job.job_type for o in res))
+                    if types in seen:
+                        continue
+                    seen.add(types)
+                    if any(frozenset((jt, t)) in incompatible for t in types):
+                        continue
+                    if any(self.records[o].job.gpus > self.profile.share_max_gpus for o in res):
+                        continue
+                    cands.append(Candidate(ns, (i,), tuple(res)))
+        out = []
+        for c in cands:
+            if self._fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
+                out.append(c)
+        return out
+
+    def _fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
+        for ns, gpus in ((cand.node, cand.gpus), *cand.more):
+            need = self.allocator.demand(rec, ns, len(gpus), ctx)
+            used_c = used_m = 0.0
+            for jid, n in ns.jobs.items():
+                d = self.allocator.demand(self.records[jid], ns, n, ctx)
+                used_c += d.cpus
+                used_m += d.memory_bytes
+            if used_c + need.cpus > ns.node.cores + 1e-9 or used_m + need.memory_bytes > ns.node.memory_bytes:
+                return False
+        return True
+
+    def _rank(self, rec: JobRecord, cands: list[Candidate], ctx: Context) -> list[tuple[Candidate, float]]:
+        if not cands:
+            return []
+        total = [0.0] * len(cands)
+        for plugin, weight in self.scores:
+            raw = [plugin.score(rec, c, ctx) for c in cands]
+            lo, hi = min(raw), max(raw)
+            span = hi - lo
+            for i, r in enumerate(raw):
+                total[i] += weight * (100.0 * (r - lo) / span if span > 0 else 100.0)
+        ranked = sorted(range(len(cands)), key=lambda i: -total[i])  # stable: ties keep candidate order
+        return [(cands[i], total[i]) for i in ranked]
+
+    def _try_place(self, rec: JobRecord, ctx: Context, cause: str, out: list[Decision]) -> bool:
+        cands = self._candidates(rec, ctx)
+        if not cands:
+            return False
+        best = self._rank(rec, cands, ctx)[0][0]
+        self._start(rec, best, cause, out)
+        return True
+
+    # ------------------------------------------------------------ passes
+
+    def _schedule(self, cause: str, full: bool, out: list[Decision]) -> None:
+        if self.order.preemptive and full and (self.waiting or self.running):
+            self._preemptive_pass(cause, out)
+        else:
+            self._fill(cause, out)
+        self._maybe_wakeup(cause, out)
+
+    def _fill(self, cause: str, out: list[Decision]) -> None:
+        if not self.waiting:
+            return
+        ctx = self._ctx()
+        keys = self._wait_key
+        share_possible = self.profile.share != "never"
+        for rec in sorted(self.waiting.values(), key=lambda r: keys[r.job.id]):
+            if self.free_gpus == 0 and not share_possible:
+                break
+            placed = self._try_place(rec, ctx, cause, out)
+            if not placed and not self.profile.backfill:
+                break
+
+    def _preemptive_pass(self, cause: str, out: list[Decision]) -> None:
+        ctx = self._ctx()
+        active = list(self.running.values()) + list(self.waiting.values())
+        active.sort(key=lambda r: self.order.key(r, ctx))
+        rem = self.total_gpus
+        admitted: set[str] = set()
+        for r in active:
+            if r.job.gpus <= rem:
+                admitted.add(r.job.id)
+                rem -= r.job.gpus
+            if rem == 0:
+                break
+        min_run = self.profile.min_run_s
+        victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING
+                   and (r.run_since is None or self.now - r.run_since >= min_run)]
+        for r in active:
+            if r.job.id not in admitted or r.job.state is JobState.RUNNING:
+                continue
+            ctx = self._ctx()
+            if self._try_place(r, ctx, cause, out):
+                continue
+            freed = self._make_room(r, victims, cause, out)
+            if freed:
+                victims = [v for v in victims if v.job.state is JobState.RUNNING]
+                self._try_place(r, self._ctx(), cause, out)
+        # Work conservation: anything else that fits (or may share) starts now.
+        self._fill(cause, out)
+
+    def _make_room(self, rec: JobRecord, victims: list[JobRecord], cause: str, out: list[Decision]) -> bool:
+        """Preempt the fewest, lowest-ranked victims that free a place for ``rec``."""
+        if not victims:
+            return False
+        vset = {v.job.id for v in victims}
+        rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
+        g = rec.job.gpus
+        plans: list[tuple[int, int, list[str]]] = []
+        per_node: list[tuple[NodeState, int, list[str]]] = []
+        for ns in self.nodes.values():
+            if not ns.alive or not (set(ns.jobs) & vset):
+                if ns.alive and ns.free_gpus:
+                    per_node.append((ns, ns.free_gpus, []))
+                continue
+            reclaim = ns.free_gpus
+            need_v: dict[str, None] = {}
+            for res in ns.residents:
+                if res and all(o in vset for o in res):
+                    reclaim += 1
+                    for o in res:
+                        need_v[o] = None
+            per_node.append((ns, reclaim, sorted(need_v, key=lambda j: rank[j])))
+        if g <= self.max_node_gpus:
+            for ns, reclaim, vs in per_node:
+                if reclaim >= g and vs:
+                    plans.append((len(vs), -min(rank[v] for v in vs), vs))
+            if not plans:
+                return False
+            plans.sort(key=lambda p: (p[0], p[1]))
+            chosen = plans[0][2]
+            ns_free_needed = g
+            node = next(ns for ns, _, vs in per_node if vs is chosen)
+            for v in chosen:
+                if node.free_gpus >= ns_free_needed:
+                    break
+                vr = self.records[v]
+                if vr.job.state is JobState.RUNNING:
+                    self._stop(vr, cause, out, requeue=True, reason="preempted")
+                    out.append(Preempt(cause, v, f"for {rec.job.id}"))
+            return node.free_gpus >= g
+        # Spans nodes: free whole nodes with the most reclaimable GPUs first.
+        per_node.sort(key=lambda p: -p[1])
+        got = 0
+        chosen_nodes = []
+        for ns, reclaim, vs in per_node:
+            if got >= g:
+                break
+            got += reclaim
+            chosen_nodes.append(vs)
+        if got < g:
+            return False
+        for vs in chosen_nodes:
+            for v in vs:
+                vr = self.records[v]
+                if vr.job.state is JobState.RUNNING:
+                    self._stop(vr, cause, out, requeue=True)
+                    out.append(Preempt(cause, v, f"for {rec.job.id}"))
+        return True
+
+    def _maybe_wakeup(self, cause: str, out: list[Decision]) -> None:
+        if not self.order.preemptive or not self.waiting:
+            return
+        ctx = self._ctx()
+        at = math.inf
+        for r in self.running.values():
+            t = self.order.next_change(r, ctx)
+            if t is not None and t < at:
+                at = t
+        if self.profile.min_run_s:
+            at = max(at if at < math.inf else 0.0, self.now + 1e-6)
+        if at == math.inf:
+            return
+        at = max(at, self.now + 1e-6)
+        if self._wakeup_at is None or self._wakeup_at <= self.now or at < self._wakeup_at - 1e-9:
+            self._wakeup_at = at
+            out.append(Wakeup(cause, at))
+
+    # ------------------------------------------------------------ summaries
+
+    def allocation_of(self, job_id: str) -> dict[str, Allocation]:
+        return dict(self.job(job_id).allocation)
