@@ -27,7 +27,7 @@ def _available() -> dict[str, object]:
         try:
             mods[name] = importlib.import_module(modname)
         except ModuleNotFoundError as exc:
-            if exc.name != modname:
+            if exc.name is None or not modname.startswith(exc.name):
                 raise
     return mods
 

@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as exc:
-            if exc.name == modname:
-                continue
+            if exc.name is not None and modname.startswith(exc.name):
+                continue  # an optional part that is not present
             raise
         mod.register(sub)
     return parser

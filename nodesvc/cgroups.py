@@ -1,0 +1,394 @@
+"""Applying job allocations (CPU quota, cpuset, memory limit) through cgroups v1 or v2.
+
+Both drivers place a job's processes in ``<base>/<job>`` where ``<base>`` is a
+``dlshare`` group under the daemon's own cgroup, so the daemon stays inside what
+its supervisor delegated to it (systemd ``Delegate=yes``, or a container's
+cgroup) instead of writing at the root of the hierarchy.
+
+- v2 (unified): ``cpu.max``, ``cpuset.cpus``/``cpuset.mems``, ``memory.max`` and
+  ``memory.high``.  Controllers are enabled down the path through
+  ``cgroup.subtree_control``; because of the no-internal-processes rule, the
+  daemon moves itself into a ``<base>/_daemon`` leaf first, as systemd
+  delegation requires.
+- v1 (one hierarchy per controller): ``cpu.cfs_quota_us``/``cpu.cfs_period_us``,
+  ``cpuset.cpus``/``cpuset.mems``, ``memory.limit_in_bytes`` (and
+  ``memory.memsw.limit_in_bytes`` when swap accounting exists, so the limit is
+  not escaped through swap).
+
+A process that exceeds ``memory_bytes`` is killed by the kernel's OOM killer
+(v1: ``memory.oom_control`` counts it; v2: ``memory.events`` ``oom_kill``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("dlshare.cgroups")
+
+CFS_PERIOD_US = 100_000  # the kernel default period
+
+
+class CgroupError(RuntimeError):
+    """A cgroup operation failed; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job: str
+    cpus: float | None = None  # CPU quota in cores (0.5 = half a core)
+    cpuset: str | None = None  # e.g. "0-3,8"
+    memory_bytes: int | None = None
+
+
+def parse_cpuset(text: str) -> list[int]:
+    """``"0-3,8"`` -> [0, 1, 2, 3, 8]; raises ValueError on malformed lists."""
+    cpus: set[int] = set()
+    text = text.strip()
+    if not text:
+        return []
+    for part in text.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo_s, hi_s = part.split("-", 1)
+            lo, hi = int(lo_s), int(hi_s)
+            if lo < 0 or hi < lo or hi - lo > 65535:
+                raise ValueError(f"bad cpu range {part!r}")
+            cpus.update(range(lo, hi + 1))
+        else:
+            c = int(part)
+            if c < 0:
+                raise ValueError(f"bad cpu {part!r}")
+            cpus.add(c)
+    return sorted(cpus)
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        with open(path, "w") as fh:
+            fh.write(value)
+    except OSError as exc:
+        raise CgroupError(f"writing {value!r} to {path}: {os.strerror(exc.errno or 0)}") from exc
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise CgroupError(f"reading {path}: {os.strerror(exc.errno or 0)}") from exc
+
+
+def detect(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> int | None:
+    """2 for a unified (v2) hierarchy, 1 for v1 controllers, None when neither is usable."""
+    r = Path(root)
+    if (r / "cgroup.controllers").exists():
+        return 2
+    if (r / "cpu").is_dir() or (r / "memory").is_dir():
+        return 1
+    return None
+
+
+def own_cgroup(version: int, proc_self: str = "/proc/self/cgroup") -> dict[str, str]:
+    """The daemon's own cgroup path per controller ("" key for v2)."""
+    out: dict[str, str] = {}
+    try:
+        lines = Path(proc_self).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        hid, ctrls, path = line.split(":", 2)
+        if version == 2 and hid == "0":
+            out[""] = path
+        elif version == 1 and ctrls:
+            for c in ctrls.split(","):
+                out[c] = path
+    return out
+
+
+class CgroupV2:
+    version = 2
+    controllers = ("cpu", "cpuset", "memory")
+
+    def __init__(self, root: str | os.PathLike[str] = "/sys/fs/cgroup", base: str | None = None,
+                 memory_high_ratio: float = 0.95) -> None:
+        self.root = Path(root)
+        # Delegated mode (base None): our own cgroup, as systemd Delegate=yes hands it to us.
+        # Explicit base: a group we create, enabling controllers from the root down.
+        self.delegated = base is None
+        rel = own_cgroup(2).get("", "/") if base is None else base
+        self.base = self.root / rel.lstrip("/")
+        self.memory_high_ratio = memory_high_ratio
+        self._ready = False
+
+    def _enable(self, node: Path) -> None:
+        ctl = node / "cgroup.controllers"
+        avail = set(_read(ctl).split()) if ctl.exists() else set(self.controllers)
+        want = " ".join("+" + c for c in self.controllers if c in avail)
+        try:
+            _write(node / "cgroup.subtree_control", want)
+        except CgroupError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EBUSY:
+                raise CgroupError(
+                    f"{node} holds processes of its own, so controllers cannot be enabled below it; "
+                    "run the daemon with systemd Delegate=yes (see deploy/dlshare-node.service)"
+                ) from exc
+            raise
+
+    def _prepare(self) -> None:
+        if self._ready:
+            return
+        self.base.mkdir(parents=True, exist_ok=True)
+        if not self.delegated:
+            chain = [p for p in reversed(self.base.parents) if p.is_relative_to(self.root)]
+            for node in chain:
+                self._enable(node)
+        # No internal processes: whatever lives in base (the daemon, when delegated)
+        # moves to the _daemon leaf before base's controllers are enabled.
+        leaf = self.base / "_daemon"
+        leaf.mkdir(exist_ok=True)
+        procs = self.base / "cgroup.procs"
+        for pid in (_read(procs).split() if procs.exists() else []):
+            try:
+                _write(leaf / "cgroup.procs", pid)
+            except CgroupError as exc:
+                if not (isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH):
+                    raise
+        self._enable(self.base)
+        self._ready = True
+
+    def path(self, job: str) -> Path:
+        return self.base / job
+
+    def apply(self, alloc: Allocation, pids: list[int] = ()) -> Path:
+        self._prepare()
+        g = self.path(alloc.job)
+        g.mkdir(exist_ok=True)
+        if alloc.cpuset is not None:
+            _write(g / "cpuset.cpus", alloc.cpuset)
+        if alloc.cpus is not None:
+            quota = max(1000, int(alloc.cpus * CFS_PERIOD_US))
+            _write(g / "cpu.max", f"{quota} {CFS_PERIOD_US}")
+        else:
+            _write(g / "cpu.max", f"max {CFS_PERIOD_US}")
+        if alloc.memory_bytes is not None:
+            high = int(alloc.memory_bytes * self.memory_high_ratio)
+            _write(g / "memory.high", str(high))
+            _write(g / "memory.max", str(int(alloc.memory_bytes)))
+        else:
+            _write(g / "memory.high", "max")
+            _write(g / "memory.max", "max")
+        self.add_pids(alloc.job, pids)
+        return g
+
+    def add_pids(self, job: str, pids) -> None:
+        for pid in pids:
+            try:
+                _write(self.path(job) / "cgroup.procs", str(int(pid)))
+            except CgroupError as exc:
+                if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH:
+                    continue  # exited meanwhile
+                raise
+
+    def pids(self, job: str) -> list[int]:
+        f = self.path(job) / "cgroup.procs"
+        if not f.exists():
+            return []
+        return [int(x) for x in _read(f).split()]
+
+    def oom_kills(self, job: str) -> int:
+        f = self.path(job) / "memory.events"
+        if not f.exists():
+            return 0
+        for line in _read(f).splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return 0
+
+    def release(self, job: str) -> None:
+        g = self.path(job)
+        if not g.exists():
+            return
+        for pid in self.pids(job):
+            try:
+                _write(self.base / "_daemon" / "cgroup.procs", str(pid))
+            except CgroupError:
+                log.warning("could not move pid %d out of %s", pid, g)
+        try:
+            g.rmdir()
+        except OSError as exc:
+            # A fake tree (tests) holds regular files; the kernel's does not.
+            if exc.errno == errno.ENOTEMPTY and not (g / "cgroup.events").exists():
+                for f in g.iterdir():
+                    f.unlink()
+                g.rmdir()
+            else:
+                raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+
+
+class CgroupV1:
+    version = 1
+    controllers = ("cpu", "cpuset", "memory")
+
+    def __init__(self, root: str | os.PathLike[str] = "/sys/fs/cgroup", base: str | None = None) -> None:
+        self.root = Path(root)
+        own = own_cgroup(1)
+        self.bases: dict[str, Path] = {}
+        for c in self.controllers:
+            mount = self.root / c
+            if not mount.is_dir():
+                continue
+            rel = (base if base is not None else own.get(c, "/").rstrip("/") + "/dlshare").lstrip("/")
+            self.bases[c] = mount / rel
+        if "cpu" not in self.bases and "memory" not in self.bases:
+            raise CgroupError(f"no cgroup v1 cpu or memory controller under {self.root}")
+        self._ready = False
+
+    def _prepare(self) -> None:
+        if self._ready:
+            return
+        for c, b in self.bases.items():
+            b.mkdir(parents=True, exist_ok=True)
+            if c == "cpuset":
+                # cpuset groups start empty; every level needs cpus and mems before tasks join.
+                self._inherit_cpuset(b)
+        self._ready = True
+
+    def _inherit_cpuset(self, g: Path) -> None:
+        mount = self.root / "cpuset"
+        chain = [g, *[p for p in g.parents if p.is_relative_to(mount) and p != mount]]
+        for node in reversed(chain):
+            for f in ("cpuset.cpus", "cpuset.mems"):
+                if (node / f).exists() and not _read(node / f):
+                    _write(node / f, _read(node.parent / f))
+
+    def path(self, job: str, controller: str = "cpu") -> Path:
+        return self.bases[controller] / job
+
+    def apply(self, alloc: Allocation, pids: list[int] = ()) -> dict[str, Path]:
+        self._prepare()
+        out = {}
+        for c, b in self.bases.items():
+            g = b / alloc.job
+            g.mkdir(exist_ok=True)
+            out[c] = g
+        if "cpu" in out:
+            g = out["cpu"]
+            _write(g / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+            quota = -1 if alloc.cpus is None else max(1000, int(alloc.cpus * CFS_PERIOD_US))
+            _write(g / "cpu.cfs_quota_us", str(quota))
+        if "cpuset" in out:
+            g = out["cpuset"]
+            self._inherit_cpuset(g)
+            if alloc.cpuset is not None:
+                _write(g / "cpuset.cpus", alloc.cpuset)
+        if "memory" in out:
+            g = out["memory"]
+            limit = -1 if alloc.memory_bytes is None else int(alloc.memory_bytes)
+            memsw = g / "memory.memsw.limit_in_bytes"
+            if limit == -1:
+                if memsw.exists():
+                    _write(memsw, "-1")
+                _write(g / "memory.limit_in_bytes", "-1")
+            else:
+                # memsw must stay >= the memory limit: lower the memory limit first, raise memsw after.
+                try:
+                    _write(g / "memory.limit_in_bytes", str(limit))
+                    if memsw.exists():
+                        _write(memsw, str(limit))
+                except CgroupError:
+                    if memsw.exists():
+                        _write(memsw, str(limit))
+                    _write(g / "memory.limit_in_bytes", str(limit))
+        self.add_pids(alloc.job, pids)
+        return out
+
+    def add_pids(self, job: str, pids) -> None:
+        for pid in pids:
+            for c, b in self.bases.items():
+                try:
+                    _write(b / job / "cgroup.procs", str(int(pid)))
+                except CgroupError as exc:
+                    if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH:
+                        break
+                    raise
+
+    def pids(self, job: str) -> list[int]:
+        for b in self.bases.values():
+            f = b / job / "cgroup.procs"
+            if f.exists():
+                return [int(x) for x in _read(f).split()]
+        return []
+
+    def oom_kills(self, job: str) -> int:
+        b = self.bases.get("memory")
+        f = b / job / "memory.oom_control" if b else None
+        if not f or not f.exists():
+            return 0
+        for line in _read(f).splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return 0
+
+    def release(self, job: str) -> None:
+        for c, b in self.bases.items():
+            g = b / job
+            if not g.exists():
+                continue
+            procs = g / "cgroup.procs"
+            for pid in (_read(procs).split() if procs.exists() else []):
+                try:
+                    _write(b.parent / "cgroup.procs", pid)
+                except CgroupError:
+                    log.warning("could not move pid %s out of %s", pid, g)
+            try:
+                g.rmdir()
+            except OSError as exc:
+                # A fake tree (tests) holds regular files; the kernel's has "tasks".
+                if exc.errno == errno.ENOTEMPTY and not (g / "tasks").exists():
+                    for f in g.iterdir():
+                        f.unlink()
+                    g.rmdir()
+                else:
+                    raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+
+
+class NoCgroups:
+    """Used where no cgroup hierarchy is writable: allocations are refused with the reason."""
+
+    version = 0
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def apply(self, alloc: Allocation, pids=()):
+        raise CgroupError(f"cgroups unavailable: {self.reason}")
+
+    def add_pids(self, job: str, pids) -> None:
+        raise CgroupError(f"cgroups unavailable: {self.reason}")
+
+    def pids(self, job: str) -> list[int]:
+        return []
+
+    def oom_kills(self, job: str) -> int:
+        return 0
+
+    def release(self, job: str) -> None:
+        return None
+
+
+def driver(root: str = "/sys/fs/cgroup", base: str | None = None, version: int | None = None):
+    """The driver for this node: v2 if unified, v1 if legacy, else :class:`NoCgroups`."""
+    v = version or detect(root)
+    try:
+        if v == 2:
+            return CgroupV2(root, base)
+        if v == 1:
+            return CgroupV1(root, base)
+    except CgroupError as exc:
+        return NoCgroups(str(exc))
+    return NoCgroups(f"no cgroup hierarchy at {root}")

@@ -1,0 +1,321 @@
+"""``dlshare node``: the node daemon's asyncio shell.
+
+It owns the I/O (MQTT, cgroups, processes, timers) around the pure parts:
+command validation and idempotence (:mod:`nodesvc.node_core`) and the
+collectors (:mod:`nodesvc.telemetry`).  A bad message gets an error reply and a
+log line; nothing a peer sends can end the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from nodesvc import __version__, cgroups, messages, telemetry
+from nodesvc.bus import Bus
+from nodesvc.extension import NodeContext
+from nodesvc.gpu import GpuProbe, SimulatedNvml
+from nodesvc.jobs import JobTable
+from nodesvc.metrics import NodeMetrics
+from nodesvc.node_core import AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op
+
+log = logging.getLogger("dlshare.node")
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) our state; a no-op outside systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as exc:
+        log.warning("sd_notify failed: %s", exc)
+
+
+class NodeDaemon:
+    def __init__(self, cfg: dict[str, dict[str, Any]]) -> None:
+        self.cfg = cfg
+        n = cfg["node"]
+        self.node_id = messages.check_id(n["id"] or socket.gethostname().split(".")[0], "node id")
+        self.interval = float(n["interval"])
+        if self.interval <= 0:
+            raise ValueError("node.interval must be positive")
+        self.topic = lambda leaf: messages.node_topic(self.node_id, leaf)
+        self.cgroups = (
+            cgroups.driver(n["cgroup_root"], n["cgroup_base"] or None)
+            if n["enforce"] else cgroups.NoCgroups("enforcement disabled (node.enforce = false)")
+        )
+        self.jobs = JobTable(n["state_dir"] or f"/tmp/dlshare-node-{self.node_id}")
+        self.allocations: dict[str, cgroups.Allocation] = {}
+        nvml = None
+        if n["fake_gpus"] > 0:
+            nvml = SimulatedNvml(int(n["fake_gpus"]), load=self._simulated_gpu_load)
+        self.gpu = GpuProbe(nvml)
+        self.replies = ReplyCache()
+        self.last: dict[str, Any] | None = None
+        self.metrics = NodeMetrics(self.node_id, lambda: self.last)
+        self.metrics_port: int | None = None
+        self.extensions: list[Any] = []
+        if n["lend"]:
+            from nodesvc.donor import DonorExtension
+
+            self.extensions.append(DonorExtension(cfg))
+        self.bus = Bus(
+            cfg["dlshare"]["broker"],
+            client_id=f"dlshare-node-{self.node_id}",
+            subscriptions=[(self.topic("cmd"), 1)],
+            handler=self._on_message,
+            on_connect=self._on_connect,
+            will=(self.topic("state"), messages.encode({"node": self.node_id, "status": "offline",
+                                                         "reason": "connection lost"}), 1, True),
+        )
+        self.started = time.time()
+        self._stop = asyncio.Event()
+
+    # --- telemetry ----------------------------------------------------------------------------
+
+    def _simulated_gpu_load(self, index: int) -> tuple[float, list[int]]:
+        util, pids = 0.0, []
+        for jp in self.jobs.jobs.values():
+            if jp.state == "running" and index in jp.gpus:
+                u = jp._ps and sum(p.cpu_percent(None) for p in list(jp._ps.values())[:1]) or 0.0
+                util += min(100.0, 35.0 + u / 2)
+                pids.extend(jp.root_pids())
+        return min(100.0, util), pids
+
+    def collect(self) -> dict[str, Any]:
+        jobs = {}
+        reserved_unused = 0
+        for name, jp in self.jobs.jobs.items():
+            u = jp.usage() if jp.state == "running" else {"cpu_percent": 0.0, "rss_bytes": 0, "pids": []}
+            alloc = self.allocations.get(name)
+            jobs[name] = {**u, "state": jp.state, "exit_code": jp.exit_code, "gpus": list(jp.gpus),
+                          "memory_limit_bytes": alloc.memory_bytes if alloc else None,
+                          "oom_kills": self.cgroups.oom_kills(name) if alloc else 0}
+            if alloc and alloc.memory_bytes and jp.state == "running":
+                reserved_unused += max(0, alloc.memory_bytes - u["rss_bytes"])
+        promised = sum(a.memory_bytes or 0 for a in self.allocations.values())
+        t = {
+            "node": self.node_id,
+            "ts": time.time(),
+            "cpu": telemetry.cpu(),
+            "memory": telemetry.memory(promised, reserved_unused),
+            "gpus": self.gpu.sample(),
+            "rdma": telemetry.rdma_devices(),
+            "jobs": jobs,
+            "cgroup_version": self.cgroups.version,
+        }
+        for ext in self.extensions:
+            try:
+                t[ext.name] = ext.telemetry()
+            except Exception as exc:  # an extension's fault must not stop telemetry
+                log.exception("telemetry of extension %s failed", ext.name)
+                t[ext.name] = {"error": str(exc)}
+        return t
+
+    def state_payload(self) -> bytes:
+        t = self.last or {}
+        summary: dict[str, Any] = {}
+        if t:
+            summary = {
+                "cpu_count": t["cpu"]["count"],
+                "cpu_percent": t["cpu"]["percent"],
+                "memory_total_bytes": t["memory"]["total_bytes"],
+                "memory_available_bytes": t["memory"]["available_bytes"],
+                "gpus": len(t["gpus"]["devices"]),
+                "gpu_util_percent": [d.get("util_percent") for d in t["gpus"]["devices"]],
+                "gpus_simulated": bool(t["gpus"].get("simulated")),
+                "jobs_running": sum(1 for j in t["jobs"].values() if j["state"] == "running"),
+            }
+            donor = t.get("donor")
+            if isinstance(donor, dict):
+                summary["donor"] = {k: donor.get(k) for k in ("addr", "lendable_bytes", "lent_bytes", "free_slabs",
+                                                              "total_slabs", "slab_bytes", "lent_to")}
+        return messages.encode({
+            "node": self.node_id, "status": "online", "version": __version__, "pid": os.getpid(),
+            "started": self.started, "ts": time.time(), "metrics_port": self.metrics_port,
+            "cgroup_version": self.cgroups.version, "summary": summary,
+        })
+
+    async def _telemetry_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.last = await asyncio.to_thread(self.collect)
+                payload = messages.encode(self.last)
+                if await self.bus.publish(self.topic("telemetry"), payload, qos=0):
+                    self.metrics.telemetry.inc()
+                await self.bus.publish(self.topic("state"), self.state_payload(), qos=1, retain=True)
+            except Exception:
+                log.exception("telemetry collection failed")
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=self.interval)
+            except TimeoutError:
+                pass
+
+    async def _reap_loop(self) -> None:
+        while not self._stop.is_set():
+            for jp in self.jobs.reap():
+                oom = self.cgroups.oom_kills(jp.job) if jp.job in self.allocations else 0
+                log.info("job %s exited with %s", jp.job, jp.exit_code)
+                await self.bus.publish(self.topic("events"), messages.encode({
+                    "event": "job_exit", "node": self.node_id, "job": jp.job, "exit_code": jp.exit_code,
+                    "oom_killed": oom > 0, "ts": jp.exited_at,
+                }), qos=1)
+            self.jobs.forget_exited()
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=0.25)
+            except TimeoutError:
+                pass
+
+    # --- MQTT ---------------------------------------------------------------------------------
+
+    async def _on_connect(self, bus: Bus) -> None:
+        self.metrics.connected.set(1)
+        self.metrics.connects.inc()
+        await bus.publish(self.topic("state"), self.state_payload(), qos=1, retain=True)
+        if bus.connects == 1:
+            sd_notify(f"READY=1\nSTATUS=connected to {bus.addr.url()}")
+
+    async def _on_message(self, topic: str, payload: bytes) -> None:
+        if topic != self.topic("cmd"):
+            return
+        await self.bus.publish(self.topic("reply"), await self.handle_command(payload), qos=1)
+
+    async def handle_command(self, payload: bytes) -> bytes:
+        """Validate and apply one command; always returns a reply payload."""
+        try:
+            cmd = messages.parse_command(payload)
+        except messages.PayloadError as exc:
+            self.metrics.bad_messages.inc()
+            cid = messages.command_id_of(payload)
+            log.warning("malformed command (id %s): %s", cid, exc)
+            return messages.reply(cid, False, error=f"malformed command: {exc}")
+        cached = self.replies.get(cmd.id)
+        if cached is not None:
+            return cached
+        try:
+            result = await self._apply(cmd)
+            reply = messages.reply(cmd.id, True, result=result, op=cmd.op)
+            self.metrics.commands.labels(cmd.op, "ok").inc()
+        except messages.PayloadError as exc:
+            log.warning("rejected command %s %s: %s", cmd.id, cmd.op, exc)
+            reply = messages.reply(cmd.id, False, error=str(exc), op=cmd.op)
+            self.metrics.commands.labels(cmd.op, "rejected").inc()
+        except Exception as exc:  # the command failed to apply; report, keep running
+            log.exception("command %s %s failed", cmd.id, cmd.op)
+            reply = messages.reply(cmd.id, False, error=f"{type(exc).__name__}: {exc}", op=cmd.op)
+            self.metrics.commands.labels(cmd.op, "failed").inc()
+        self.replies.put(cmd.id, reply)
+        return reply
+
+    async def _apply(self, cmd: messages.Command) -> dict[str, Any]:
+        for ext in self.extensions:
+            handler = ext.commands().get(cmd.op)
+            if handler is not None:
+                return await handler(cmd.args)
+        spec = parse_op(cmd)
+        if isinstance(spec, Ping):
+            return {"node": self.node_id, "ts": time.time()}
+        if isinstance(spec, AllocateSpec):
+            where = self.cgroups.apply(spec.alloc, list(spec.pids))
+            self.allocations[spec.alloc.job] = spec.alloc
+            if spec.pids:
+                self.jobs.adopt(spec.alloc.job, list(spec.pids), spec.alloc.memory_bytes)
+            return {"job": spec.alloc.job, "cgroup_version": self.cgroups.version, "cgroup": _paths(where)}
+        if isinstance(spec, ReleaseSpec):
+            self.cgroups.release(spec.job)
+            existed = self.allocations.pop(spec.job, None) is not None
+            return {"job": spec.job, "released": existed}
+        if isinstance(spec, RunSpec):
+            procs: list[str] = []
+            if spec.alloc is not None:
+                where = self.cgroups.apply(spec.alloc)
+                self.allocations[spec.job] = spec.alloc
+                procs = [str(p / "cgroup.procs") for p in _path_list(where)]
+            elif spec.job in self.allocations:
+                procs = [str(p / "cgroup.procs") for p in _path_list(self.cgroups.apply(self.allocations[spec.job]))]
+            try:
+                jp = self.jobs.start(spec.job, list(spec.argv), spec.env, spec.cwd, procs, spec.gpus)
+            except RuntimeError as exc:
+                raise messages.PayloadError(str(exc)) from None
+            except OSError as exc:
+                raise messages.PayloadError(f"cannot start {spec.argv[0]!r}: {exc.strerror}") from None
+            return {"job": spec.job, "pid": jp.popen.pid, "log": jp.log_path}
+        if isinstance(spec, StopSpec):
+            try:
+                sent = self.jobs.signal(spec.job, spec.signal)
+            except KeyError:
+                raise messages.PayloadError(f"no job {spec.job!r} on node {self.node_id}") from None
+            return {"job": spec.job, "signalled": sent}
+        raise messages.PayloadError(f"unhandled op {cmd.op!r}")
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        host, port = _split(self.cfg["node"]["metrics_listen"])
+        if port >= 0:
+            try:
+                self.metrics_port = self.metrics.serve(host, port)
+                log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+            except OSError as exc:
+                log.error("cannot serve metrics on %s:%d: %s", host, port, exc)
+        ctx = NodeContext(self.node_id, self.cfg, self.bus.publish)
+        for ext in self.extensions:
+            await ext.start(ctx)
+        self.last = await asyncio.to_thread(self.collect)
+        log.info("node %s up (cgroup v%s, %d GPUs%s)", self.node_id, self.cgroups.version,
+                 len(self.last["gpus"]["devices"]), ", simulated" if self.last["gpus"].get("simulated") else "")
+        tasks = [asyncio.create_task(self.bus.run(self._stop)), asyncio.create_task(self._telemetry_loop()),
+                 asyncio.create_task(self._reap_loop())]
+        await self._stop.wait()
+        sd_notify("STOPPING=1")
+        # A clean stop says offline itself; the Last Will covers crashes.
+        await self.bus.publish(self.topic("state"), messages.encode({
+            "node": self.node_id, "status": "offline", "reason": "stopped"}), qos=1, retain=True)
+        for ext in self.extensions:
+            try:
+                await ext.stop()
+            except Exception:
+                log.exception("stopping extension %s failed", ext.name)
+        await asyncio.to_thread(self.jobs.stop_all)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.metrics.close()
+        self.gpu.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _split(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def _path_list(where: Any) -> list:
+    if isinstance(where, dict):
+        return list(where.values())
+    return [where] if where is not None else []
+
+
+def _paths(where: Any) -> Any:
+    if isinstance(where, dict):
+        return {k: str(v) for k, v in where.items()}
+    return str(where)
