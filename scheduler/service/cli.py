@@ -53,7 +53,6 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
 
     from nodesvc.broker import split_hostport
     from scheduler.service.api import create_app
-    from scheduler.service.core_engine import build_engine
     from scheduler.service.live import SchedulerService
     from scheduler.service.store import JobStore, load_or_create_token
 
@@ -61,8 +60,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     host, port = split_hostport(s["listen"], 7800)
     store = JobStore(s["db"], synchronous=s["synchronous"])
     token = load_or_create_token(s["db"], s["token"])
-    engine = build_engine(s["profile"])
-    service = SchedulerService(store, engine, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
+    service = SchedulerService(store, profile=s["profile"], broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
     app = create_app(service, token)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
@@ -83,7 +81,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         await service.stop()
         task.result()
         raise RuntimeError(f"scheduler API could not listen on {host}:{port}")
-    log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s)", host, port, engine.profile,
+    log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s)", host, port, service.profile,
              s["db"], cfg["dlshare"]["broker"])
     if ready:
         ready.set()

@@ -176,11 +176,58 @@ def scale_scores(scores: dict[str, float], names: list[str]) -> list[dict[str, A
     return out
 
 
+def evaluate(service, job: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str], dict[str, float]]:
+    """Feasible nodes, a reason per infeasible one, and scores in [0, 1], from the same
+    core (its filters, score plugins and weights) the live loop uses."""
+    from scheduler.service import cpu_jobs
+    from scheduler.service.live import core_job
+    from scheduler.service.store import JobRow
+
+    failed: dict[str, str] = {}
+    online = []
+    for n in names:
+        view = service.nodes.get(n)
+        if view is None:
+            failed[n] = "no dlshare node daemon reports from this node"
+        elif view.status != "online":
+            failed[n] = "the dlshare node daemon on this node is offline"
+        else:
+            online.append(view)
+    spec = job["spec"]
+    scores: dict[str, float] = {}
+    if spec["gpus"] > 0:
+        row = JobRow(id=job["id"], spec=spec, state="queued", submitted_at=max(0.0, service.core.now))
+        best: dict[str, float] = {}
+        for cand, total in service.core.candidates(core_job(row, service.core.now), [v.id for v in online]):
+            best[cand.node.node.id] = max(best.get(cand.node.node.id, float("-inf")), total)
+        top = max(best.values(), default=0.0)
+        for v in online:
+            if v.id in best:
+                scores[v.id] = best[v.id] / top if top > 0 else 1.0
+            else:
+                ns = service.core.nodes.get(v.id)
+                free = ns.free_gpus if ns is not None else 0
+                failed[v.id] = (f"profile {service.profile}: no placement for {spec['gpus']} GPU(s) "
+                                f"({free} of {len(v.gpus)} GPUs free; filters or CPU/memory refused the rest)")
+    else:
+        for v in online:
+            if cpu_jobs.admit([{**job, "submitted_at": 0.0}], [v]):
+                scores[v.id] = max(0.0, v.cpu_count - v.cpus_allocated) / max(1, v.cpu_count)
+            else:
+                cc, cm = cpu_jobs.committed(v)
+                failed[v.id] = (f"needs {spec['cpus']:g} cores and {spec['memory_bytes']} bytes; "
+                                f"{v.cpu_count - cc:g} cores and {v.memory_total_bytes - cm} bytes uncommitted")
+    return [n for n in names if n in scores], failed, scores
+
+
 def add_routes(app: FastAPI, service, auth: list) -> None:
     """Mount the three extender verbs; ``service`` is the SchedulerService."""
+    pods: dict[tuple[str, str], PodRequest] = {}
 
-    def _nodes_for(names: list[str]):
-        return [service.nodes[n] for n in names if n in service.nodes and service.nodes[n].status == "online"]
+    def remember(pod: PodRequest) -> None:
+        pods[(pod.namespace, pod.name)] = pod
+        while len(pods) > 10_000:
+            pods.pop(next(iter(pods)))
 
     @app.post("/k8s/filter", dependencies=auth, tags=["kubernetes"],
               summary="ExtenderArgs -> ExtenderFilterResult (Go field names)")
@@ -191,15 +238,9 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         except ExtenderError as exc:
             return JSONResponse({"Nodes": None, "NodeNames": None, "FailedNodes": {},
                                  "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
-        known = _nodes_for(names)
-        ok, failed = service.engine.filter(pod.job, known)
-        for n in names:
-            if n not in service.nodes:
-                failed[n] = "no dlshare node daemon reports from this node"
-            elif service.nodes[n].status != "online":
-                failed[n] = "the dlshare node daemon on this node is offline"
-        ok = [n for n in names if n in set(ok)]
-        return filter_result(args, ok, {n: failed[n] for n in names if n in failed}, as_names)
+        remember(pod)
+        ok, failed, _ = evaluate(service, pod.job, names)
+        return filter_result(args, ok, failed, as_names)
 
     @app.post("/k8s/prioritize", dependencies=auth, tags=["kubernetes"],
               summary="ExtenderArgs -> HostPriorityList [{Host, Score 0..10}]")
@@ -210,7 +251,8 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         except ExtenderError as exc:
             # HostPriorityList has no error field; kube-scheduler treats a non-200 as the extender's error.
             return JSONResponse({"Error": str(exc)}, status_code=400)
-        scores = service.engine.score(pod.job, _nodes_for(names))
+        remember(pod)
+        _, _, scores = evaluate(service, pod.job, names)
         return scale_scores(scores, names)
 
     @app.post("/k8s/bind", dependencies=auth, tags=["kubernetes"],
@@ -223,13 +265,17 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         n = service.nodes.get(node)
         if n is None or n.status != "online":
             return {"Error": f"node {node} has no online dlshare node daemon"}
-        binder = getattr(service, "k8s_binder", None)
+        binder = service.k8s_binder
         if binder is not None:
             err = await binder(ns, pod_name, str(args.get("PodUID") or ""), node)
             if err:
                 return {"Error": err}
-        service.store.log_event("k8s_bind", node=node, data={"pod": f"{ns}/{pod_name}", "uid": args.get("PodUID")})
-        n.allocations.setdefault(f"k8s.{ns}.{pod_name}"[:128], {"node": node, "gpus": [], "cpus": 0.0,
-                                                                "memory_bytes": 0, "cpuset": None,
-                                                                "k8s_bound_at": time.time()})
+        pod = pods.get((ns, pod_name))
+        spec = pod.job["spec"] if pod else {"cpus": 0.0, "memory_bytes": 0}
+        service.store.log_event("k8s_bind", node=node, data={"pod": f"{ns}/{pod_name}", "uid": args.get("PodUID"),
+                                                              "cpus": spec["cpus"], "memory_bytes": spec["memory_bytes"]})
+        # Held until the pod shows in the node's measured usage; kubelet, not dlshare, runs it.
+        n.allocations[f"k8s.{ns}.{pod_name}"[:128]] = {"node": node, "gpus": [], "cpus": float(spec["cpus"]),
+                                                       "memory_bytes": int(spec["memory_bytes"]), "cpuset": None,
+                                                       "kind": "cpu", "k8s": True, "bound_at": time.time()}
         return {"Error": ""}

@@ -1,19 +1,22 @@
-"""The live loop: MQTT telemetry and API calls in, node commands out.
+"""The live loop: the asyncio shell around the pure scheduler core.
 
-:class:`SchedulerService` is the asyncio shell around a
-:class:`~scheduler.service.engine.PlacementEngine` (the scheduler core).  It
+:class:`SchedulerService` turns MQTT telemetry, node state (the Last Will),
+job exits and API calls into the core's events (``JobArrived``,
+``NodeReport``, ``JobFinished``, ``JobCancelled``, ``PlacementFailed``,
+``NodeLost``, ``Tick``), hands them to ``SchedulerState.handle`` in batches,
+and carries the decisions out as node commands (``allocate``, ``run``,
+``stop``, ``release``; QoS 1, replies correlated by command id).
 
-- keeps a :class:`NodeState` per node from telemetry and the retained state
-  topic (the node's Last Will flips it offline),
-- runs a scheduling round whenever something changed (a submission, a job
-  exit, a node joining or leaving) and on a timer,
-- carries placements out as node commands (``allocate`` then ``run``, QoS 1,
-  each with an id derived from the decision id, replies correlated by id),
-- persists every decision before acting on it, so a replayed decision does not
-  apply twice, and every event it reacts to, so a run can be followed,
-- accounts attained service (GPU-seconds, CPU-seconds for CPU-only jobs) for LAS,
-  and feeds measured utilisation back to the engine's predictors,
-- requeues the jobs of a node that goes offline.
+Durability and replay: each batch of events is logged in SQLite together with
+the decisions it produced, in one transaction, before any command leaves.  At
+start the log is replayed into a fresh core (same events, same batches, same
+decision ids); decisions the table marks as carried out are not sent again,
+and those still pending are re-sent with their original command ids (the node
+daemon answers a repeated id from its reply cache, so nothing applies twice).
+
+The core places GPU jobs.  CPU-only jobs (``gpus = 0``: data preparation)
+are admitted by :mod:`scheduler.service.cpu_jobs`, and their cores and memory
+are withheld from what the core may hand out on that node.
 """
 
 from __future__ import annotations
@@ -27,63 +30,148 @@ from typing import Any
 
 from nodesvc import messages
 from nodesvc.messages import PayloadError
-from scheduler.service.engine import GpuState, NodeState, Placement, PlacementEngine, Preemption
+from scheduler import (
+    Allocate, Job, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, Place,
+    PlacementFailed, Preempt, Reject, SchedulerError, SchedulerState, Tick, Wakeup,
+)
+from scheduler.service import cpu_jobs
+from scheduler.service.core_log import CoreLogError, decode_event, encode_event
+from scheduler.service.nodes import NodeView, apply_telemetry, core_node
 from scheduler.service.store import ConflictError, DecisionRow, JobRow, JobStore
 
 log = logging.getLogger("dlshare.sched.live")
 
-TERMINAL = {"done", "failed", "cancelled"}
-ACTIVE = {"running"}
+TERMINAL = frozenset({"done", "failed", "cancelled"})
+VANISHED_AFTER = 3  # telemetry reports in a row without a job we started before it counts as gone
 
 
 class CommandFailed(RuntimeError):
     pass
 
 
+def _eid() -> str:
+    return f"ev-{uuid.uuid4().hex[:16]}"
+
+
+def core_job(row: JobRow, now: float) -> Job:
+    s = row.spec
+    return Job(id=row.id, model=s.get("model") or s.get("name") or "unknown", batch_size=int(s.get("batch_size") or 0),
+               gpus=int(s["gpus"]), cpus=float(s.get("cpus") or 0.0), memory_bytes=int(s.get("memory_bytes") or 0),
+               priority=int(s.get("priority") or 0), arrival=max(0.0, row.submitted_at),
+               attained_service=float(row.attained_service), features=s.get("graph_features"))
+
+
 class SchedulerService:
-    def __init__(self, store: JobStore, engine: PlacementEngine, broker_url: str | None = None,
+    def __init__(self, store: JobStore, profile: str = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
-                 node_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+                 node_timeout_s: float = 30.0, report_s: float = 10.0,
+                 clock: Callable[[], float] = time.time, core: SchedulerState | None = None) -> None:
         self.store = store
-        self.engine = engine
+        self.core = core or SchedulerState(profile)
+        self.profile = self.core.profile.name
         self.broker_url = broker_url
         self.service_id = service_id
         self.tick_s = tick_s
         self.command_timeout_s = command_timeout_s
         self.node_timeout_s = node_timeout_s
+        self.report_s = report_s
         self.clock = clock
-        self.nodes: dict[str, NodeState] = {}
+        self.nodes: dict[str, NodeView] = {}
         self.aggregation: dict[str, dict[str, Any]] = {}
         self.bus = None
+        self.k8s_binder = None
         self._wake = asyncio.Event()
+        self._events: list[Any] = []
         self._pending: dict[str, asyncio.Future] = {}
-        self._last_account = clock()
         self._tasks: list[asyncio.Task] = []
-        self._inflight: set[str] = set()  # jobs whose placement commands are on their way
-        self.decision_latency_s: list[float] = []  # submit -> running, for the benchmark
-        self._restore()
+        self._bg: set[asyncio.Task] = set()
+        self._batch = store.last_batch()
+        self._wakeup_at: float | None = None
+        self._last_service = 0.0
+        self.decision_latency_s: list[float] = []  # submit -> run acked, for the benchmark
+        self._replay()
 
-    # --- restart --------------------------------------------------------------------------
+    # --- time and events --------------------------------------------------------------------
 
-    def _restore(self) -> None:
-        """Rebuild allocations from the store after a restart."""
-        rows, _ = self.store.list_jobs(states=["running"], limit=1_000_000)
+    def now(self) -> float:
+        return max(self.clock(), self.core.now)
+
+    def post(self, ev: Any) -> None:
+        """Queue a core event for the next batch."""
+        self._events.append(ev)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- restart: replay the log, then reconcile with the jobs table -----------------------
+
+    def _replay(self) -> None:
+        n_batches = 0
+        replayed: list[tuple[str, Any]] = []
+        for _, payloads in self.store.core_batches():
+            try:
+                events = [decode_event(p) for p in payloads]
+            except CoreLogError as exc:
+                log.error("skipping an unreadable logged batch: %s", exc)
+                continue
+            for d in self._handle(events):
+                replayed.append((self._decision_id(d), d))
+            n_batches += 1
+        rows, _ = self.store.list_jobs(states=["queued", "running", "preempted"], limit=1 << 30)
         for j in rows:
-            a = j.allocation
-            if a and a.get("node"):
-                node = self.nodes.setdefault(a["node"], NodeState(id=a["node"]))
-                node.allocations[j.id] = a
-        if rows:
-            log.info("restored %d running jobs from %s", len(rows), self.store.path)
+            if j.state == "running" and j.allocation:
+                node = self.nodes.setdefault(j.allocation["node"], NodeView(id=j.allocation["node"]))
+                node.allocations[j.id] = {**j.allocation, "acked": True}
+            if int(j.spec.get("gpus", 0)) > 0 and j.id not in self.core.records:
+                self.post(JobArrived(_eid(), self.now(), core_job(j, self.now())))
+        # GPU jobs ended in the table but still active in the core (a crash between the two).
+        for jid, rec in self.core.records.items():
+            row = self.store.get_job(jid)
+            if row is not None and row.state in TERMINAL and rec.job.state.active:
+                self.post(JobCancelled(_eid(), self.now(), jid, row.reason or row.state))
+        states = self.store.decision_states()
+        self._resend = [d for did, d in replayed if states.get(did) in ("pending", "sent")]
+        if n_batches:
+            log.info("replayed %d logged batches; %d decisions still to carry out, %d active jobs",
+                     n_batches, len(self._resend), len(rows))
 
-    # --- API side -----------------------------------------------------------------------
+    def _handle(self, events: list[Any]) -> list[Any]:
+        """Feed the core, one event at a time where one is refused (its state is then unchanged)."""
+        try:
+            return self.core.handle(*events)
+        except SchedulerError as exc:
+            if len(events) == 1:
+                log.warning("core refused event %s: %s", events[0].id, exc)
+                return []
+        out: list[Any] = []
+        for ev in events:
+            try:
+                out += self.core.handle(ev)
+            except SchedulerError as exc:
+                log.warning("core refused event %s: %s", ev.id, exc)
+        return out
+
+    @staticmethod
+    def _decision_id(d: Any) -> str:
+        kind = type(d).__name__.lower()
+        if isinstance(d, Allocate):
+            return f"{d.cause}/{kind}/{d.job}/{d.node}"
+        if isinstance(d, Wakeup):
+            return f"{d.cause}/{kind}"
+        return f"{d.cause}/{kind}/{d.job}"
+
+    # --- API side ---------------------------------------------------------------------------
 
     def submit(self, spec: dict[str, Any]) -> tuple[JobRow, bool]:
         """Persist a validated spec as a queued job; raises ConflictError for a clashing id."""
         job_id = spec.pop("id", None)
         row, created = self.store.add_job(job_id, spec)
         if created:
-            self.wake()
+            if int(spec.get("gpus", 0)) > 0:
+                self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
+            else:
+                self.wake()
         return row, created
 
     async def cancel(self, job_id: str) -> JobRow | None:
@@ -92,23 +180,21 @@ class SchedulerService:
             return None
         if job.state in TERMINAL:
             return job
-        if job.state == "running" and job.allocation:
-            node = job.allocation["node"]
-            self.store.update_job(job_id, event="cancel_requested", node=node, reason="cancelled by user")
-            try:
-                await self.command(node, "stop", {"job": job_id}, f"{job_id}:stop:{uuid.uuid4().hex[:8]}")
-            except CommandFailed as exc:
-                log.warning("stop of %s on %s failed: %s", job_id, node, exc)
-            await self._release(job_id, node)
-        self.store.update_job(job_id, event="cancelled", state="cancelled", reason="cancelled by user",
-                              finished_at=self.clock(), allocation=None)
+        a = job.allocation
+        self.store.update_job(job_id, event="cancelled", node=a["node"] if a else None, state="cancelled",
+                              reason="cancelled by user", finished_at=self.clock(), allocation=None)
+        rec = self.core.records.get(job_id)
+        if rec is not None and rec.job.state.active:
+            self.post(JobCancelled(_eid(), self.now(), job_id, "cancelled by user"))
+        if a:
+            node = self.nodes.get(a["node"])
+            if node is not None:
+                node.allocations.pop(job_id, None)
+            self._spawn(self._stop_and_release(job_id, a["node"], f"{job_id}/cancel"))
         self.wake()
         return self.store.get_job(job_id)
 
-    def wake(self) -> None:
-        self._wake.set()
-
-    # --- MQTT -----------------------------------------------------------------------------
+    # --- MQTT -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self.broker_url:
@@ -119,9 +205,7 @@ class SchedulerService:
                 subscriptions=[(messages.topic("node", "+", leaf), 1) for leaf in ("telemetry", "state", "reply", "events")]
                 + [(messages.topic("agg", "+", "telemetry"), 0)],
                 handler=self.on_message, on_connect=self._on_connect,
-                will=(messages.topic("sched", self.service_id, "state"),
-                      messages.encode({"status": "offline"}), 1, True),
-            )
+                will=(messages.topic("sched", self.service_id, "state"), messages.encode({"status": "offline"}), 1, True))
             self._stop = asyncio.Event()
             self._tasks.append(asyncio.create_task(self.bus.run(self._stop), name="sched-bus"))
         self._tasks.append(asyncio.create_task(self._loop(), name="sched-loop"))
@@ -131,9 +215,9 @@ class SchedulerService:
             await self.bus.publish(messages.topic("sched", self.service_id, "state"),
                                    messages.encode({"status": "offline", "ts": self.clock()}), 1, True)
             self._stop.set()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._bg]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._bg]:
             try:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
@@ -142,9 +226,11 @@ class SchedulerService:
 
     async def _on_connect(self, bus) -> None:
         await bus.publish(messages.topic("sched", self.service_id, "state"),
-                          messages.encode({"status": "online", "ts": self.clock(), "profile": self.engine.profile}),
-                          1, True)
-        # Commands whose reply we never saw are re-sent with the same ids (the node dedupes).
+                          messages.encode({"status": "online", "ts": self.clock(), "profile": self.profile}), 1, True)
+        if self._resend:
+            resend, self._resend = self._resend, []
+            for d in resend:
+                self._spawn(self._carry_out(d, replay=True))
         self.wake()
 
     async def on_message(self, topic: str, payload: bytes) -> None:
@@ -156,66 +242,80 @@ class SchedulerService:
         try:
             if kind == "agg":
                 self.aggregation[ident] = {**messages.decode(payload), "_seen": self.clock()}
+            elif kind != "node":
+                return
             elif leaf == "telemetry":
                 self.on_telemetry(messages.parse_telemetry(payload))
             elif leaf == "state":
-                await self.on_node_state(ident, messages.decode(payload) if payload else {"status": "offline"})
+                self.on_node_state(ident, messages.decode(payload) if payload else {"status": "offline"})
             elif leaf == "reply":
                 self.on_reply(messages.decode(payload))
             elif leaf == "events":
-                await self.on_node_event(ident, messages.decode(payload))
+                ev = messages.decode(payload)
+                if ev.get("event") == "job_exit" and isinstance(ev.get("job"), str):
+                    code = ev.get("exit_code")
+                    self.job_exited(ident, ev["job"], code if isinstance(code, int) and not isinstance(code, bool) else None,
+                                    "oom-killed" if ev.get("oom_killed") else "")
         except PayloadError as exc:
             log.warning("bad %s payload from %s/%s: %s", leaf, kind, ident, exc)
 
     def on_telemetry(self, t: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(t["node"], NodeState(id=t["node"]))
-        was_new = node.status != "online"
-        node.last_seen = self.clock()
-        node.status = "online"
-        cpu, mem, gpus = t["cpu"], t["memory"], t["gpus"]
-        node.cpu_count = int(cpu.get("count") or 0)
-        node.cpu_percent = cpu.get("percent")
-        node.memory_total_bytes = int(mem["total_bytes"])
-        node.memory_available_bytes = int(mem["available_bytes"])
-        node.reserved_unused_bytes = int(mem.get("reserved_unused_bytes") or 0)
-        node.promised_bytes = int(mem.get("promised_bytes") or 0)
-        node.gpus = [GpuState(index=int(g.get("index", i)), name=str(g.get("name", "")),
-                              util_percent=g.get("util_percent"), memory_used_bytes=g.get("memory_used_bytes"),
-                              memory_total_bytes=g.get("memory_total_bytes"))
-                     for i, g in enumerate(gpus.get("devices") or []) if isinstance(g, dict)]
-        node.gpu_reason = gpus.get("reason")
-        donor = t.get("donor") or {}
-        if isinstance(donor, dict):
-            node.lendable_bytes = int(donor.get("lendable_bytes") or donor.get("free_bytes") or 0)
-            node.lent_bytes = int(donor.get("lent_bytes") or donor.get("used_bytes") or 0)
-        jobs = t.get("jobs") or {}
-        node.job_usage = {k: v for k, v in jobs.items() if isinstance(v, dict)} if isinstance(jobs, dict) else {}
-        try:
-            self.engine.observe(node, node.last_seen)
-        except Exception:  # noqa: BLE001 - a predictor update never stops the loop
-            log.exception("predictor update failed for node %s", node.id)
-        for job, usage in node.job_usage.items():
-            if usage.get("state") == "exited" and job in node.allocations:
-                asyncio.get_running_loop().create_task(
-                    self._job_exited(node.id, job, usage.get("exit_code"), "telemetry"))
-        if was_new:
+        node = self.nodes.setdefault(t["node"], NodeView(id=t["node"]))
+        was_online = node.status == "online"
+        apply_telemetry(node, t, self.clock())
+        if not was_online:
             self.store.log_event("node_online", node=node.id, data={"cpus": node.cpu_count, "gpus": len(node.gpus)})
-            self.wake()
+        self._report(node, force=not was_online)
+        for job in list(node.allocations):
+            usage = node.job_usage.get(job)
+            if usage is not None:
+                node.missing.pop(job, None)
+                if usage.get("state") == "exited":
+                    code = usage.get("exit_code")
+                    self.job_exited(node.id, job, code if isinstance(code, int) else None, "")
+            elif node.allocations[job].get("acked"):
+                node.missing[job] = node.missing.get(job, 0) + 1
+                if node.missing[job] >= VANISHED_AFTER:
+                    self.job_exited(node.id, job, None, "the node no longer reports the job")
+        self.wake()
 
-    async def on_node_state(self, node_id: str, state: dict[str, Any]) -> None:
+    def _report(self, node: NodeView, force: bool = False) -> None:
+        """A NodeReport when the node's resources changed, or every ``report_s`` (predictor samples)."""
+        cc, cm = cpu_jobs.withheld(node)
+        n = core_node(node, cc, cm)
+        key = (n.gpus, n.cores, n.memory_bytes, n.lendable_bytes >> 26)
+        now = self.clock()
+        if not force and key == node.reported and now - node.reported_at < self.report_s:
+            return
+        ns = self.core.nodes.get(node.id)
+        if ns is not None and ns.node.gpus != n.gpus and ns.jobs:
+            log.warning("node %s now reports %d GPUs while running jobs; keeping %d", node.id, n.gpus, ns.node.gpus)
+            return
+        node.reported, node.reported_at = key, now
+        gpu_jobs = node.gpu_jobs()
+        util = {g.index: g.util_percent for g in node.gpus}
+        samples = {}
+        for job, a in node.allocations.items():
+            us = [util[g] for g in a.get("gpus") or [] if util.get(g) is not None]
+            if us and job in self.core.running:
+                samples[job] = JobSample(sm_percent=sum(us) / len(us))
+        del gpu_jobs
+        self.post(NodeReport(_eid(), self.now(), n, gpu_util=tuple(float(g.util_percent or 0.0) for g in node.gpus),
+                             cpu_percent=node.cpu_percent, memory_available_bytes=node.memory_available_bytes,
+                             jobs=samples))
+
+    def on_node_state(self, node_id: str, state: dict[str, Any]) -> None:
+        node = self.nodes.setdefault(node_id, NodeView(id=node_id))
         status = state.get("status")
-        node = self.nodes.setdefault(node_id, NodeState(id=node_id))
         if status == "offline" and node.status != "offline":
-            node.status = "offline"
-            await self._node_lost(node, "went offline (Last Will)" if not state.get("ts") else "went offline")
-        elif status == "online" and node.status != "online":
-            node.status = "online"
-            node.last_seen = self.clock()
-            self.store.log_event("node_online", node=node_id, data={})
-            self.wake()
+            self._node_lost(node, "went offline (its Last Will or its shutdown)")
+        elif status == "online" and node.status == "offline":
+            node.status = "unknown"  # back once its telemetry arrives
 
-    async def _node_lost(self, node: NodeState, why: str) -> None:
-        jobs = list(node.allocations)
+    def _node_lost(self, node: NodeView, why: str) -> None:
+        node.status = "offline"
+        node.reported = None
+        jobs = sorted(node.allocations)
         self.store.log_event("node_offline", node=node.id, data={"why": why, "jobs": jobs})
         log.warning("node %s %s; requeueing %d jobs", node.id, why, len(jobs))
         for job in jobs:
@@ -224,6 +324,8 @@ class SchedulerService:
             if row is not None and row.state == "running":
                 self.store.update_job(job, event="requeued", node=node.id, state="queued",
                                       reason=f"node {node.id} {why}", allocation=None)
+        if node.id in self.core.nodes and self.core.nodes[node.id].alive:
+            self.post(NodeLost(_eid(), self.now(), node.id))
         self.wake()
 
     def on_reply(self, r: dict[str, Any]) -> None:
@@ -231,33 +333,32 @@ class SchedulerService:
         if fut is not None and not fut.done():
             fut.set_result(r)
 
-    async def on_node_event(self, node_id: str, ev: dict[str, Any]) -> None:
-        if ev.get("event") == "job_exit" and isinstance(ev.get("job"), str):
-            code = ev.get("exit_code")
-            await self._job_exited(node_id, ev["job"], code if isinstance(code, int) else None, "event")
-
-    async def _job_exited(self, node_id: str, job_id: str, code: int | None, via: str) -> None:
+    def job_exited(self, node_id: str, job_id: str, code: int | None, why: str) -> None:
         node = self.nodes.get(node_id)
         if node is None or job_id not in node.allocations:
-            return  # already handled (the event and the telemetry both report an exit)
+            return  # already handled: the event and the telemetry both report an exit
         node.allocations.pop(job_id, None)
+        node.missing.pop(job_id, None)
         row = self.store.get_job(job_id)
+        rec = self.core.records.get(job_id)
         if row is not None and row.state == "running":
-            state = "done" if code == 0 else "failed"
-            self.store.update_job(job_id, event="exited", node=node_id, event_data={"exit_code": code, "via": via},
-                                  state=state, exit_code=code, finished_at=self.clock(),
-                                  reason=None if code == 0 else f"exited with code {code}")
-        elif row is not None and row.state == "preempted":
-            self.store.update_job(job_id, event="preempt_done", node=node_id, state="queued", allocation=None)
-        await self._release(job_id, node_id)
+            ok = code == 0
+            reason = None if ok else (why or f"exited with code {code}")
+            self.store.update_job(job_id, event="exited", node=node_id, event_data={"exit_code": code, "why": why},
+                                  state="done" if ok else "failed", exit_code=code, finished_at=self.clock(),
+                                  reason=reason, allocation=None, attained_service=self._service_of(row))
+            if rec is not None and rec.job.state is JobState.RUNNING:
+                self.post(JobFinished(_eid(), self.now(), job_id, failed=not ok, reason=reason or ""))
+        self._spawn(self._release(job_id, node_id))
         self.wake()
+
+    # --- commands ---------------------------------------------------------------------------
 
     async def command(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
         """Send one command (QoS 1) and wait for its reply; raises CommandFailed."""
         if self.bus is None:
             raise CommandFailed("no broker configured")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         self._pending[cmd_id] = fut
         try:
             if not await self.bus.publish(messages.node_topic(node, "cmd"), messages.command(op, cmd_id, **args), 1):
@@ -265,156 +366,244 @@ class SchedulerService:
             try:
                 r = await asyncio.wait_for(fut, self.command_timeout_s)
             except TimeoutError:
-                raise CommandFailed(f"{op} to {node}: no reply within {self.command_timeout_s}s") from None
+                raise CommandFailed(f"{op} to {node}: no reply within {self.command_timeout_s:g}s") from None
         finally:
             self._pending.pop(cmd_id, None)
         if not r.get("ok"):
             raise CommandFailed(f"{op} on {node} refused: {r.get('error')}")
         return r.get("result") or {}
 
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
     async def _release(self, job_id: str, node: str) -> None:
         try:
-            await self.command(node, "release", {"job": job_id}, f"{job_id}:release:{uuid.uuid4().hex[:8]}")
+            await self.command(node, "release", {"job": job_id}, f"{job_id}/release/{uuid.uuid4().hex[:8]}")
         except CommandFailed as exc:
             log.info("release of %s on %s: %s", job_id, node, exc)
 
-    # --- the loop -------------------------------------------------------------------------
+    async def _stop_and_release(self, job_id: str, node: str, cmd_base: str) -> None:
+        try:
+            await self.command(node, "stop", {"job": job_id}, f"{cmd_base}/stop")
+        except CommandFailed as exc:
+            log.warning("stop of %s on %s: %s", job_id, node, exc)
+        await self._release(job_id, node)
+
+    # --- the loop ---------------------------------------------------------------------------
 
     async def _loop(self) -> None:
         while True:
+            timeout = self.tick_s
+            if self._wakeup_at is not None:
+                timeout = max(0.0, min(timeout, self._wakeup_at - self.clock()))
             try:
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+                await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
             self._wake.clear()
             try:
-                self._account()
-                self._check_stale_nodes()
-                await self.schedule_round()
-            except asyncio.CancelledError:
-                raise
+                self.round()
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
                 log.exception("scheduling round failed")
 
-    def _account(self) -> None:
-        """Attained service since the last call: GPU-seconds, or CPU-seconds for CPU-only jobs."""
+    def round(self) -> None:
+        """One pass: stale nodes, due Tick, one core batch, CPU-only admissions, service accounting."""
         now = self.clock()
-        dt = max(0.0, now - self._last_account)
-        self._last_account = now
-        amounts = {}
-        for node in self.nodes.values():
-            if node.status == "offline":
-                continue
-            for job, a in node.allocations.items():
-                amounts[job] = dt * (len(a.get("gpus") or []) or a.get("cpus", 1.0))
-        self.store.add_service(amounts)
-
-    def _check_stale_nodes(self) -> None:
-        now = self.clock()
-        for node in self.nodes.values():
+        for node in list(self.nodes.values()):
             if node.status == "online" and node.last_seen and now - node.last_seen > self.node_timeout_s:
-                node.status = "offline"
-                asyncio.get_running_loop().create_task(
-                    self._node_lost(node, f"sent no telemetry for {self.node_timeout_s:.0f}s"))
+                self._node_lost(node, f"sent no telemetry for {self.node_timeout_s:g}s")
+        if self._wakeup_at is not None and now >= self._wakeup_at:
+            self._wakeup_at = None
+            self._events.append(Tick(_eid(), self.now()))
+        if self._events:
+            batch, self._events = self._events, []
+            self._run_batch(batch)
+        self._admit_cpu_jobs()
+        if now - self._last_service >= 1.0:
+            self._last_service = now
+            self._account(now)
 
-    async def schedule_round(self) -> int:
-        """Ask the engine for decisions and carry them out; returns how many jobs were placed."""
-        queued, _ = self.store.list_jobs(states=["queued"], limit=100_000)
-        queued = [j for j in queued if j.id not in self._inflight]
-        if not queued and not any(n.allocations for n in self.nodes.values()):
-            return 0
-        running, _ = self.store.list_jobs(states=["running"], limit=100_000)
-        online = [n for n in self.nodes.values() if n.status == "online"]
-        decisions = self.engine.decide([j.as_api() for j in queued], [j.as_api() for j in running], online,
-                                       self.clock())
-        placed = 0
-        starts = []
+    def _run_batch(self, events: list[Any]) -> None:
+        decisions = self._handle(events)
+        self._batch += 1
+        rows = [DecisionRow(id=self._decision_id(d), kind=type(d).__name__.lower(), job=getattr(d, "job", None),
+                            node=getattr(d, "node", None) if not isinstance(d, Wakeup) else None,
+                            data=_decision_data(d)) for d in decisions if not isinstance(d, Wakeup)]
+        self.store.record_batch(self._batch, [(ev.id, encode_event(ev)) for ev in events], rows)
+        allocs = {(d.job, d.node): d for d in decisions if isinstance(d, Allocate)}
         for d in decisions:
-            if isinstance(d, Placement):
-                if self._reserve(d):
-                    starts.append(d)
-            elif isinstance(d, Preemption):
-                await self._preempt(d)
-        if starts:
-            results = await asyncio.gather(*(self._start(d) for d in starts))
-            placed = sum(results)
-        return placed
+            if isinstance(d, Wakeup):
+                if self._wakeup_at is None or d.at < self._wakeup_at:
+                    self._wakeup_at = d.at
+            elif isinstance(d, Reject):
+                self.store.update_job(d.job, event="rejected", state="failed", reason=d.reason,
+                                      finished_at=self.clock())
+            elif isinstance(d, Place):
+                self._mark_placed(d, allocs)
+                self._spawn(self._carry_out(d))
+            elif isinstance(d, Preempt):
+                self._mark_preempted(d)
+                self._spawn(self._carry_out(d))
+            elif isinstance(d, Allocate):
+                row = self.store.get_job(d.job)
+                placed_now = any(isinstance(p, Place) and p.job == d.job for p in decisions)
+                if not placed_now and row is not None and row.state == "running":
+                    a = dict(row.allocation or {})
+                    a.update(cpus=d.cpus, memory_bytes=d.memory_bytes)
+                    self.store.update_job(d.job, allocation=a)
+                    if d.node in self.nodes and d.job in self.nodes[d.node].allocations:
+                        self.nodes[d.node].allocations[d.job].update(cpus=d.cpus, memory_bytes=d.memory_bytes)
+                    self._spawn(self._carry_out(d))
 
-    def _reserve(self, d: Placement) -> bool:
-        node = self.nodes.get(d.node)
+    def _mark_placed(self, d: Place, allocs: dict) -> None:
         row = self.store.get_job(d.job)
-        if node is None or node.status != "online" or row is None or row.state != "queued":
-            return False
-        node.allocations[d.job] = {"node": d.node, "gpus": list(d.gpus), "cpus": d.cpus,
-                                   "memory_bytes": d.memory_bytes, "cpuset": d.cpuset}
-        self._inflight.add(d.job)
-        return True
-
-    async def _start(self, d: Placement) -> bool:
-        row = self.store.get_job(d.job)
-        assert row is not None
-        attempt = row.attempts + 1
-        decision_id = f"{d.job}:place:{attempt}"
-        alloc = {"node": d.node, "gpus": list(d.gpus), "cpus": d.cpus, "memory_bytes": d.memory_bytes,
-                 "cpuset": d.cpuset}
-        try:
-            if not self.store.record_decision(DecisionRow(id=decision_id, kind="place", job=d.job, node=d.node,
-                                                          data=alloc)):
-                prior = self.store.decision(decision_id)
-                if prior is not None and prior.state == "acked":
-                    log.info("decision %s already applied; not sending it again", decision_id)
-                    return False
-            self.store.set_decision_state(decision_id, "sent")
-            spec = row.spec
-            args: dict[str, Any] = {"job": d.job, "cpus": d.cpus, "memory_bytes": d.memory_bytes,
-                                    "decision": decision_id}
-            if d.cpuset:
-                args["cpuset"] = d.cpuset
-            await self.command(d.node, "allocate", args, f"{decision_id}:allocate")
-            env = dict(spec.get("env") or {})
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in d.gpus)
-            env["DLSHARE_JOB_ID"] = d.job
-            run_args = {**args, "argv": spec["command"], "env": env}
-            if spec.get("cwd"):
-                run_args["cwd"] = spec["cwd"]
-            result = await self.command(d.node, "run", run_args, f"{decision_id}:run")
-            self.store.set_decision_state(decision_id, "acked", result)
-            now = self.clock()
-            self.store.update_job(d.job, event="started", node=d.node, event_data={**alloc, "decision": decision_id,
-                                                                                    "why": d.reason},
-                                  state="running", allocation=alloc, started_at=now, attempts=attempt, reason=None)
-            self.decision_latency_s.append(now - row.submitted_at)
-            return True
-        except CommandFailed as exc:
-            self.store.set_decision_state(decision_id, "failed", {"error": str(exc)})
-            node = self.nodes.get(d.node)
-            if node is not None:
-                node.allocations.pop(d.job, None)
-            self.store.update_job(d.job, event="placement_failed", node=d.node, event_data={"error": str(exc)},
-                                  reason=str(exc), attempts=attempt)
-            await self._release(d.job, d.node)
-            return False
-        finally:
-            self._inflight.discard(d.job)
-
-    async def _preempt(self, p: Preemption) -> None:
-        row = self.store.get_job(p.job)
-        if row is None or row.state != "running" or not row.allocation:
+        if row is None:
             return
-        node = row.allocation["node"]
-        self.store.update_job(p.job, event="preempted", node=node, event_data={"why": p.reason}, state="preempted",
-                              reason=p.reason)
-        try:
-            await self.command(node, "stop", {"job": p.job}, f"{p.job}:stop:{row.attempts}")
-        except CommandFailed as exc:
-            log.warning("preempting %s on %s: %s", p.job, node, exc)
-        n = self.nodes.get(node)
-        if n is not None:
-            n.allocations.pop(p.job, None)
-        await self._release(p.job, node)
-        self.store.update_job(p.job, event="requeued", node=node, state="queued", allocation=None)
+        al = allocs.get((d.job, d.node))
+        spec = row.spec
+        alloc = {"node": d.node, "gpus": list(d.gpus), "cpus": al.cpus if al else float(spec.get("cpus") or 1.0),
+                 "memory_bytes": al.memory_bytes if al else int(spec.get("memory_bytes") or 0), "cpuset": None,
+                 "shards": [{"node": s.node, "gpus": list(s.gpus)} for s in d.shards],
+                 "colocated_with": list(d.colocated_with), "acked": False,
+                 "requested_cpus": float(spec.get("cpus") or 0.0),
+                 "requested_memory_bytes": int(spec.get("memory_bytes") or 0)}
+        for s in d.shards:
+            self.nodes.setdefault(s.node, NodeView(id=s.node)).allocations[d.job] = dict(alloc, node=s.node,
+                                                                                          gpus=list(s.gpus))
+        self.store.update_job(d.job, event="placed", node=d.node,
+                              event_data={"gpus": list(d.gpus), "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"],
+                                          "colocated_with": list(d.colocated_with), "resumed": d.resumed,
+                                          "decision": self._decision_id(d)},
+                              state="running", allocation=alloc, started_at=self.clock(), attempts=row.attempts + 1,
+                              reason=("co-located with " + ", ".join(d.colocated_with)) if d.colocated_with else None)
 
-    # --- views ----------------------------------------------------------------------------
+    def _mark_preempted(self, d: Preempt) -> None:
+        row = self.store.get_job(d.job)
+        if row is None or row.state != "running":
+            return
+        for node in self.nodes.values():
+            node.allocations.pop(d.job, None)
+        self.store.update_job(d.job, event="preempted", node=(row.allocation or {}).get("node"),
+                              event_data={"why": d.reason}, state="preempted", reason=d.reason, allocation=None)
+
+    async def _carry_out(self, d: Any, replay: bool = False) -> None:
+        did = self._decision_id(d)
+        try:
+            if isinstance(d, Place):
+                await self._start_gpu_job(d, did, replay)
+            elif isinstance(d, Preempt):
+                row = self.store.get_job(d.job)
+                node = next((e["node"] for e in self.store.events(job=d.job)[::-1] if e["kind"] == "placed"), None)
+                if node:
+                    await self._stop_and_release(d.job, node, did)
+                del row
+            elif isinstance(d, Allocate):
+                await self.command(d.node, "allocate", {"job": d.job, "cpus": max(0.01, d.cpus),
+                                                        "memory_bytes": max(1 << 20, d.memory_bytes)}, f"{did}/allocate")
+            self.store.set_decision_state(did, "acked")
+        except CommandFailed as exc:
+            self.store.set_decision_state(did, "failed", {"error": str(exc)})
+            log.warning("decision %s failed: %s", did, exc)
+            if isinstance(d, Place):
+                self._placement_failed(d.job, [s.node for s in d.shards], str(exc))
+
+    async def _start_gpu_job(self, d: Place, did: str, replay: bool) -> None:
+        row = self.store.get_job(d.job)
+        if row is None or row.state != "running":
+            return  # cancelled (or requeued) meanwhile
+        if replay and self.core.records.get(d.job) is not None and self.core.records[d.job].shards != d.shards:
+            return  # the core has since moved on
+        a = row.allocation or {}
+        for rank, s in enumerate(d.shards):
+            base = {"job": d.job, "cpus": max(0.01, float(a.get("cpus") or 1.0)),
+                    "memory_bytes": max(1 << 20, int(a.get("memory_bytes") or (1 << 20)))}
+            await self.command(s.node, "allocate", base, f"{did}/{s.node}/allocate")
+            env = {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": d.job, "DLSHARE_RANK": str(rank),
+                   "DLSHARE_WORLD_SIZE": str(len(d.shards)), "CUDA_VISIBLE_DEVICES": ",".join(map(str, s.gpus))}
+            run = {**base, "argv": row.spec["command"], "env": env, "gpus": list(s.gpus)}
+            if row.spec.get("cwd"):
+                run["cwd"] = row.spec["cwd"]
+            await self.command(s.node, "run", run, f"{did}/{s.node}/run")
+            n = self.nodes.get(s.node)
+            if n is not None and d.job in n.allocations:
+                n.allocations[d.job]["acked"] = True
+        self.decision_latency_s.append(self.clock() - row.submitted_at)
+        self.store.log_event("started", job=d.job, node=d.node, data={"decision": did})
+
+    def _placement_failed(self, job: str, nodes: list[str], why: str) -> None:
+        for n in nodes:
+            if n in self.nodes:
+                self.nodes[n].allocations.pop(job, None)
+            self._spawn(self._release(job, n))
+        row = self.store.get_job(job)
+        if row is not None and row.state == "running":
+            self.store.update_job(job, event="placement_failed", event_data={"error": why}, state="queued",
+                                  reason=f"placement failed: {why}", allocation=None)
+        rec = self.core.records.get(job)
+        if rec is not None and rec.job.state is JobState.RUNNING:
+            self.post(PlacementFailed(_eid(), self.now(), job, why))
+
+    # --- CPU-only jobs ----------------------------------------------------------------------
+
+    def _admit_cpu_jobs(self) -> None:
+        queued, _ = self.store.list_jobs(states=["queued"], limit=10_000)
+        waiting = [j for j in queued if int(j.spec.get("gpus", 0)) == 0]
+        if not waiting:
+            return
+        online = [n for n in self.nodes.values() if n.status == "online"]
+        for job, node_id, alloc in cpu_jobs.admit([j.as_api() for j in waiting], online):
+            node = self.nodes[node_id]
+            node.allocations[job] = {**alloc, "acked": False}
+            row = self.store.get_job(job)
+            self.store.update_job(job, event="placed", node=node_id, event_data={**alloc, "policy": "cpu_jobs"},
+                                  state="running", allocation=alloc, started_at=self.clock(),
+                                  attempts=(row.attempts if row else 0) + 1, reason=None)
+            self._report(node, force=True)
+            self._spawn(self._start_cpu_job(job, node_id, alloc, (row.attempts if row else 0) + 1))
+
+    async def _start_cpu_job(self, job: str, node: str, alloc: dict[str, Any], attempt: int) -> None:
+        did = f"{job}/cpu-place/{attempt}"
+        self.store.record_decision(DecisionRow(id=did, kind="cpu-place", job=job, node=node, data=alloc))
+        row = self.store.get_job(job)
+        try:
+            base = {"job": job, "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"]}
+            await self.command(node, "allocate", base, f"{did}/allocate")
+            run = {**base, "argv": row.spec["command"], "env": {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": job}}
+            if row.spec.get("cwd"):
+                run["cwd"] = row.spec["cwd"]
+            await self.command(node, "run", run, f"{did}/run")
+            self.store.set_decision_state(did, "acked")
+            if node in self.nodes and job in self.nodes[node].allocations:
+                self.nodes[node].allocations[job]["acked"] = True
+            self.decision_latency_s.append(self.clock() - row.submitted_at)
+            self.store.log_event("started", job=job, node=node, data={"decision": did})
+        except CommandFailed as exc:
+            self.store.set_decision_state(did, "failed", {"error": str(exc)})
+            if node in self.nodes:
+                self.nodes[node].allocations.pop(job, None)
+            cur = self.store.get_job(job)
+            if cur is not None and cur.state == "running":
+                self.store.update_job(job, event="placement_failed", node=node, event_data={"error": str(exc)},
+                                      state="queued", reason=f"placement failed: {exc}", allocation=None)
+            await self._release(job, node)
+
+    # --- accounting and views ---------------------------------------------------------------
+
+    def _service_of(self, r: JobRow) -> float:
+        """GPU-seconds from the core (Tiresias's measure), CPU-seconds for CPU-only jobs."""
+        now = self.now()
+        rec = self.core.records.get(r.id)
+        if rec is not None:
+            return rec.service(now)
+        if r.started_at is not None and r.allocation:
+            return (r.allocation.get("cpus") or 0.0) * max(0.0, now - r.started_at)
+        return r.attained_service
+
+    def _account(self, now: float) -> None:
+        rows, _ = self.store.list_jobs(states=["running"], limit=1 << 30)
+        self.store.set_service({r.id: self._service_of(r) for r in rows})
 
     def cluster(self) -> dict[str, Any]:
         now = self.clock()
@@ -431,8 +620,7 @@ class SchedulerService:
                 "gpus": [{"index": g.index, "name": g.name, "util_percent": g.util_percent,
                           "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
                           "jobs": gj.get(g.index, [])} for g in n.gpus],
-                "gpu_reason": n.gpu_reason, "jobs": sorted(n.allocations),
-            })
+                "gpu_reason": n.gpu_reason, "jobs": sorted(n.allocations)})
         agg = [a for a in self.aggregation.values() if now - a.get("_seen", 0) < 60]
         online = [n for n in nodes if n["status"] == "online"]
         return {
@@ -449,8 +637,17 @@ class SchedulerService:
                 "cores_in_use": float(sum(_num(a.get("cores_in_use", a.get("workers"))) for a in agg)),
                 "rounds_per_s": float(sum(_num(a.get("rounds_per_s")) for a in agg)),
             },
-            "profile": self.engine.profile,
+            "profile": self.profile,
         }
+
+
+def _decision_data(d: Any) -> dict[str, Any]:
+    if isinstance(d, Place):
+        return {"shards": [{"node": s.node, "gpus": list(s.gpus)} for s in d.shards],
+                "colocated_with": list(d.colocated_with), "resumed": d.resumed}
+    if isinstance(d, Allocate):
+        return {"cpus": d.cpus, "memory_bytes": d.memory_bytes}
+    return {"reason": getattr(d, "reason", "")}
 
 
 def _num(v: Any) -> float:
@@ -463,4 +660,4 @@ def _num(v: Any) -> float:
     return 0.0
 
 
-__all__ = ["SchedulerService", "CommandFailed", "ConflictError"]
+__all__ = ["SchedulerService", "CommandFailed", "ConflictError", "core_job"]

@@ -230,13 +230,12 @@ class JobStore:
             if event:
                 self._event(db, event, job=job_id, node=node, data=event_data or {})
 
-    def add_service(self, amounts: dict[str, float]) -> None:
-        """Add attained service (GPU- or CPU-seconds) to running jobs, in one transaction."""
+    def set_service(self, amounts: dict[str, float]) -> None:
+        """Record attained service (GPU- or CPU-seconds) of running jobs, in one transaction."""
         if not amounts:
             return
         with self.tx() as db:
-            db.executemany("UPDATE jobs SET attained_service = attained_service + ? WHERE id=?",
-                           [(v, k) for k, v in amounts.items()])
+            db.executemany("UPDATE jobs SET attained_service = ? WHERE id=?", [(v, k) for k, v in amounts.items()])
 
     # --- events -----------------------------------------------------------------------------
 

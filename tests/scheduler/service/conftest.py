@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from svc_helpers import FirstFitEngine
-
-
-@pytest.fixture
-def engine():
-    return FirstFitEngine()
 
 
 @pytest.fixture

@@ -30,45 +30,6 @@ ROOT, free_port, stop_proc, wait_port = _rc.ROOT, _rc.free_port, _rc.stop_proc, 
 TOKEN = "test-token-0123456789"
 
 
-class FirstFitEngine:
-    """Test double for the core, used only by tests of the shell's plumbing
-    (API, persistence, command correlation).  The policy tests use the real core."""
-
-    profile = "test-first-fit"
-
-    def __init__(self) -> None:
-        self.observed: list[str] = []
-
-    def decide(self, queued, running, nodes, now):
-        from scheduler.service.engine import Placement
-
-        out = []
-        free = {n.id: n.cpu_count - n.cpus_allocated for n in nodes}
-        for j in queued:
-            s = j["spec"]
-            for n in nodes:
-                if free[n.id] >= s["cpus"]:
-                    free[n.id] -= s["cpus"]
-                    out.append(Placement(job=j["id"], node=n.id, gpus=(), cpus=s["cpus"], memory_bytes=s["memory_bytes"]))
-                    break
-        return out
-
-    def filter(self, job, nodes):
-        ok, failed = [], {}
-        for n in nodes:
-            if n.cpu_count - n.cpus_allocated >= job["spec"]["cpus"]:
-                ok.append(n.id)
-            else:
-                failed[n.id] = "not enough CPUs"
-        return ok, failed
-
-    def score(self, job, nodes):
-        return {n.id: (n.cpu_count - n.cpus_allocated) / max(1, n.cpu_count) for n in nodes}
-
-    def observe(self, node, now):
-        self.observed.append(node.id)
-
-
 class SchedProc:
     """``python -m nodesvc.cli sched`` as a real process on a free port."""
 
@@ -115,8 +76,9 @@ class FakeNode:
     ``run`` does not start a process: the test ends jobs with :meth:`finish`."""
 
     def __init__(self, broker_url: str, node_id: str, cpus: int = 8, memory: int = 32 << 30,
-                 interval: float = 0.3) -> None:
+                 interval: float = 0.3, gpus: int = 0) -> None:
         self.url, self.id, self.cpus, self.memory, self.interval = broker_url, node_id, cpus, memory, interval
+        self.gpus = gpus
         self.commands: list[dict[str, Any]] = []
         self.running: dict[str, dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
@@ -149,7 +111,11 @@ class FakeNode:
                 t = {"node": self.id, "ts": 0.0, "cpu": {"count": self.cpus, "percent": 10.0},
                      "memory": {"total_bytes": self.memory, "available_bytes": self.memory // 2,
                                 "reserved_unused_bytes": 1 << 30},
-                     "gpus": {"devices": [], "reason": "no NVIDIA driver (fake node)"}, "rdma": {"devices": []},
+                     "gpus": {"devices": [{"index": i, "name": "fake", "util_percent": 50.0 if self._on_gpu(i) else 0.0,
+                                           "memory_used_bytes": 0, "memory_total_bytes": 32 << 30}
+                                          for i in range(self.gpus)],
+                              "reason": None if self.gpus else "no NVIDIA driver (fake node)"},
+                     "rdma": {"devices": []},
                      "jobs": {j: {"pids": [1], "cpu_percent": 50.0, "rss_bytes": 1 << 20, "state": "running"}
                               for j in self.running},
                      "donor": {"lendable_bytes": 4 << 30, "lent_bytes": 1 << 30}}
@@ -161,6 +127,9 @@ class FakeNode:
         finally:
             self._stop.set()
             await runner
+
+    def _on_gpu(self, i: int) -> bool:
+        return any(i in (a.get("gpus") or []) for a in self.running.values())
 
     async def _on_cmd(self, topic: str, payload: bytes) -> None:
         from nodesvc import messages

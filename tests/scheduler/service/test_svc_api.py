@@ -14,8 +14,8 @@ GOOD = {"name": "resnet", "model": "resnet50", "gpus": 1, "cpus": 2, "memory_byt
 
 
 @pytest.fixture
-def api(store, engine):
-    svc = SchedulerService(store, engine)
+def api(store):
+    svc = SchedulerService(store, profile="dlshare")
     with TestClient(create_app(svc, TOKEN)) as c:
         yield c, svc
 
@@ -98,4 +98,4 @@ def test_cluster_view_has_the_parts(api):
     c, svc = api
     view = c.get("/v1/cluster", headers=auth()).json()
     assert set(view) >= {"nodes", "jobs_by_state", "gpus_total", "memory_lent_bytes", "aggregation", "profile"}
-    assert view["profile"] == "test-first-fit"
+    assert view["profile"] == "dlshare"
