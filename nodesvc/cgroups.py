@@ -233,7 +233,8 @@ class CgroupV1:
     version = 1
     controllers = ("cpu", "cpuset", "memory")
 
-    def __init__(self, root: str | os.PathLike[str] = "/sys/fs/cgroup", base: str | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str] = "/sys/fs/cgroup", base: str | None = None,
+                 group: str = "dlshare") -> None:
         self.root = Path(root)
         own = own_cgroup(1)
         self.bases: dict[str, Path] = {}
@@ -241,7 +242,7 @@ class CgroupV1:
             mount = self.root / c
             if not mount.is_dir():
                 continue
-            rel = (base if base is not None else own.get(c, "/").rstrip("/") + "/dlshare").lstrip("/")
+            rel = (base if base is not None else own.get(c, "/").rstrip("/") + "/" + group).lstrip("/")
             self.bases[c] = mount / rel
         if "cpu" not in self.bases and "memory" not in self.bases:
             raise CgroupError(f"no cgroup v1 cpu or memory controller under {self.root}")
@@ -381,14 +382,20 @@ class NoCgroups:
         return None
 
 
-def driver(root: str = "/sys/fs/cgroup", base: str | None = None, version: int | None = None):
-    """The driver for this node: v2 if unified, v1 if legacy, else :class:`NoCgroups`."""
+def driver(root: str = "/sys/fs/cgroup", base: str | None = None, version: int | None = None,
+           group: str = "dlshare"):
+    """The driver for this node: v2 if unified, v1 if legacy, else :class:`NoCgroups`.
+
+    ``group`` names the v1 group under the daemon's own cgroups (daemons sharing
+    a host, as under ``dlshare up``, each get their own); v2 uses the delegated
+    cgroup itself unless ``base`` is given.
+    """
     v = version or detect(root)
     try:
         if v == 2:
             return CgroupV2(root, base)
         if v == 1:
-            return CgroupV1(root, base)
+            return CgroupV1(root, base, group)
     except CgroupError as exc:
         return NoCgroups(str(exc))
     return NoCgroups(f"no cgroup hierarchy at {root}")

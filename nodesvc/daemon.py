@@ -52,7 +52,7 @@ class NodeDaemon:
             raise ValueError("node.interval must be positive")
         self.topic = lambda leaf: messages.node_topic(self.node_id, leaf)
         self.cgroups = (
-            cgroups.driver(n["cgroup_root"], n["cgroup_base"] or None)
+            cgroups.driver(n["cgroup_root"], n["cgroup_base"] or None, group=f"dlshare/{self.node_id}")
             if n["enforce"] else cgroups.NoCgroups("enforcement disabled (node.enforce = false)")
         )
         self.jobs = JobTable(n["state_dir"] or f"/tmp/dlshare-node-{self.node_id}")

@@ -1,0 +1,212 @@
+"""``dlshare up``: the whole stack on one machine, as supervised child processes.
+
+It starts the embedded MQTT broker, N node daemons with distinct ids (donors
+of remote memory when that part is installed), and, when those parts are
+installed, the aggregation server and the scheduler service.  It prints where
+everything listens and stops everything, in reverse order, on Ctrl-C.
+``--tour`` runs a short scripted tour of the running stack and then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nodesvc import config
+from nodesvc.broker import split_hostport
+
+log = logging.getLogger("dlshare.up")
+
+config.register_section("up", {
+    "nodes": 2,
+    "broker_listen": "127.0.0.1:1883",
+    "agg_listen": "127.0.0.1:7700",
+    "sched_listen": "127.0.0.1:7800",
+    "fake_gpus": 4,  # this machine has no GPU: each node simulates this many (marked simulated)
+    "interval": 2.0,
+    "state_dir": "/tmp/dlshare-up",
+})
+
+
+def _has(mod: str) -> bool:
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _pick(host: str, port: int) -> int:
+    """The configured port, or a free one when it is taken (said in the log)."""
+    if _port_free(host, port):
+        return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        free = s.getsockname()[1]
+    log.warning("port %d on %s is in use; using %d instead", port, host, free)
+    return free
+
+
+def _wait_port(host: str, port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[3] if len(proc.args) > 3 else proc.args} exited with {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
+
+
+@dataclass
+class Stack:
+    broker_url: str = ""
+    node_ids: list[str] = field(default_factory=list)
+    agg_addr: str | None = None
+    sched_url: str | None = None
+    sched_token: str | None = None
+    state_dir: str = ""
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+        logf = open(Path(self.state_dir) / f"{name}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "nodesvc.cli", *argv], stdout=logf, stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self) -> None:
+        for name, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in reversed(self.procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in 10 s; killing it", name)
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+
+def start(cfg: dict, log_json: bool = False) -> Stack:
+    u = cfg["up"]
+    st = Stack(state_dir=u["state_dir"])
+    common = ["--log-json"] if log_json else []
+    host, port = split_hostport(u["broker_listen"], 1883)
+    port = _pick(host, port)
+    st.broker_url = f"mqtt://{host}:{port}"
+    p = st.spawn("broker", ["broker", "--listen", f"{host}:{port}", *common])
+    _wait_port(host, port, p)
+    lend = _has("nodesvc.donor")
+    for i in range(1, int(u["nodes"]) + 1):
+        nid = f"node-{i}"
+        argv = ["node", "--broker", st.broker_url, "--node-id", nid, "--interval", str(u["interval"]),
+                "--metrics-listen", "127.0.0.1:0", "--fake-gpus", str(u["fake_gpus"]), *common]
+        if lend:
+            argv.append("--lend")
+        st.spawn(nid, argv, env={"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)})
+        st.node_ids.append(nid)
+    if _has("aggregator.cli"):
+        ahost, aport = split_hostport(u["agg_listen"], 7700)
+        aport = _pick(ahost, aport)
+        p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--broker", st.broker_url, *common])
+        _wait_port(ahost, aport, p)
+        st.agg_addr = f"{ahost}:{aport}"
+    if _has("scheduler.service.cli"):
+        shost, sport = split_hostport(u["sched_listen"], 7800)
+        sport = _pick(shost, sport)
+        token = os.environ.get("DLSHARE_SCHED_TOKEN") or os.urandom(16).hex()
+        p = st.spawn("sched", ["sched", "--listen", f"{shost}:{sport}", "--broker", st.broker_url,
+                               "--db", str(Path(st.state_dir) / "sched.db"), "--token", token, *common])
+        _wait_port(shost, sport, p)
+        st.sched_url, st.sched_token = f"http://{shost}:{sport}", token
+    return st
+
+
+def describe(st: Stack) -> str:
+    lines = [f"MQTT broker        {st.broker_url}"]
+    for nid in st.node_ids:
+        lines.append(f"node daemon        {nid} (telemetry on dlshare/v1/node/{nid}/telemetry)")
+    if st.agg_addr:
+        lines.append(f"aggregation server tcp://{st.agg_addr}")
+    if st.sched_url:
+        lines.append(f"scheduler API      {st.sched_url}  (status page {st.sched_url}/, token {st.sched_token})")
+    lines.append(f"logs               {st.state_dir}/*.log")
+    return "\n".join(lines)
+
+
+def _run(args, cfg) -> int:
+    from rich.console import Console
+
+    console = Console()
+    st = Stack()
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        with console.status("starting the dlshare stack..."):
+            st = start(cfg, cfg["dlshare"]["log_json"])
+            from nodesvc.tour import wait_nodes
+
+            asyncio.run(wait_nodes(st.broker_url, st.node_ids, timeout=30))
+        console.print("[bold]dlshare is up[/bold]")
+        console.print(describe(st))
+        if args.tour:
+            from nodesvc.tour import run_tour
+
+            ok = asyncio.run(run_tour(st, console))
+            return 0 if ok else 1
+        console.print("press Ctrl-C to stop")
+        deadline = time.monotonic() + args.duration if args.duration else None
+        while deadline is None or time.monotonic() < deadline:
+            for name, p in st.procs:
+                if p.poll() is not None:
+                    console.print(f"[red]{name} exited with {p.returncode}; stopping the stack[/red]")
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        with console.status("stopping..."):
+            st.stop()
+        console.print("stopped")
+
+
+def register(sub) -> None:
+    from nodesvc.cli import add_command, config_flag
+
+    p = add_command(sub, "up", _run, "run the whole stack on this machine (broker, nodes, aggregation, scheduler)",
+                    sections=["up"])
+    config_flag(p, "--nodes", "up", "nodes", type=int, help="number of node daemons (default 2)")
+    config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
+    config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
+    config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
+    p.add_argument("--tour", action="store_true", help="run the scripted tour, then stop")
+    p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: until Ctrl-C)")
