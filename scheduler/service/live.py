@@ -88,6 +88,8 @@ class SchedulerService:
         self._batch = store.last_batch()
         self._wakeup_at: float | None = None
         self._last_service = 0.0
+        self._failures: dict[str, int] = {}  # job -> placement failures, for the retry backoff
+        self._not_before: dict[str, float] = {}  # CPU-only job -> earliest next admission
         self.decision_latency_s: list[float] = []  # submit -> run acked, for the benchmark
         self._replay()
 
@@ -517,12 +519,12 @@ class SchedulerService:
             return  # the core has since moved on
         a = row.allocation or {}
         for rank, s in enumerate(d.shards):
-            base = {"job": d.job, "cpus": max(0.01, float(a.get("cpus") or 1.0)),
-                    "memory_bytes": max(1 << 20, int(a.get("memory_bytes") or (1 << 20)))}
-            await self.command(s.node, "allocate", base, f"{did}/{s.node}/allocate")
+            # `run` with the allocation applies it (cgroups) and starts the process group in one command.
             env = {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": d.job, "DLSHARE_RANK": str(rank),
                    "DLSHARE_WORLD_SIZE": str(len(d.shards)), "CUDA_VISIBLE_DEVICES": ",".join(map(str, s.gpus))}
-            run = {**base, "argv": row.spec["command"], "env": env, "gpus": list(s.gpus)}
+            run = {"job": d.job, "cpus": max(0.01, float(a.get("cpus") or 1.0)),
+                   "memory_bytes": max(1 << 20, int(a.get("memory_bytes") or (1 << 20))),
+                   "argv": row.spec["command"], "env": env, "gpus": list(s.gpus)}
             if row.spec.get("cwd"):
                 run["cwd"] = row.spec["cwd"]
             await self.command(s.node, "run", run, f"{did}/{s.node}/run")
@@ -543,13 +545,23 @@ class SchedulerService:
                                   reason=f"placement failed: {why}", allocation=None)
         rec = self.core.records.get(job)
         if rec is not None and rec.job.state is JobState.RUNNING:
-            self.post(PlacementFailed(_eid(), self.now(), job, why))
+            # Tell the core after a backoff, so that a node refusing every start is not hammered in a loop;
+            # meanwhile the GPUs stay held by the job.
+            delay = self._backoff(job)
+            loop = asyncio.get_running_loop()
+            loop.call_later(delay, lambda: self.post(PlacementFailed(_eid(), self.now(), job, why)))
+
+    def _backoff(self, job: str) -> float:
+        n = self._failures.get(job, 0)
+        self._failures[job] = n + 1
+        return min(30.0, 0.5 * 2 ** n)
 
     # --- CPU-only jobs ----------------------------------------------------------------------
 
     def _admit_cpu_jobs(self) -> None:
         queued, _ = self.store.list_jobs(states=["queued"], limit=10_000)
-        waiting = [j for j in queued if int(j.spec.get("gpus", 0)) == 0]
+        now = self.clock()
+        waiting = [j for j in queued if int(j.spec.get("gpus", 0)) == 0 and self._not_before.get(j.id, 0) <= now]
         if not waiting:
             return
         online = [n for n in self.nodes.values() if n.status == "online"]
@@ -569,7 +581,6 @@ class SchedulerService:
         row = self.store.get_job(job)
         try:
             base = {"job": job, "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"]}
-            await self.command(node, "allocate", base, f"{did}/allocate")
             run = {**base, "argv": row.spec["command"], "env": {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": job}}
             if row.spec.get("cwd"):
                 run["cwd"] = row.spec["cwd"]
@@ -587,6 +598,7 @@ class SchedulerService:
             if cur is not None and cur.state == "running":
                 self.store.update_job(job, event="placement_failed", node=node, event_data={"error": str(exc)},
                                       state="queued", reason=f"placement failed: {exc}", allocation=None)
+            self._not_before[job] = self.clock() + self._backoff(job)
             await self._release(job, node)
 
     # --- accounting and views ---------------------------------------------------------------
