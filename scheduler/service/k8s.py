@@ -51,6 +51,8 @@ def parse_quantity(q: Any) -> float:
     if isinstance(q, bool):
         raise ExtenderError(f"quantity {q!r} is not a number")
     if isinstance(q, (int, float)):
+        if not (0 <= q < float("inf")):
+            raise ExtenderError(f"resource quantity {q!r} must be a finite non-negative number")
         return float(q)
     if not isinstance(q, str):
         raise ExtenderError(f"quantity {q!r} is not a string")
@@ -61,8 +63,8 @@ def parse_quantity(q: Any) -> float:
         val = Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
     except InvalidOperation:
         raise ExtenderError(f"cannot parse resource quantity {q!r}") from None
-    if val < 0:
-        raise ExtenderError(f"negative resource quantity {q!r}")
+    if val < 0 or not val.is_finite():
+        raise ExtenderError(f"resource quantity {q!r} must be a finite non-negative number")
     return float(val)
 
 
