@@ -205,7 +205,7 @@ class SchedulerService:
             self.bus = Bus(
                 self.broker_url, f"dlshare-sched-{self.service_id}-{uuid.uuid4().hex[:6]}",
                 subscriptions=[(messages.topic("node", "+", leaf), 1) for leaf in ("telemetry", "state", "reply", "events")]
-                + [(messages.topic("agg", "+", "telemetry"), 0)],
+                + [(messages.topic("agg", "+", "telemetry"), 0), (messages.topic("agg", "+", "state"), 1)],
                 handler=self.on_message, on_connect=self._on_connect,
                 will=(messages.topic("sched", self.service_id, "state"), messages.encode({"status": "offline"}), 1, True))
             self._stop = asyncio.Event()
@@ -243,7 +243,10 @@ class SchedulerService:
             return
         try:
             if kind == "agg":
-                self.aggregation[ident] = {**messages.decode(payload), "_seen": self.clock()}
+                if leaf == "telemetry":
+                    self.aggregation[ident] = {**messages.decode(payload), "_seen": self.clock()}
+                elif leaf == "state" and (not payload or messages.decode(payload).get("status") == "offline"):
+                    self.aggregation.pop(ident, None)
             elif kind != "node":
                 return
             elif leaf == "telemetry":
@@ -633,7 +636,7 @@ class SchedulerService:
                           "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
                           "jobs": gj.get(g.index, [])} for g in n.gpus],
                 "gpu_reason": n.gpu_reason, "jobs": sorted(n.allocations)})
-        agg = [a for a in self.aggregation.values() if now - a.get("_seen", 0) < 60]
+        agg = [a for a in self.aggregation.values() if now - a.get("_seen", 0) < 60 and isinstance(a.get("pool", {}), dict)]
         online = [n for n in nodes if n["status"] == "online"]
         return {
             "ts": now, "nodes": nodes, "jobs_by_state": self.store.count_by_state(),
@@ -645,9 +648,11 @@ class SchedulerService:
             "memory_lendable_bytes": sum(n["lendable_bytes"] for n in online),
             "aggregation": {
                 "servers": len(agg),
+                "addresses": sorted(str(a.get("address", "")) for a in agg),
                 "jobs": int(sum(_num(a.get("jobs")) for a in agg)),
-                "cores_in_use": float(sum(_num(a.get("cores_in_use", a.get("workers"))) for a in agg)),
-                "rounds_per_s": float(sum(_num(a.get("rounds_per_s")) for a in agg)),
+                "pool_cores": float(sum(_num((a.get("pool") or {}).get("size")) for a in agg)),
+                "busy_cores": float(sum(_num((a.get("pool") or {}).get("demand_cores")) for a in agg)),
+                "bytes_in_per_s": float(sum(_num(a.get("bytes_in_per_s")) for a in agg)),
             },
             "profile": self.profile,
         }

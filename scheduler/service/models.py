@@ -174,10 +174,14 @@ class NodeView(BaseModel):
 
 
 class AggregationView(BaseModel):
+    """The shared aggregation servers' load, from their telemetry (``dlshare/v1/agg/+/telemetry``)."""
+
     servers: int = 0
+    addresses: list[str] = Field(default_factory=list)
     jobs: int = 0
-    cores_in_use: float = 0.0
-    rounds_per_s: float = 0.0
+    pool_cores: float = Field(0.0, description="CPU cores the elastic pools hold now")
+    busy_cores: float = Field(0.0, description="cores' worth of reduction work being demanded")
+    bytes_in_per_s: float = 0.0
 
 
 class ClusterView(BaseModel):

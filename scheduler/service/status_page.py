@@ -60,7 +60,8 @@ def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], token: str, refr
         f"<span>memory lent <b id='lent'>{_b(cluster['memory_lent_bytes'])}</b> "
         f"(lendable {_b(cluster['memory_lendable_bytes'])})</span>",
         f"<span>aggregation <b id='agg'>{agg.get('servers', 0)} servers, {agg.get('jobs', 0)} jobs, "
-        f"{agg.get('cores_in_use', 0):.1f} cores</b></span>",
+        f"{agg.get('busy_cores', 0):.2f} of {agg.get('pool_cores', 0):.0f} pool cores busy, "
+        f"{_b(agg.get('bytes_in_per_s', 0))}/s in</b></span>",
         "<span>jobs " + ", ".join(f"<b class='{_e(s)}'>{_e(s)} {c}</b>" for s, c in sorted(counts.items())) + "</span>",
         "</p>",
         "<h2>Nodes</h2><table id='nodes'><tr><th>node</th><th>status</th><th>CPU</th><th>CPUs allocated</th>"
@@ -80,14 +81,14 @@ def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], token: str, refr
             f"<td>{_e(', '.join(n['jobs']) or '-')}</td></tr>")
     out.append("</table>")
     out.append("<h2>Jobs</h2><table id='jobs'><tr><th>job</th><th>name</th><th>kind</th><th>state</th><th>node</th>"
-               "<th>GPUs</th><th>CPUs</th><th>memory</th><th>attained service</th><th>reason</th></tr>")
+               "<th>GPUs (#index when placed)</th><th>CPUs</th><th>memory</th><th>attained service</th><th>reason</th></tr>")
     for j in reversed(jobs):
         a = j.get("allocation") or {}
         s = j["spec"]
         out.append(
             f"<tr data-job='{_e(j['id'])}'><td>{_e(j['id'])}</td><td>{_e(s.get('name') or s.get('model'))}</td>"
             f"<td>{_e(s.get('kind'))}</td><td class='{_e(j['state'])}'>{_e(j['state'])}</td>"
-            f"<td>{_e(a.get('node'))}</td><td>{_e(','.join(map(str, a.get('gpus') or [])) or s.get('gpus'))}</td>"
+            f"<td>{_e(a.get('node'))}</td><td>{_e(('#' + ',#'.join(map(str, a['gpus']))) if a.get('gpus') else s.get('gpus'))}</td>"
             f"<td>{_e(a.get('cpus', s.get('cpus')))}</td><td>{_b(a.get('memory_bytes', s.get('memory_bytes')))}</td>"
             f"<td>{j.get('attained_service', 0):.1f} s</td><td>{_e(j.get('reason'))}</td></tr>")
     out.append("</table></body></html>")
