@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from fastapi import Body, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("dlshare.sched.k8s")
 
@@ -40,6 +41,23 @@ _SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 <
            "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "M": 10**6,
            "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 _QTY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+
+
+class ExtenderArgs(BaseModel):
+    """The body of filter and prioritize, as kube-scheduler marshals ``extenderv1.ExtenderArgs``."""
+
+    model_config = ConfigDict(extra="allow")
+    Pod: dict[str, Any] = Field(..., description="the v1.Pod being scheduled")
+    Nodes: dict[str, Any] | None = Field(None, description="v1.NodeList of candidates (nodeCacheCapable: false)")
+    NodeNames: list[str] | None = Field(None, description="candidate node names (nodeCacheCapable: true)")
+
+
+class ExtenderBindingArgs(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    PodName: str
+    PodNamespace: str
+    PodUID: str = ""
+    Node: str
 
 
 class ExtenderError(ValueError):
@@ -231,9 +249,15 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         while len(pods) > 10_000:
             pods.pop(next(iter(pods)))
 
-    @app.post("/k8s/filter", dependencies=auth, tags=["kubernetes"],
+    from scheduler.service.api import BAD_BODY, known_query
+
+    errors = {**BAD_BODY, 401: {"description": "missing or wrong bearer token"},
+              422: {"description": "the body lacks a field kube-scheduler always sends (`detail` says which)"}}
+
+    @app.post("/k8s/filter", dependencies=[*auth, known_query()], tags=["kubernetes"], responses=errors,
               summary="ExtenderArgs -> ExtenderFilterResult (Go field names)")
-    async def k8s_filter(args: dict[str, Any] = Body(...)) -> Any:
+    async def k8s_filter(body: ExtenderArgs) -> Any:
+        args = body.model_dump()
         try:
             pod = pod_to_job(args.get("Pod"))
             names, as_names = candidate_names(args)
@@ -244,9 +268,12 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         ok, failed, _ = evaluate(service, pod.job, names)
         return filter_result(args, ok, failed, as_names)
 
-    @app.post("/k8s/prioritize", dependencies=auth, tags=["kubernetes"],
+    @app.post("/k8s/prioritize", dependencies=[*auth, known_query()], tags=["kubernetes"],
+              responses={**errors, 400: {"description": "unreadable body, or ExtenderArgs kube-scheduler would not send "
+                                                        "(`Error` says which)"}},
               summary="ExtenderArgs -> HostPriorityList [{Host, Score 0..10}]")
-    async def k8s_prioritize(args: dict[str, Any] = Body(...)) -> Any:
+    async def k8s_prioritize(body: ExtenderArgs) -> Any:
+        args = body.model_dump()
         try:
             pod = pod_to_job(args.get("Pod"))
             names, _ = candidate_names(args)
@@ -257,9 +284,10 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         _, _, scores = evaluate(service, pod.job, names)
         return scale_scores(scores, names)
 
-    @app.post("/k8s/bind", dependencies=auth, tags=["kubernetes"],
+    @app.post("/k8s/bind", dependencies=[*auth, known_query()], tags=["kubernetes"], responses=errors,
               summary="ExtenderBindingArgs -> ExtenderBindingResult")
-    async def k8s_bind(args: dict[str, Any] = Body(...)) -> Any:
+    async def k8s_bind(body: ExtenderBindingArgs) -> Any:
+        args = body.model_dump()
         pod_name, ns, node = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
         for key, v in (("PodName", pod_name), ("PodNamespace", ns), ("Node", node)):
             if not isinstance(v, str) or not v:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 JobState = Literal["queued", "running", "preempted", "done", "failed", "cancelled"]
 TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
@@ -24,39 +24,64 @@ MAX_ARG_CHARS = 4096
 MAX_GPUS = 64
 MAX_CPUS = 1024.0
 MAX_MEMORY_BYTES = 1 << 50  # 1 PiB: anything larger is a unit mistake
-GRAPH_FEATURE_KEYS = frozenset(
-    {"flops", "params", "activation_bytes", "conv_frac", "linear_frac", "attn_frac", "norm_frac", "layers"}
-)
+
+def _integral(v: Any) -> Any:
+    # JSON Schema calls 2.0 an integer; strict pydantic would not.  Booleans stay refused.
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 JobId = Annotated[str, Field(pattern=_ID_PATTERN, description="1-128 characters of A-Z a-z 0-9 _ . -")]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
+
+
+_Feature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class GraphFeatures(_Strict):
+    """Computation-graph features (``torch.fx`` on CPU), as the utilisation predictor takes them."""
+
+    flops: _Feature | None = None
+    params: _Feature | None = None
+    activation_bytes: _Feature | None = None
+    conv_frac: _Feature | None = None
+    linear_frac: _Feature | None = None
+    attn_frac: _Feature | None = None
+    norm_frac: _Feature | None = None
+    layers: _Feature | None = None
 
 
 class JobSpec(_Strict):
     """What a launcher submits.  ``model`` and/or ``graph_features`` describe the
-    network (needed when the job asks for GPUs, so that utilisation can be
-    predicted); ``command`` is the argv the node daemon starts under the job's
-    allocation."""
+    network, for the utilisation and interference predictors (a GPU job with
+    neither is scheduled on the predictors' uninformed prior until its measured
+    utilisation teaches them); ``command`` is the argv the node daemon starts
+    under the job's allocation."""
 
     id: JobId | None = Field(None, description="optional client-chosen id; resubmitting the same spec is idempotent")
     name: str | None = Field(None, max_length=200, description="free-form label shown on the status page")
     kind: JobKind = Field("training", description="training, data_prep (CPU/memory only), inference or other")
     model: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$",
                               description="model name, e.g. resnet50")
-    graph_features: dict[str, float] | None = Field(
-        None, description=f"computation-graph features from torch.fx; keys among {sorted(GRAPH_FEATURE_KEYS)}")
-    batch_size: int = Field(1, ge=1, le=1 << 20)
-    gpus: int = Field(0, ge=0, le=MAX_GPUS)
+    graph_features: GraphFeatures | None = Field(None, description="computation-graph features from torch.fx")
+    batch_size: Int = Field(1, ge=1, le=1 << 20)
+    gpus: Int = Field(0, ge=0, le=MAX_GPUS)
     cpus: float = Field(1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False, description="CPU cores requested")
-    memory_bytes: int = Field(1 << 30, ge=1 << 20, le=MAX_MEMORY_BYTES, description="host memory requested")
-    priority: int = Field(0, ge=-1000, le=1000, description="higher runs first among equals")
-    command: list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS)]] = Field(
+    memory_bytes: Int = Field(1 << 30, ge=1 << 20, le=MAX_MEMORY_BYTES, description="host memory requested")
+    priority: Int = Field(0, ge=-1000, le=1000, description="higher runs first among equals")
+    command: list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
         ..., min_length=1, max_length=MAX_ARGV, description="argv to run on the node, e.g. [\"python\", \"train.py\"]")
-    env: dict[str, Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(default_factory=dict, max_length=128)
-    cwd: str | None = Field(None, min_length=1, max_length=MAX_ARG_CHARS)
+    env: dict[Annotated[str, Field(pattern=_ENV_NAME.pattern)],
+              Annotated[str, Field(max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
+        default_factory=dict, max_length=128, json_schema_extra={"additionalProperties": False})
+    cwd: str | None = Field(None, min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^/[^\x00]*$",
+                            description="absolute working directory on the node")
 
     @field_validator("command")
     @classmethod
@@ -82,26 +107,6 @@ class JobSpec(_Strict):
         if cwd is not None and ("\x00" in cwd or not cwd.startswith("/")):
             raise ValueError("cwd must be an absolute path without NUL bytes")
         return cwd
-
-    @field_validator("graph_features")
-    @classmethod
-    def _features(cls, feats: dict[str, float] | None) -> dict[str, float] | None:
-        if feats is None:
-            return None
-        unknown = set(feats) - GRAPH_FEATURE_KEYS
-        if unknown:
-            raise ValueError(f"unknown graph features {sorted(unknown)}; known: {sorted(GRAPH_FEATURE_KEYS)}")
-        for k, v in feats.items():
-            if v != v or v in (float("inf"), float("-inf")) or v < 0:
-                raise ValueError(f"graph feature {k} must be a finite non-negative number, not {v}")
-        return feats
-
-    @model_validator(mode="after")
-    def _model_for_gpu_jobs(self) -> "JobSpec":
-        if self.gpus > 0 and not self.model and not self.graph_features:
-            raise ValueError("a job that asks for GPUs needs 'model' and/or 'graph_features' "
-                             "so that its GPU utilisation can be predicted")
-        return self
 
 
 class Allocation(BaseModel):

@@ -38,6 +38,12 @@ th{background:#eee}.online{color:#060}.offline{color:#a00}.failed{color:#a00}.ru
 """
 
 
+DENIED = ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>dlshare scheduler</title></head>"
+          "<body><h1>dlshare scheduler</h1><p id='denied'>the status page needs the token: open "
+          "<code>/?token=&lt;token&gt;</code> (the token is in the service's <code>&lt;db&gt;.token</code> file, "
+          "or printed by <code>dlshare up</code>)</p></body></html>")
+
+
 def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], token: str, refresh_s: int = 3) -> str:
     q = urllib.parse.urlencode({"token": token, "refresh": refresh_s})
     counts = cluster.get("jobs_by_state", {})

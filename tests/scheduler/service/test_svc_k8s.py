@@ -112,7 +112,10 @@ def test_bind_records_the_pod_on_the_node(ext):
     assert a["cpus"] == pytest.approx(0.6) and a["memory_bytes"] == (256 + 64) << 20  # main + sidecar
     assert c.post("/k8s/bind", json={"PodName": "p1", "PodNamespace": "ml", "Node": "nowhere"},
                   headers=auth()).json()["Error"].startswith("node nowhere")
-    assert "PodName" in c.post("/k8s/bind", json={"PodNamespace": "ml", "Node": "cpu-c"}, headers=auth()).json()["Error"]
+    r = c.post("/k8s/bind", json={"PodNamespace": "ml", "Node": "cpu-c"}, headers=auth())
+    assert r.status_code == 422 and "PodName" in r.json()["message"]
+    assert "PodName" in c.post("/k8s/bind", json={"PodName": "", "PodNamespace": "ml", "Node": "cpu-c"},
+                               headers=auth()).json()["Error"]
 
 
 def test_malformed_extender_args_get_error_in_the_wire_format(ext):
@@ -123,7 +126,9 @@ def test_malformed_extender_args_get_error_in_the_wire_format(ext):
     res = c.post("/k8s/filter", json={"Pod": bad_qty, "NodeNames": ["gpu-a"]}, headers=auth()).json()
     assert "cannot parse resource quantity 'two'" in res["Error"]
     r = c.post("/k8s/prioritize", json={"Pod": pod(), "NodeNames": "gpu-a"}, headers=auth())
-    assert r.status_code == 400 and "NodeNames" in r.json()["Error"]
+    assert r.status_code == 422 and "NodeNames" in r.json()["message"]  # the Go type is []string
+    r = c.post("/k8s/prioritize", json={"Pod": {"metadata": {"name": "p"}, "spec": {"containers": 5}}, "NodeNames": ["gpu-a"]}, headers=auth())
+    assert r.status_code == 400 and "containers must be a list" in r.json()["Error"]
     assert c.post("/k8s/filter", json={"Pod": pod(), "NodeNames": []}).status_code == 401
 
 
