@@ -16,7 +16,7 @@ _service = SchedulerService(_store, profile="dlshare")
 _service.on_telemetry({"schema": 1, "node": "n1", "ts": 0.0, "cpu": {"count": 4}, "rdma": {},
                        "memory": {"total_bytes": 8 << 30, "available_bytes": 4 << 30},
                        "gpus": {"devices": [{"index": 0}, {"index": 1}]}})
-_service.submit({"id": "known", "model": "m", "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30, "command": ["x"]})
+_service.submit({"id": "secret-job-7f3a", "model": "m", "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30, "command": ["x"]})
 app = create_app(_service, TOKEN)
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 
@@ -45,4 +45,4 @@ def test_every_operation_refuses_a_wrong_token(case):
         assert r.status_code in (401, 422), r.status_code
     else:
         assert r.status_code == 401, (case.method, case.path, r.status_code)
-    assert "known" not in r.text
+    assert "secret-job-7f3a" not in r.text
