@@ -83,6 +83,15 @@ class SchedulerClient:
         params += [("state", s) for s in states or []]
         return self._call("GET", "/v1/jobs", params=params)["jobs"]
 
+    def all(self, states: Iterable[str] | None = None, page: int = 10_000) -> list[dict[str, Any]]:
+        """Every job (in submission order), fetched page by page."""
+        out: list[dict[str, Any]] = []
+        while True:
+            got = self.list(states, limit=page, offset=len(out))
+            out += got
+            if len(got) < page:
+                return out
+
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("DELETE", f"/v1/jobs/{job_id}")
 

@@ -90,6 +90,8 @@ class SchedulerService:
         self._last_service = 0.0
         self._failures: dict[str, int] = {}  # job -> placement failures, for the retry backoff
         self._not_before: dict[str, float] = {}  # CPU-only job -> earliest next admission
+        self._cpu_waiting: dict[str, dict[str, Any]] = {}  # queued CPU-only jobs: id -> {id, spec, submitted_at}
+        self._cpu_dirty = True  # something changed that may let a waiting CPU-only job in
         self.decision_latency_s: list[float] = []  # submit -> run acked, for the benchmark
         self._replay()
 
@@ -127,6 +129,8 @@ class SchedulerService:
                 node.allocations[j.id] = {**j.allocation, "acked": True}
             if int(j.spec.get("gpus", 0)) > 0 and j.id not in self.core.records:
                 self.post(JobArrived(_eid(), self.now(), core_job(j, self.now())))
+            elif int(j.spec.get("gpus", 0)) == 0 and j.state == "queued":
+                self._cpu_waiting[j.id] = {"id": j.id, "spec": j.spec, "submitted_at": j.submitted_at}
         # GPU jobs ended in the table but still active in the core (a crash between the two).
         for jid, rec in self.core.records.items():
             row = self.store.get_job(jid)
@@ -173,8 +177,13 @@ class SchedulerService:
             if int(spec.get("gpus", 0)) > 0:
                 self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
             else:
-                self.wake()
+                self._cpu_wait(row)
         return row, created
+
+    def _cpu_wait(self, row: JobRow) -> None:
+        self._cpu_waiting[row.id] = {"id": row.id, "spec": row.spec, "submitted_at": row.submitted_at}
+        self._cpu_dirty = True
+        self.wake()
 
     async def cancel(self, job_id: str) -> JobRow | None:
         job = self.store.get_job(job_id)
@@ -183,8 +192,9 @@ class SchedulerService:
         if job.state in TERMINAL:
             return job
         a = job.allocation
+        self._cpu_waiting.pop(job_id, None)
         self.store.update_job(job_id, event="cancelled", node=a["node"] if a else None, state="cancelled",
-                              reason="cancelled by user", finished_at=self.clock(), allocation=None)
+                              reason="cancelled by user", finished_at=self.clock(), allocation=None, durable=True)
         rec = self.core.records.get(job_id)
         if rec is not None and rec.job.state.active:
             self.post(JobCancelled(_eid(), self.now(), job_id, "cancelled by user"))
@@ -282,7 +292,6 @@ class SchedulerService:
                 node.missing[job] = node.missing.get(job, 0) + 1
                 if node.missing[job] >= VANISHED_AFTER:
                     self.job_exited(node.id, job, None, "the node no longer reports the job")
-        self.wake()
 
     def _report(self, node: NodeView, force: bool = False) -> None:
         """A NodeReport when the node's resources changed, or every ``report_s`` (predictor samples)."""
@@ -329,6 +338,9 @@ class SchedulerService:
             if row is not None and row.state == "running":
                 self.store.update_job(job, event="requeued", node=node.id, state="queued",
                                       reason=f"node {node.id} {why}", allocation=None)
+                if int(row.spec.get("gpus", 0)) == 0:
+                    self._cpu_wait(row)
+        self._cpu_dirty = True
         if node.id in self.core.nodes and self.core.nodes[node.id].alive:
             self.post(NodeLost(_eid(), self.now(), node.id))
         self.wake()
@@ -355,6 +367,7 @@ class SchedulerService:
             if rec is not None and rec.job.state is JobState.RUNNING:
                 self.post(JobFinished(_eid(), self.now(), job_id, failed=not ok, reason=reason or ""))
         self._spawn(self._release(job_id, node_id))
+        self._cpu_dirty = True
         self.wake()
 
     # --- commands ---------------------------------------------------------------------------
@@ -426,7 +439,7 @@ class SchedulerService:
             batch, self._events = self._events, []
             self._run_batch(batch)
         self._admit_cpu_jobs()
-        if now - self._last_service >= 1.0:
+        if now - self._last_service >= 5.0:
             self._last_service = now
             self._account(now)
 
@@ -562,19 +575,25 @@ class SchedulerService:
     # --- CPU-only jobs ----------------------------------------------------------------------
 
     def _admit_cpu_jobs(self) -> None:
-        queued, _ = self.store.list_jobs(states=["queued"], limit=10_000)
         now = self.clock()
-        waiting = [j for j in queued if int(j.spec.get("gpus", 0)) == 0 and self._not_before.get(j.id, 0) <= now]
-        if not waiting:
+        due = any(t <= now for j, t in self._not_before.items() if j in self._cpu_waiting)
+        if not self._cpu_waiting or not (self._cpu_dirty or due):
             return
+        self._cpu_dirty = False
+        waiting = [j for j in self._cpu_waiting.values() if self._not_before.get(j["id"], 0) <= now]
         online = [n for n in self.nodes.values() if n.status == "online"]
-        for job, node_id, alloc in cpu_jobs.admit([j.as_api() for j in waiting], online):
-            node = self.nodes[node_id]
-            node.allocations[job] = {**alloc, "acked": False}
+        for job, node_id, alloc in cpu_jobs.admit(waiting, online):
+            self._cpu_waiting.pop(job, None)
+            self._not_before.pop(job, None)
             row = self.store.get_job(job)
+            if row is None or row.state != "queued":
+                continue
+            node = self.nodes[node_id]
+            alloc = {**alloc, "started_at": now}
+            node.allocations[job] = {**alloc, "acked": False}
             self.store.update_job(job, event="placed", node=node_id, event_data={**alloc, "policy": "cpu_jobs"},
-                                  state="running", allocation=alloc, started_at=self.clock(),
-                                  attempts=(row.attempts if row else 0) + 1, reason=None)
+                                  state="running", allocation=alloc, started_at=now,
+                                  attempts=row.attempts + 1, reason=None)
             self._report(node, force=True)
             self._spawn(self._start_cpu_job(job, node_id, alloc, (row.attempts if row else 0) + 1))
 
@@ -601,6 +620,7 @@ class SchedulerService:
             if cur is not None and cur.state == "running":
                 self.store.update_job(job, event="placement_failed", node=node, event_data={"error": str(exc)},
                                       state="queued", reason=f"placement failed: {exc}", allocation=None)
+                self._cpu_wait(cur)
             self._not_before[job] = self.clock() + self._backoff(job)
             await self._release(job, node)
 
@@ -617,8 +637,17 @@ class SchedulerService:
         return r.attained_service
 
     def _account(self, now: float) -> None:
-        rows, _ = self.store.list_jobs(states=["running"], limit=1 << 30)
-        self.store.set_service({r.id: self._service_of(r) for r in rows})
+        """Attained service of running jobs into the table (for the API), from memory, no scan."""
+        amounts: dict[str, float] = {}
+        t = self.now()
+        for node in self.nodes.values():
+            for job, a in node.allocations.items():
+                rec = self.core.records.get(job)
+                if rec is not None:
+                    amounts[job] = rec.service(t)
+                elif a.get("started_at") is not None and not a.get("k8s"):
+                    amounts[job] = (a.get("cpus") or 0.0) * max(0.0, t - a["started_at"])
+        self.store.set_service(amounts)
 
     def cluster(self) -> dict[str, Any]:
         now = self.clock()

@@ -130,6 +130,9 @@ class JobStore:
     (a lock guards the rare use from another thread, e.g. a test)."""
 
     def __init__(self, path: str | os.PathLike[str], synchronous: str = "FULL", clock=time.time) -> None:
+        """``synchronous`` applies to what a caller is told is accepted (a job, a cancel); the loop's
+        own bookkeeping commits with NORMAL, which survives a process kill and is made durable by
+        the next FULL commit or checkpoint."""
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous!r}")
         self.path = str(path)
@@ -142,7 +145,8 @@ class JobStore:
         mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if self.path != ":memory:" and mode.lower() != "wal":
             raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode})")
-        self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self.durable_level = synchronous.upper()
+        self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(_DDL)
         with self.tx():
@@ -157,15 +161,22 @@ class JobStore:
             self.db.close()
 
     @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
+    def tx(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
         with self._lock:
+            if durable and self.durable_level != "NORMAL":
+                self.db.execute(f"PRAGMA synchronous={self.durable_level}")
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield self.db
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
+            finally:
+                if durable and self.durable_level != "NORMAL" and not self.db.in_transaction:
+                    self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.execute("COMMIT")
+            if durable and self.durable_level != "NORMAL":
+                self.db.execute("PRAGMA synchronous=NORMAL")
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -179,7 +190,7 @@ class JobStore:
         now = self.clock()
         jid = job_id or f"job-{uuid.uuid4().hex[:12]}"
         body = json.dumps({**spec, "id": jid}, sort_keys=True)
-        with self.tx() as db:
+        with self.tx(durable=True) as db:
             old = db.execute("SELECT * FROM jobs WHERE id=?", (jid,)).fetchone()
             if old is not None:
                 if json.loads(old["spec"]) != json.loads(body):
@@ -214,7 +225,7 @@ class JobStore:
         return {r[0]: r[1] for r in rows}
 
     def update_job(self, job_id: str, event: str | None = None, event_data: dict[str, Any] | None = None,
-                   node: str | None = None, **fields: Any) -> None:
+                   node: str | None = None, durable: bool = False, **fields: Any) -> None:
         """Change a job's columns and log one event about it, atomically."""
         allowed = {"state", "reason", "allocation", "started_at", "finished_at", "exit_code",
                    "attained_service", "attempts"}
@@ -225,7 +236,7 @@ class JobStore:
             fields["allocation"] = json.dumps(fields["allocation"], sort_keys=True)
         fields["updated_at"] = self.clock()
         sets = ", ".join(f"{k}=?" for k in fields)
-        with self.tx() as db:
+        with self.tx(durable) as db:
             db.execute(f"UPDATE jobs SET {sets} WHERE id=?", [*fields.values(), job_id])
             if event:
                 self._event(db, event, job=job_id, node=node, data=event_data or {})
