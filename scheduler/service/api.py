@@ -54,7 +54,10 @@ def known_query(*names: str):
     return Depends(check)
 
 
-def create_app(service: SchedulerService, token: str) -> FastAPI:
+def create_app(service: SchedulerService, token: str, k8s_open: bool = False) -> FastAPI:
+    """``k8s_open``: serve ``/k8s/*`` without the token.  kube-scheduler's extender client sends
+    no Authorization header, so a cluster either fronts the extender with a proxy that adds it,
+    or opens these three read-mostly endpoints and restricts who can reach them (NetworkPolicy)."""
     app = FastAPI(
         title="dlshare scheduler",
         version="1",
@@ -106,7 +109,7 @@ def create_app(service: SchedulerService, token: str) -> FastAPI:
     async def _token_first(request: Request, call_next):
         # Checked before the body is read or validated: a caller without the token learns nothing,
         # not even whether its request would have validated.  (The dependency below documents it.)
-        if request.url.path.startswith(("/v1/", "/k8s/")):
+        if request.url.path.startswith("/v1/") or (request.url.path.startswith("/k8s/") and not k8s_open):
             scheme, _, cred = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not cred:
                 return JSONResponse({"detail": "missing bearer token: send 'Authorization: Bearer <token>'"},
@@ -180,5 +183,5 @@ def create_app(service: SchedulerService, token: str) -> FastAPI:
         jobs, _ = service.store.list_jobs(limit=200, offset=max(0, service.store.list_jobs(limit=1)[1] - 200))
         return HTMLResponse(status_page.render(service.cluster(), [j.as_api() for j in jobs], tok, refresh))
 
-    k8s.add_routes(app, service, auth)
+    k8s.add_routes(app, service, [] if k8s_open else auth)
     return app

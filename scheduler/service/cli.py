@@ -32,6 +32,7 @@ config.register_section("sched", {
     "command_timeout_s": 10.0,
     "node_timeout_s": 30.0,
     "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
+    "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
 })
 
 
@@ -62,7 +63,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     token = load_or_create_token(s["db"], s["token"])
     service = SchedulerService(store, profile=s["profile"], broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
-    app = create_app(service, token)
+    app = create_app(service, token, k8s_open=s["k8s_open"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            lifespan="off"))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
