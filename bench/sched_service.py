@@ -190,7 +190,9 @@ def _service_run(args, synchronous: str, tmp: Path) -> dict[str, Any]:
     db = tmp / f"sched-{synchronous}.db"
     env = {**os.environ, "DLSHARE_SCHED_SYNCHRONOUS": synchronous, "DLSHARE_SCHED_TICK_S": "0.5"}
     log = open(tmp / f"sched-{synchronous}.log", "ab")
-    svc = subprocess.Popen([sys.executable, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{port}",
+    prof = os.environ.get("DLSHARE_BENCH_PROFILE")  # cProfile the service into this file (for digging)
+    pre = ["-m", "cProfile", "-o", f"{prof}.{synchronous}"] if prof else []
+    svc = subprocess.Popen([sys.executable, *pre, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{port}",
                             "--db", str(db), "--token", TOKEN, "--broker", burl, "--profile", "dlshare",
                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -130,7 +130,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
                          409: {"model": ErrorBody, "description": "a job with this id exists with a different spec"}})
     async def submit(spec: JobSpec) -> Any:
         try:
-            row, created = service.submit(spec.model_dump(exclude_none=True))
+            row, created = await service.submit_async(spec.model_dump(exclude_none=True))
         except ConflictError as exc:
             raise HTTPException(409, str(exc)) from None
         body = Job.model_validate(row.as_api()).model_dump(mode="json")

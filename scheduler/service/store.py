@@ -187,21 +187,34 @@ class JobStore:
         returns the stored job (created=False); with a different spec it raises
         :class:`ConflictError`.
         """
+        res = self.add_jobs([(job_id, spec)])[0]
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    def add_jobs(self, items: list[tuple[str | None, dict[str, Any]]]) -> list[tuple[JobRow, bool] | ConflictError]:
+        """:meth:`add_job` for several submissions in ONE durable transaction (group commit:
+        one fsync for all of them).  A clashing id yields a ConflictError in its slot only."""
         now = self.clock()
-        jid = job_id or f"job-{uuid.uuid4().hex[:12]}"
-        body = json.dumps({**spec, "id": jid}, sort_keys=True)
+        out: list[tuple[JobRow, bool] | ConflictError] = []
         with self.tx(durable=True) as db:
-            old = db.execute("SELECT * FROM jobs WHERE id=?", (jid,)).fetchone()
-            if old is not None:
-                if json.loads(old["spec"]) != json.loads(body):
-                    raise ConflictError(f"job {jid} exists with a different spec")
-                return _row_to_job(old), False
-            cur = db.execute(
-                "INSERT INTO jobs (id, spec, state, submitted_at, updated_at) VALUES (?,?,?,?,?)",
-                (jid, body, "queued", now, now))
-            self._event(db, "submitted", job=jid, data={"gpus": spec.get("gpus", 0), "cpus": spec.get("cpus")})
-            seq = cur.lastrowid
-        return JobRow(id=jid, spec=json.loads(body), state="queued", submitted_at=now, seq=seq, updated_at=now), True
+            for job_id, spec in items:
+                jid = job_id or f"job-{uuid.uuid4().hex[:12]}"
+                body = json.dumps({**spec, "id": jid}, sort_keys=True)
+                old = db.execute("SELECT * FROM jobs WHERE id=?", (jid,)).fetchone()
+                if old is not None:
+                    if json.loads(old["spec"]) != json.loads(body):
+                        out.append(ConflictError(f"job {jid} exists with a different spec"))
+                    else:
+                        out.append((_row_to_job(old), False))
+                    continue
+                cur = db.execute(
+                    "INSERT INTO jobs (id, spec, state, submitted_at, updated_at) VALUES (?,?,?,?,?)",
+                    (jid, body, "queued", now, now))
+                self._event(db, "submitted", job=jid, data={"gpus": spec.get("gpus", 0), "cpus": spec.get("cpus")})
+                out.append((JobRow(id=jid, spec=json.loads(body), state="queued", submitted_at=now,
+                                   seq=cur.lastrowid, updated_at=now), True))
+        return out
 
     def get_job(self, job_id: str) -> JobRow | None:
         with self._lock:
