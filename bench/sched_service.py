@@ -84,7 +84,7 @@ def _start_broker(tmp: Path) -> tuple[subprocess.Popen, str, str]:
     if exe:
         conf = tmp / "mosquitto.conf"
         conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                        "max_queued_messages 100000\n")
+                        "max_queued_messages 100000\nmax_inflight_messages 0\n")
         cmd, kind = [exe, "-c", str(conf)], "mosquitto"
     else:
         cmd, kind = [sys.executable, "-m", "nodesvc.cli", "broker", "--listen", f"127.0.0.1:{port}"], "amqtt"
@@ -94,76 +94,92 @@ def _start_broker(tmp: Path) -> tuple[subprocess.Popen, str, str]:
 
 
 class SimulatedNodes:
-    """``n`` nodes on one MQTT connection each, in a background event loop."""
+    """``n`` simulated nodes, one MQTT connection each, in their own process (so that the load
+    generator's threads do not slow the nodes' replies down and count as service latency)."""
 
     def __init__(self, broker: str, n: int, gpus: int, job_s: float) -> None:
-        self.broker, self.n, self.gpus, self.job_s = broker, n, gpus, job_s
-        self.loop = asyncio.new_event_loop()
-        self.stop_ev: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.runs = 0
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.stop_ev = self.ctx.Event()
+        self.ready = self.ctx.Event()
+        self._runs = self.ctx.Value("i", 0)
+        self.proc = self.ctx.Process(target=_nodes_main, args=(broker, n, gpus, job_s, self.stop_ev, self.ready,
+                                                               self._runs), daemon=True)
+
+    @property
+    def runs(self) -> int:
+        return self._runs.value
 
     def start(self) -> None:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
-
-    async def _start(self) -> None:
-        self.stop_ev = asyncio.Event()
-        self.buses = []
-        self.tasks = []
-        for i in range(self.n):
-            self.tasks.append(asyncio.create_task(self._node(f"bench-{i:03d}")))
-        await asyncio.sleep(0.5)
-
-    async def _node(self, nid: str) -> None:
-        from nodesvc import messages
-        from nodesvc.bus import Bus
-
-        running: dict[str, float] = {}
-
-        async def on_cmd(topic: str, payload: bytes) -> None:
-            cmd = messages.parse_command(payload)
-            if cmd.op == "run":
-                running[cmd.args["job"]] = time.monotonic() + self.job_s
-                self.runs += 1
-            elif cmd.op == "stop":
-                running.pop(cmd.args.get("job"), None)
-            await bus.publish(messages.node_topic(nid, "reply"), messages.reply(cmd.id, True, {"op": cmd.op}), 1)
-
-        async def online(b) -> None:
-            await b.publish(messages.node_topic(nid, "state"), messages.encode({"status": "online"}), 1, True)
-
-        bus = Bus(self.broker, f"bench-{nid}", subscriptions=[(messages.node_topic(nid, "cmd"), 1)], handler=on_cmd,
-                  on_connect=online, will=(messages.node_topic(nid, "state"), messages.encode({"status": "offline"}), 1, True))
-        runner = asyncio.create_task(bus.run(self.stop_ev))
-        last_t = 0.0
-        while not self.stop_ev.is_set():
-            now = time.monotonic()
-            for job in [j for j, end in running.items() if end <= now]:
-                running.pop(job)
-                await bus.publish(messages.node_topic(nid, "events"),
-                                  messages.encode({"event": "job_exit", "job": job, "exit_code": 0}), 1)
-            if now - last_t >= 1.0:
-                last_t = now
-                t = {"node": nid, "ts": time.time(), "cpu": {"count": 64, "percent": 10.0},
-                     "memory": {"total_bytes": 512 << 30, "available_bytes": 400 << 30},
-                     "gpus": {"devices": [{"index": g, "util_percent": 50.0, "memory_total_bytes": 32 << 30}
-                                          for g in range(self.gpus)], "reason": None, "simulated": True},
-                     "rdma": {"devices": []},
-                     "jobs": {j: {"pids": [1], "state": "running"} for j in running}}
-                await bus.publish(messages.node_topic(nid, "telemetry"), messages.encode(t))
-            await asyncio.sleep(0.05)
-        await bus.publish(messages.node_topic(nid, "state"), messages.encode({"status": "offline"}), 1, True)
-        runner.cancel()
+        self.proc.start()
+        if not self.ready.wait(30):
+            raise TimeoutError("simulated nodes did not start")
 
     def stop(self) -> None:
-        async def _s() -> None:
-            self.stop_ev.set()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.stop_ev.set()
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
-        asyncio.run_coroutine_threadsafe(_s(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+
+def _nodes_main(broker: str, n: int, gpus: int, job_s: float, stop_ev, ready, runs) -> None:
+    asyncio.run(_nodes(broker, n, gpus, job_s, stop_ev, ready, runs))
+
+
+async def _nodes(broker: str, n: int, gpus: int, job_s: float, stop_ev, ready, runs) -> None:
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(_node(broker, f"bench-{i:03d}", gpus, job_s, stop, runs)) for i in range(n)]
+    await asyncio.sleep(0.5)
+    ready.set()
+    while not stop_ev.is_set():
+        await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _node(broker: str, nid: str, gpus: int, job_s: float, stop: asyncio.Event, runs) -> None:
+    from nodesvc import messages
+    from nodesvc.bus import Bus
+
+    running: dict[str, float] = {}
+
+    async def on_cmd(topic: str, payload: bytes) -> None:
+        cmd = messages.parse_command(payload)
+        if cmd.op == "run":
+            running[cmd.args["job"]] = time.monotonic() + job_s
+            with runs.get_lock():
+                runs.value += 1
+        elif cmd.op == "stop":
+            running.pop(cmd.args.get("job"), None)
+        await bus.publish(messages.node_topic(nid, "reply"), messages.reply(cmd.id, True, {"op": cmd.op}), 1)
+
+    async def online(b) -> None:
+        await b.publish(messages.node_topic(nid, "state"), messages.encode({"status": "online"}), 1, True)
+
+    bus = Bus(broker, f"bench-{nid}", subscriptions=[(messages.node_topic(nid, "cmd"), 1)], handler=on_cmd,
+              on_connect=online, will=(messages.node_topic(nid, "state"), messages.encode({"status": "offline"}), 1, True))
+    runner = asyncio.create_task(bus.run(stop))
+    last_t = 0.0
+    while not stop.is_set():
+        now = time.monotonic()
+        for job in [j for j, end in running.items() if end <= now]:
+            running.pop(job)
+            await bus.publish(messages.node_topic(nid, "events"),
+                              messages.encode({"event": "job_exit", "job": job, "exit_code": 0}), 1)
+        if now - last_t >= 1.0:
+            last_t = now
+            t = {"node": nid, "ts": time.time(), "cpu": {"count": 64, "percent": 10.0},
+                 "memory": {"total_bytes": 512 << 30, "available_bytes": 400 << 30},
+                 "gpus": {"devices": [{"index": g, "util_percent": 50.0, "memory_total_bytes": 32 << 30}
+                                      for g in range(gpus)], "reason": None, "simulated": True},
+                 "rdma": {"devices": []},
+                 "jobs": {j: {"pids": [1], "state": "running"} for j in running}}
+            await bus.publish(messages.node_topic(nid, "telemetry"), messages.encode(t))
+        await asyncio.sleep(0.02)
+    await bus.publish(messages.node_topic(nid, "state"), messages.encode({"status": "offline"}), 1, True)
+    await runner
 
 
 def _spec(i: int) -> dict[str, Any]:
@@ -236,15 +252,28 @@ def _service_run(args, synchronous: str, tmp: Path) -> dict[str, Any]:
             if all(s in ("done", "failed") for s in states) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        lat = []
+        lat, placed, cmd, gpu_lat, cpu_lat, seq_lat = [], [], [], [], [], []
         for j in jobs:
-            ev = {e["kind"]: e["ts"] for e in c.events(j["id"])}
+            ev: dict[str, float] = {}
+            for e in c.events(j["id"]):
+                ev.setdefault(e["kind"], e["ts"])  # the first of each kind
             if "started" in ev and "submitted" in ev:
                 lat.append(ev["started"] - ev["submitted"])
+                (gpu_lat if j["spec"]["gpus"] else cpu_lat).append(lat[-1])
+                if int(j["id"].split("-")[1]) < n_seq:
+                    seq_lat.append(lat[-1])
+            if "placed" in ev and "submitted" in ev:
+                placed.append(ev["placed"] - ev["submitted"])
+            if "placed" in ev and "started" in ev:
+                cmd.append(ev["started"] - ev["placed"])
         c.close()
         return {"synchronous": synchronous, "broker": bkind, "submit_seq_per_s": n_seq / seq_s,
                 "submit_concurrent_per_s": (args.jobs - n_seq) / conc_s if conc_s > 0 else None,
                 "decision_p50_ms": (_pct(lat, 0.5) or 0) * 1e3, "decision_p99_ms": (_pct(lat, 0.99) or 0) * 1e3,
+                "placed_p50_ms": (_pct(placed, 0.5) or 0) * 1e3, "placed_p99_ms": (_pct(placed, 0.99) or 0) * 1e3,
+                "command_p50_ms": (_pct(cmd, 0.5) or 0) * 1e3, "command_p99_ms": (_pct(cmd, 0.99) or 0) * 1e3,
+                "gpu_jobs_p50_ms": (_pct(gpu_lat, 0.5) or 0) * 1e3, "cpu_jobs_p50_ms": (_pct(cpu_lat, 0.5) or 0) * 1e3,
+                "seq_phase_p50_ms": (_pct(seq_lat, 0.5) or 0) * 1e3, "seq_phase_p99_ms": (_pct(seq_lat, 0.99) or 0) * 1e3,
                 "started": len(lat), "done": states.count("done"), "failed": states.count("failed"),
                 "runs_seen_by_nodes": nodes.runs}
     finally:
@@ -308,6 +337,10 @@ def run(args) -> dict[str, Any]:
              "submit/s (1 client)": r["submit_seq_per_s"],
              f"submit/s ({args.concurrency} clients)": r["submit_concurrent_per_s"],
              "decision p50 ms": r["decision_p50_ms"], "decision p99 ms": r["decision_p99_ms"],
+             "placed p50/p99 ms": f"{r['placed_p50_ms']:.0f}/{r['placed_p99_ms']:.0f}",
+             "run cmd p50/p99 ms": f"{r['command_p50_ms']:.0f}/{r['command_p99_ms']:.0f}",
+             "GPU/CPU jobs p50 ms": f"{r['gpu_jobs_p50_ms']:.0f}/{r['cpu_jobs_p50_ms']:.0f}",
+             "1-client phase p50/p99 ms": f"{r['seq_phase_p50_ms']:.0f}/{r['seq_phase_p99_ms']:.0f}",
              "started": r["started"], "done": r["done"], "failed": r["failed"]} for r in runs]
     rows.append({"mode": "baseline: pure core, no I/O", "submit/s (1 client)": base["core_events_per_s"],
                  "decision p50 ms": base["core_decision_p50_ms"], "decision p99 ms": base["core_decision_p99_ms"]})
