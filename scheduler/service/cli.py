@@ -32,7 +32,8 @@ config.register_section("sched", {
     "command_timeout_s": 10.0,
     "node_timeout_s": 30.0,
     "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
-    "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
+    "k8s_open": False,
+    "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
 })
 
 
@@ -45,6 +46,21 @@ def _url(cfg: dict[str, dict[str, Any]]) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     return f"http://{host}:{port}"
+
+
+def _predictors(kind: str):
+    """The predictor bundle the core starts with; both learn online from telemetry."""
+    from scheduler import Predictors
+
+    if kind == "default":
+        return Predictors.default()
+    if kind != "data":
+        raise config.ConfigError(f"sched.predictors must be 'data' or 'default', not {kind!r}")
+    try:
+        return Predictors.from_data()
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("predictors: the shared data is not usable (%s); starting uninformed", exc)
+        return Predictors.default()
 
 
 async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = None,
@@ -61,7 +77,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     host, port = split_hostport(s["listen"], 7800)
     store = JobStore(s["db"], synchronous=s["synchronous"])
     token = load_or_create_token(s["db"], s["token"])
-    service = SchedulerService(store, profile=s["profile"], broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
+    service = SchedulerService(store, profile=s["profile"], predictors=_predictors(s["predictors"]), broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
     app = create_app(service, token, k8s_open=s["k8s_open"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

@@ -20,7 +20,6 @@ set, never with a stack trace.
 
 import logging
 import re
-import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -307,5 +306,6 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         # Held until the pod shows in the node's measured usage; kubelet, not dlshare, runs it.
         n.allocations[f"k8s.{ns}.{pod_name}"[:128]] = {"node": node, "gpus": [], "cpus": float(spec["cpus"]),
                                                        "memory_bytes": int(spec["memory_bytes"]), "cpuset": None,
-                                                       "kind": "cpu", "k8s": True, "bound_at": time.time()}
+                                                       "kind": "cpu", "k8s": True,
+                                                       "bound_at": service.clock()}
         return {"Error": ""}

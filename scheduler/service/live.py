@@ -65,9 +65,10 @@ class SchedulerService:
     def __init__(self, store: JobStore, profile: str = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
-                 clock: Callable[[], float] = time.time, core: SchedulerState | None = None) -> None:
+                 clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
+                 predictors: Any = None) -> None:
         self.store = store
-        self.core = core or SchedulerState(profile)
+        self.core = core or SchedulerState(profile, predictors=predictors)
         self.profile = self.core.profile.name
         self.broker_url = broker_url
         self.service_id = service_id
@@ -80,6 +81,7 @@ class SchedulerService:
         self.aggregation: dict[str, dict[str, Any]] = {}
         self.bus = None
         self.k8s_binder = None
+        self.k8s_hold_s = 120.0
         self._wake = asyncio.Event()
         self._events: list[Any] = []
         self._pending: dict[str, asyncio.Future] = {}
@@ -338,14 +340,16 @@ class SchedulerService:
             log.warning("node %s now reports %d GPUs while running jobs; keeping %d", node.id, n.gpus, ns.node.gpus)
             return
         node.reported, node.reported_at = key, now
-        gpu_jobs = node.gpu_jobs()
-        util = {g.index: g.util_percent for g in node.gpus}
+        # Measured utilisation of each running GPU job (its GPUs' mean), for the predictors' online
+        # update: the core learns a job type's solo utilisation from these samples.
+        util = {g.index: (g.util_percent, g.memory_util_percent) for g in node.gpus}
         samples = {}
         for job, a in node.allocations.items():
-            us = [util[g] for g in a.get("gpus") or [] if util.get(g) is not None]
+            us = [util[g] for g in a.get("gpus") or [] if g in util and util[g][0] is not None]
             if us and job in self.core.running:
-                samples[job] = JobSample(sm_percent=sum(us) / len(us))
-        del gpu_jobs
+                mems = [m for _, m in us if m is not None]
+                samples[job] = JobSample(sm_percent=sum(u for u, _ in us) / len(us),
+                                         mem_percent=sum(mems) / len(mems) if mems else None)
         self.post(NodeReport(_eid(), self.now(), n, gpu_util=tuple(float(g.util_percent or 0.0) for g in node.gpus),
                              cpu_percent=node.cpu_percent, memory_available_bytes=node.memory_available_bytes,
                              jobs=samples))
@@ -476,6 +480,7 @@ class SchedulerService:
         if now - self._last_service >= 5.0:
             self._last_service = now
             self._account(now)
+            self._expire_k8s_holds(now)
 
     def _run_batch(self, events: list[Any]) -> None:
         decisions = self._handle(events)
@@ -682,6 +687,15 @@ class SchedulerService:
                 elif a.get("started_at") is not None and not a.get("k8s"):
                     amounts[job] = (a.get("cpus") or 0.0) * max(0.0, t - a["started_at"])
         self.store.set_service(amounts)
+
+    def _expire_k8s_holds(self, now: float) -> None:
+        """A pod bound through the extender is held on its node until its usage shows in the
+        node's measured figures; after ``k8s_hold_s`` the hold is dropped."""
+        for node in self.nodes.values():
+            for job in [j for j, a in node.allocations.items()
+                        if a.get("k8s") and now - a.get("bound_at", now) > self.k8s_hold_s]:
+                node.allocations.pop(job, None)
+                self._cpu_dirty = True
 
     def cluster(self) -> dict[str, Any]:
         now = self.clock()

@@ -19,6 +19,7 @@ class GpuView:
     index: int
     name: str = ""
     util_percent: float | None = None
+    memory_util_percent: float | None = None  # NVML's memory-bandwidth utilisation
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
     simulated: bool = False
@@ -82,10 +83,11 @@ def apply_telemetry(node: NodeView, t: dict[str, Any], now: float) -> None:
     for i, g in enumerate(gpus.get("devices") or []):
         if not isinstance(g, dict):
             continue
-        u = g.get("util_percent")
+        u, mu = g.get("util_percent"), g.get("memory_util_percent")
         node.gpus.append(GpuView(
             index=_int(g.get("index", i)), name=str(g.get("name", ""))[:100],
             util_percent=float(u) if isinstance(u, (int, float)) and not isinstance(u, bool) else None,
+            memory_util_percent=float(mu) if isinstance(mu, (int, float)) and not isinstance(mu, bool) else None,
             memory_used_bytes=_int(g.get("memory_used_bytes")) or None,
             memory_total_bytes=_int(g.get("memory_total_bytes")) or None,
             simulated=bool(gpus.get("simulated"))))

@@ -43,8 +43,9 @@ class SchedProc:
         self.proc: subprocess.Popen | None = None
 
     def start(self, extra_env: dict[str, str] | None = None) -> "SchedProc":
+        # Uninformed predictors (3 s less to start); the tour test runs the trained ones.
         env = {**os.environ, "DLSHARE_SCHED_TICK_S": "0.5", "DLSHARE_SCHED_COMMAND_TIMEOUT_S": "3",
-               "DLSHARE_SCHED_NODE_TIMEOUT_S": "6", **(extra_env or {})}
+               "DLSHARE_SCHED_NODE_TIMEOUT_S": "6", "DLSHARE_SCHED_PREDICTORS": "default", **(extra_env or {})}
         self.log = open(self.tmp / f"sched-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{self.port}", "--db", str(self.db),

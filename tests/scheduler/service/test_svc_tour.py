@@ -25,7 +25,7 @@ def _node(url: str, nid: str, tmp) -> subprocess.Popen:
 async def test_tour_runs_real_jobs_through_the_api(mosquitto, tmp_path):
     nodes = [_node(mosquitto.url, f"tour-n{i}", tmp_path) for i in (1, 2)]
     sched = SchedProc(tmp_path, mosquitto.url, profile="dlshare")
-    sched.start()
+    sched.start({"DLSHARE_SCHED_PREDICTORS": "data"})  # as `dlshare up` runs it
     try:
         st = SimpleNamespace(sched_url=sched.url, sched_token=TOKEN, broker_url=mosquitto.url,
                              node_ids=["tour-n1", "tour-n2"], agg_addr=None)
