@@ -36,20 +36,25 @@ def split_hostport(text: str, default_port: int) -> tuple[str, int]:
     return host or "127.0.0.1", p
 
 
-def broker_config(host: str, port: int) -> dict:
+def broker_config(host: str, port: int, extra: list[tuple[str, int]] = ()) -> dict:
+    listeners = {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 0}}
+    for i, (h, p) in enumerate(extra):
+        listeners[f"extra{i}"] = {"type": "tcp", "bind": f"{h}:{p}", "max_connections": 0}
     return {
-        "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 0}},
+        "listeners": listeners,
         "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
         "timeout_disconnect_delay": 0,
     }
 
 
-async def serve(host: str, port: int, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
     from amqtt.broker import Broker
 
-    broker = Broker(broker_config(host, port))
+    (host, port), extra = addrs[0], addrs[1:]
+    broker = Broker(broker_config(host, port, extra))
     await broker.start()
-    log.info("MQTT broker (amqtt) listening on mqtt://%s:%d", host, port)
+    for h, p in addrs:
+        log.info("MQTT broker (amqtt) listening on mqtt://%s:%d", h, p)
     if ready:
         ready.set()
     try:
@@ -59,14 +64,16 @@ async def serve(host: str, port: int, stop: asyncio.Event, ready: asyncio.Event 
 
 
 def _run(args, cfg) -> int:
-    host, port = split_hostport(cfg["broker"]["listen"], 1883)
+    addrs = [split_hostport(a, 1883) for a in cfg["broker"]["listen"].split(",") if a.strip()]
+    if not addrs:
+        raise config.ConfigError("broker.listen names no address")
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(host, port, stop)
+        await serve(addrs, stop)
 
     asyncio.run(main())
     return 0
@@ -77,4 +84,4 @@ def register(sub) -> None:
 
     p = add_command(sub, "broker", _run, "run the embedded MQTT broker (amqtt) for single-machine use",
                     sections=["broker"])
-    config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883)")
+    config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")

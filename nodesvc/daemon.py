@@ -85,26 +85,28 @@ class NodeDaemon:
     # --- telemetry ----------------------------------------------------------------------------
 
     def _simulated_gpu_load(self, index: int) -> tuple[float, list[int]]:
+        """Simulated GPUs look busy while a job assigned to them runs (35% plus half its CPU use)."""
         util, pids = 0.0, []
-        for jp in self.jobs.jobs.values():
+        for jp in list(self.jobs.jobs.values()):
             if jp.state == "running" and index in jp.gpus:
-                u = jp._ps and sum(p.cpu_percent(None) for p in list(jp._ps.values())[:1]) or 0.0
-                util += min(100.0, 35.0 + u / 2)
+                util += min(100.0, 35.0 + jp.last_usage.get("cpu_percent", 0.0) / 2)
                 pids.extend(jp.root_pids())
         return min(100.0, util), pids
 
     def collect(self) -> dict[str, Any]:
         jobs = {}
         reserved_unused = 0
-        for name, jp in self.jobs.jobs.items():
+        # A snapshot: commands change these tables on the event loop while this runs in a thread.
+        allocations = dict(self.allocations)
+        for name, jp in list(self.jobs.jobs.items()):
             u = jp.usage() if jp.state == "running" else {"cpu_percent": 0.0, "rss_bytes": 0, "pids": []}
-            alloc = self.allocations.get(name)
+            alloc = allocations.get(name)
             jobs[name] = {**u, "state": jp.state, "exit_code": jp.exit_code, "gpus": list(jp.gpus),
                           "memory_limit_bytes": alloc.memory_bytes if alloc else None,
                           "oom_kills": self.cgroups.oom_kills(name) if alloc else 0}
             if alloc and alloc.memory_bytes and jp.state == "running":
                 reserved_unused += max(0, alloc.memory_bytes - u["rss_bytes"])
-        promised = sum(a.memory_bytes or 0 for a in self.allocations.values())
+        promised = sum(a.memory_bytes or 0 for a in allocations.values())
         t = {
             "node": self.node_id,
             "ts": time.time(),

@@ -34,6 +34,7 @@ class JobProcess:
     exited_at: float | None = None
     log_path: str | None = None
     memory_bytes: int | None = None
+    last_usage: dict = field(default_factory=dict)
     _ps: dict[int, psutil.Process] = field(default_factory=dict)
 
     @property
@@ -72,7 +73,8 @@ class JobProcess:
             except psutil.Error:
                 continue
         self._ps = live
-        return {"cpu_percent": round(cpu, 1), "rss_bytes": rss, "pids": sorted(live)}
+        self.last_usage = {"cpu_percent": round(cpu, 1), "rss_bytes": rss, "pids": sorted(live)}
+        return self.last_usage
 
 
 class JobTable:

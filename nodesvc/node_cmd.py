@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 
 from nodesvc import config, messages
+
+# Optional parts of the daemon register their config sections on import, and
+# the config is loaded before the daemon starts: import them here.
+for _mod in ("nodesvc.donor",):
+    try:
+        importlib.import_module(_mod)
+    except ModuleNotFoundError as _exc:
+        if _exc.name is None or not _mod.startswith(_exc.name):
+            raise
 
 config.register_section("node", {
     "id": "",  # default: the host name

@@ -94,7 +94,10 @@ def render(doc: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=132)
     t = Table(title="nodes (memory in GiB)", title_justify="left")
     for col in ("node", "status", "CPU", "mem free/total", "GPUs util%", "lendable", "lent", "borrowed", "jobs"):
         t.add_column(col, overflow="fold")

@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodesvc import config
+from nodesvc import config, netns
 from nodesvc.broker import split_hostport
+from nodesvc.netns import HostNet
 
 log = logging.getLogger("dlshare.up")
 
@@ -34,6 +36,11 @@ config.register_section("up", {
     "fake_gpus": 4,  # this machine has no GPU: each node simulates this many (marked simulated)
     "interval": 2.0,
     "state_dir": "/tmp/dlshare-up",
+    # Run each node daemon in its own network namespace, standing in for a separate host:
+    # "auto" (when root and iproute2 allow it), "on" (fail if they do not) or "off" (all on loopback).
+    "netns": "auto",
+    # "amqtt": the embedded pure-Python broker (dlshare broker); "mosquitto": the production broker.
+    "broker": "amqtt",
 })
 
 
@@ -87,12 +94,18 @@ class Stack:
     sched_token: str | None = None
     state_dir: str = ""
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    net: HostNet | None = None
+    node_addrs: dict[str, str] = field(default_factory=dict)
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              prefix: list[str] = (), raw: list[str] | None = None) -> subprocess.Popen:
+        """Start ``dlshare ARGV`` (or the ``raw`` command) as a supervised child, logging to state_dir."""
         Path(self.state_dir).mkdir(parents=True, exist_ok=True)
         logf = open(Path(self.state_dir) / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "nodesvc.cli", *argv], stdout=logf, stderr=subprocess.STDOUT,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+        cmd = raw if raw is not None else [*prefix, sys.executable, "-m", "nodesvc.cli", *argv]
+        p = subprocess.Popen(cmd, stdout=logf,
+                             stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
+                             cwd=Path(__file__).resolve().parent.parent)
         self.procs.append((name, p))
         return p
 
@@ -108,28 +121,76 @@ class Stack:
                 p.kill()
                 p.wait()
         self.procs.clear()
+        if self.net is not None:
+            self.net.destroy()
+            self.net = None
+
+
+def _want_netns(mode: str) -> bool:
+    if mode not in ("auto", "on", "off"):
+        raise config.ConfigError(f"up.netns must be auto, on or off, not {mode!r}")
+    if mode == "off":
+        return False
+    reason = netns.available()
+    if reason is None:
+        return True
+    if mode == "on":
+        raise config.ConfigError(f"up.netns = on, but {reason}")
+    log.info("nodes share the loopback network: %s", reason)
+    return False
 
 
 def start(cfg: dict, log_json: bool = False) -> Stack:
     u = cfg["up"]
     st = Stack(state_dir=u["state_dir"])
+    try:
+        _start(st, u, log_json)
+    except BaseException:
+        st.stop()
+        raise
+    return st
+
+
+def _start(st: Stack, u: dict, log_json: bool) -> None:
     common = ["--log-json"] if log_json else []
+    node_ids = [f"node-{i}" for i in range(1, int(u["nodes"]) + 1)]
+    if _want_netns(u["netns"]):
+        st.net = HostNet(node_ids).create()
     host, port = split_hostport(u["broker_listen"], 1883)
     port = _pick(host, port)
     st.broker_url = f"mqtt://{host}:{port}"
-    p = st.spawn("broker", ["broker", "--listen", f"{host}:{port}", *common])
+    listen = f"{host}:{port}" + (f",{st.net.gateway}:{port}" if st.net else "")
+    if u["broker"] == "mosquitto":
+        exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not os.path.exists(exe):
+            raise config.ConfigError("up.broker = mosquitto, but mosquitto is not installed (apt-get install mosquitto)")
+        Path(st.state_dir).mkdir(parents=True, exist_ok=True)
+        conf = Path(st.state_dir) / "mosquitto.conf"
+        conf.write_text("".join(f"listener {a.rpartition(':')[2]} {a.rpartition(':')[0]}\n" for a in listen.split(","))
+                        + "allow_anonymous true\npersistence false\n")
+        p = st.spawn("broker", [], raw=[exe, "-c", str(conf)])
+    elif u["broker"] == "amqtt":
+        p = st.spawn("broker", ["broker", "--listen", listen, *common])
+    else:
+        raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
     _wait_port(host, port, p)
     lend = _has("nodesvc.donor")
-    for i in range(1, int(u["nodes"]) + 1):
-        nid = f"node-{i}"
-        argv = ["node", "--broker", st.broker_url, "--node-id", nid, "--interval", str(u["interval"]),
-                "--metrics-listen", "127.0.0.1:0", "--fake-gpus", str(u["fake_gpus"]), *common]
+    for nid in node_ids:
+        addr = st.net.addrs[nid] if st.net else "127.0.0.1"
+        broker = f"mqtt://{st.net.gateway}:{port}" if st.net else st.broker_url
+        argv = ["node", "--broker", broker, "--node-id", nid, "--interval", str(u["interval"]),
+                "--metrics-listen", f"{addr}:0", "--fake-gpus", str(u["fake_gpus"]), *common]
+        env = {"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)}
         if lend:
             argv.append("--lend")
-        st.spawn(nid, argv, env={"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)})
+            env["DLSHARE_DONOR_LISTEN"] = addr  # the slab server listens on this host's own address
+        st.spawn(nid, argv, env=env, prefix=st.net.prefix(nid) if st.net else [])
         st.node_ids.append(nid)
+        st.node_addrs[nid] = addr
     if _has("aggregator.cli"):
         ahost, aport = split_hostport(u["agg_listen"], 7700)
+        if st.net:
+            ahost = st.net.gateway  # reachable from every node's namespace and from here
         aport = _pick(ahost, aport)
         p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--broker", st.broker_url, *common])
         _wait_port(ahost, aport, p)
@@ -142,13 +203,13 @@ def start(cfg: dict, log_json: bool = False) -> Stack:
                                "--db", str(Path(st.state_dir) / "sched.db"), "--token", token, *common])
         _wait_port(shost, sport, p)
         st.sched_url, st.sched_token = f"http://{shost}:{sport}", token
-    return st
 
 
 def describe(st: Stack) -> str:
-    lines = [f"MQTT broker        {st.broker_url}"]
+    lines = [f"MQTT broker        {st.broker_url}" + (f" (hosts reach it at {st.net.gateway})" if st.net else "")]
     for nid in st.node_ids:
-        lines.append(f"node daemon        {nid} (telemetry on dlshare/v1/node/{nid}/telemetry)")
+        where = f"network namespace {st.net.netns(nid)}, {st.node_addrs[nid]}" if st.net else "loopback"
+        lines.append(f"node daemon        {nid} ({where}; telemetry on dlshare/v1/node/{nid}/telemetry)")
     if st.agg_addr:
         lines.append(f"aggregation server tcp://{st.agg_addr}")
     if st.sched_url:
@@ -161,6 +222,8 @@ def _run(args, cfg) -> int:
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
     st = Stack()
     stop = {"flag": False}
 
@@ -208,5 +271,9 @@ def register(sub) -> None:
     config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
     config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
     config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
+    config_flag(p, "--broker", "up", "broker", choices=["amqtt", "mosquitto"],
+                help="which MQTT broker to run (default amqtt, the embedded one)")
+    config_flag(p, "--netns", "up", "netns", choices=["auto", "on", "off"],
+                help="node daemons in network namespaces, as separate hosts (default auto)")
     p.add_argument("--tour", action="store_true", help="run the scripted tour, then stop")
     p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: until Ctrl-C)")

@@ -72,3 +72,31 @@ def test_version():
     out = subprocess.run([sys.executable, "-m", "nodesvc.cli", "--version"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     assert out.startswith("dlshare ")
+
+
+def test_log_json_writes_one_json_object_a_line(tmp_path):
+    from tests.conftest import free_port
+
+    port = free_port()  # nothing listens there: the daemon logs its retries
+    p = subprocess.Popen([sys.executable, "-m", "nodesvc.cli", "node", "--log-json", "--node-id", "lj",
+                          "--broker", f"mqtt://127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"],
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env={**__import__("os").environ, "DLSHARE_NODE_STATE_DIR": str(tmp_path)})
+    try:
+        lines = []
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("unreachable" in line for line in lines):
+            line = p.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+    import json
+
+    objs = [json.loads(line) for line in lines]
+    assert objs and all({"ts", "level", "logger", "msg"} <= o.keys() for o in objs)
+    assert any(o["level"] == "warning" and "unreachable" in o["msg"] for o in objs)

@@ -149,3 +149,53 @@ async def test_run_under_allocation_reports_usage_and_exit(mosquitto, tmp_path):
             assert (await nc.call("n-run", "release", job="busy"))["released"] is True
     finally:
         stop_proc(p)
+
+
+async def test_flood_of_random_payloads_never_kills_the_daemon(mosquitto, tmp_path):
+    import random
+
+    p = start_node(mosquitto.url, "n-flood", tmp_path)
+    try:
+        await next_message(mosquitto.url, "dlshare/v1/node/n-flood/state", lambda o: o["status"] == "online")
+        rnd = random.Random(1234)
+        a = parse_broker_url(mosquitto.url)
+        async with aiomqtt.Client(a.host, a.port, identifier="flooder") as c:
+            for i in range(300):
+                kind = rnd.randrange(4)
+                if kind == 0:
+                    payload = rnd.randbytes(rnd.randrange(0, 2000))
+                elif kind == 1:
+                    payload = json.dumps({"schema": 1, "id": f"f{i}", "op": rnd.choice(
+                        ["run", "allocate", "stop", "release", "ping", "x"]),
+                        "args": {rnd.choice(["job", "argv", "cpus", "pids", "cpuset"]): rnd.choice(
+                            [None, -1, 1e308, "", "0-", [1, "a"], {"a": 1}, "j" * 300])}}).encode()
+                elif kind == 2:
+                    payload = b"{" * rnd.randrange(1, 100_000)  # deep nesting
+                else:
+                    payload = json.dumps({"schema": 1, "id": f"f{i}", "op": "allocate",
+                                          "args": {"job": "../../etc", "pids": [0, -5]}}).encode()
+                await c.publish("dlshare/v1/node/n-flood/cmd", payload, qos=1)
+        async with NodeClient(mosquitto.url) as nc:
+            assert (await nc.call("n-flood", "ping", timeout=20))["node"] == "n-flood"
+        assert p.poll() is None
+    finally:
+        stop_proc(p)
+
+
+def test_sd_notify_sends_ready_to_systemd_socket(tmp_path, monkeypatch):
+    import socket as so
+
+    from nodesvc.daemon import sd_notify
+
+    path = str(tmp_path / "notify.sock")
+    s = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
+    s.bind(path)
+    try:
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        sd_notify("READY=1\nSTATUS=ok")
+        s.settimeout(2)
+        assert s.recv(100) == b"READY=1\nSTATUS=ok"
+    finally:
+        s.close()
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    sd_notify("READY=1")  # outside systemd: nothing to do, no error

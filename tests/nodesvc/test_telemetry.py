@@ -113,10 +113,12 @@ def test_summarize_status_document():
     assert "online" in text and "offline" in text and "aggregation servers" in text
 
 
-def test_up_starts_stack_status_shows_nodes_and_stops_on_sigint(tmp_path):
+@pytest.mark.parametrize("broker", ["amqtt", "mosquitto"])
+def test_up_starts_stack_status_shows_nodes_and_stops_on_sigint(tmp_path, broker):
     port = free_port()
     p = subprocess.Popen(
         [sys.executable, "-m", "nodesvc.cli", "up", "--nodes", "2", "--broker-listen", f"127.0.0.1:{port}",
+         "--broker", broker,
          "--state-dir", str(tmp_path / "up"), "--fake-gpus", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, text=True,
         env={**os.environ, "DLSHARE_UP_SCHED_LISTEN": f"127.0.0.1:{free_port()}",
