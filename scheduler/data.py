@@ -110,7 +110,7 @@ def philly_runtimes() -> np.ndarray:
 def colocation_util(p: str | Path | None = None) -> tuple[list[str], np.ndarray, np.ndarray]:
     """iadeep/colocation_util.csv: (model names, X of SM%/mem% per model, sum_interference)."""
     p = Path(p) if p is not None else path("iadeep/colocation_util.csv")
-    with open(p) as f:
+    with open(p, newline="") as f:
         reader = csv.reader(f)
         try:
             header = next(reader)

@@ -47,6 +47,11 @@ class NodeState:
     cpu_percent: float | None = None
     memory_available_bytes: int | None = None
     jobs: dict[str, int] = field(default_factory=dict)  # job -> GPUs it holds here
+    demand_cpus: float = 0.0  # the allocator's minimum demands of the jobs here (kept by the core)
+    demand_memory: float = 0.0
+
+    def free_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.residents) if not r)
 
     @classmethod
     def fresh(cls, node: Node) -> "NodeState":
@@ -56,7 +61,10 @@ class NodeState:
 @dataclass(frozen=True)
 class Candidate:
     """One way to place a job: ``gpus`` on ``node`` (plus ``more`` shards for
-    jobs that span nodes); ``residents`` are the jobs already on those GPUs."""
+    jobs that span nodes); ``residents`` are the jobs already on those GPUs.
+    For an exclusive single-node candidate ``gpus`` is empty while plugins
+    filter and score it (any free GPUs of the node will do); the core picks the
+    indices once the node has won."""
 
     node: NodeState
     gpus: tuple[int, ...]

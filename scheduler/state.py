@@ -76,7 +76,12 @@ class SchedulerState:
     # ------------------------------------------------------------ public API
 
     def handle(self, *events: Event) -> list[Decision]:
-        """Apply ``events`` in order, then run one scheduling pass."""
+        """Apply ``events`` in order, then run one scheduling pass.
+
+        An event that cannot be applied raises :class:`SchedulerError` before it
+        changes anything; events earlier in the same call stay applied but no
+        pass runs, so a live shell should hand in one event per call (the
+        simulator batches events that share a timestamp)."""
         out: list[Decision] = []
         full_pass = False
         cause = ""
@@ -113,6 +118,7 @@ class SchedulerState:
         ctx = self._ctx()
         allowed = set(node_ids) if node_ids is not None else None
         cands = self._candidates(rec, ctx, limit=False, allowed=allowed)
+        cands = [c if c.gpus else Candidate(c.node, c.node.free_indices()[:job.gpus], (), c.more) for c in cands]
         return self._rank(rec, cands, ctx)
 
     # ------------------------------------------------------------ events
@@ -321,7 +327,14 @@ class SchedulerState:
                 self._reallocate(ns, cause, out)
 
     def _reallocate(self, ns: NodeState, cause: str, out: list[Decision]) -> None:
-        split = self.allocator.split(ns, self._ctx())
+        ctx = self._ctx()
+        dc = dm = 0.0
+        for jid, n in ns.jobs.items():
+            d = self.allocator.demand(self.records[jid], ns, n, ctx)
+            dc += d.cpus
+            dm += d.memory_bytes
+        ns.demand_cpus, ns.demand_memory = dc, dm
+        split = self.allocator.split(ns, ctx)
         for jid, alloc in split.items():
             rec = self.records[jid]
             old = rec.allocation.get(ns.node.id)
@@ -360,9 +373,7 @@ class SchedulerState:
                 for nid in bucket:
                     if allowed is not None and nid not in allowed:
                         continue
-                    ns = self.nodes[nid]
-                    gpus = tuple(i for i, r in enumerate(ns.residents) if not r)[:g]
-                    cands.append(Candidate(ns, gpus))
+                    cands.append(Candidate(self.nodes[nid], ()))  # GPUs picked once a node wins
                     if len(cands) >= cap:
                         break
                 if len(cands) >= cap:
@@ -412,14 +423,11 @@ class SchedulerState:
         return out
 
     def _fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
-        for ns, gpus in ((cand.node, cand.gpus), *cand.more):
-            need = self.allocator.demand(rec, ns, len(gpus), ctx)
-            used_c = used_m = 0.0
-            for jid, n in ns.jobs.items():
-                d = self.allocator.demand(self.records[jid], ns, n, ctx)
-                used_c += d.cpus
-                used_m += d.memory_bytes
-            if used_c + need.cpus > ns.node.cores + 1e-9 or used_m + need.memory_bytes > ns.node.memory_bytes:
+        first = rec.job.gpus if not cand.gpus else len(cand.gpus)
+        for ns, n in ((cand.node, first), *((m, len(g)) for m, g in cand.more)):
+            need = self.allocator.demand(rec, ns, n, ctx)
+            if (ns.demand_cpus + need.cpus > ns.node.cores + 1e-9
+                    or ns.demand_memory + need.memory_bytes > ns.node.memory_bytes):
                 return False
         return True
 
@@ -441,6 +449,8 @@ class SchedulerState:
         if not cands:
             return False
         best = self._rank(rec, cands, ctx)[0][0]
+        if not best.gpus:
+            best = Candidate(best.node, best.node.free_indices()[:rec.job.gpus], (), best.more)
         self._start(rec, best, cause, out)
         return True
 
@@ -459,12 +469,27 @@ class SchedulerState:
         ctx = self._ctx()
         keys = self._wait_key
         share_possible = self.profile.share != "never"
+        # Equivalence classes (as kube-scheduler caches them): once a (type, GPUs)
+        # job found no place, its twins will not either until something is placed.
+        failed: set[tuple[str, int, float, float]] = set()
         for rec in sorted(self.waiting.values(), key=lambda r: keys[r.job.id]):
             if self.free_gpus == 0 and not share_possible:
                 break
+            job = rec.job
+            if self.free_gpus < job.gpus and not self._share_ok(rec):
+                if not self.profile.backfill:
+                    break
+                continue
+            cls = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
+            if cls in failed:
+                continue
             placed = self._try_place(rec, ctx, cause, out)
-            if not placed and not self.profile.backfill:
-                break
+            if placed:
+                failed.clear()
+            else:
+                failed.add(cls)
+                if not self.profile.backfill:
+                    break
 
     def _preemptive_pass(self, cause: str, out: list[Decision]) -> None:
         ctx = self._ctx()
@@ -562,8 +587,11 @@ class SchedulerState:
             t = self.order.next_change(r, ctx)
             if t is not None and t < at:
                 at = t
-        if self.profile.min_run_s:
-            at = max(at if at < math.inf else 0.0, self.now + 1e-6)
+        if self.profile.min_run_s:  # also wake when a protected job may be preempted
+            for r in self.running.values():
+                t = (r.run_since or 0.0) + self.profile.min_run_s
+                if self.now < t < at:
+                    at = t
         if at == math.inf:
             return
         at = max(at, self.now + 1e-6)

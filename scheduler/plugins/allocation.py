@@ -58,7 +58,7 @@ class SynergyTune:
         sens = ctx.predictors.sensitivity
         c, m = _prop(ns, rec, gpus_here)
         if sens is None or not sens.knows(rec.job.model, rec.job.gpus):
-            return Allocation(c, int(m))
+            return Allocation(rec.job.cpus, rec.job.memory_bytes)  # as proportional: only requests must fit
         c0, m0 = sens.fair_minimum(rec.job.model, rec.job.gpus, c, m)
         return Allocation(c0, int(m0))
 
@@ -66,8 +66,13 @@ class SynergyTune:
         sens = ctx.predictors.sensitivity
         alloc: dict[str, list[float]] = {}
         for jid, n in ns.jobs.items():
-            d = self.demand(ctx.records[jid], ns, n, ctx)
-            alloc[jid] = [d.cpus, float(d.memory_bytes)]
+            rec = ctx.records[jid]
+            if sens is not None and sens.knows(rec.job.model, rec.job.gpus):
+                d = self.demand(rec, ns, n, ctx)
+                alloc[jid] = [d.cpus, float(d.memory_bytes)]
+            else:  # no profile: the proportional share (or the request, when larger)
+                c, m = _prop(ns, rec, n)
+                alloc[jid] = [max(c, rec.job.cpus), max(m, float(rec.job.memory_bytes))]
         free_c = ns.node.cores - sum(a[0] for a in alloc.values())
         free_m = ns.node.memory_bytes - sum(a[1] for a in alloc.values())
         tunable = [j for j in alloc if sens is not None and sens.knows(ctx.records[j].job.model, ctx.records[j].job.gpus)]

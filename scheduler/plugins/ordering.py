@@ -135,6 +135,14 @@ class GittinsTable:
         self.weights = np.zeros(bins)
         self.add(np.asarray(samples, dtype=float))
 
+    def scaled(self, total_weight: float) -> "GittinsTable":
+        """A copy whose distribution is the same but weighs ``total_weight`` in all."""
+        t = GittinsTable.__new__(GittinsTable)
+        t.grid = self.grid.copy()
+        t.weights = self.weights * (total_weight / max(self.weights.sum(), 1e-12))
+        t._build()
+        return t
+
     def add(self, samples: np.ndarray, weight: float = 1.0) -> None:
         idx = np.clip(np.searchsorted(self.grid, np.maximum(samples, self.grid[0])), 0, len(self.grid) - 1)
         np.add.at(self.weights, idx, weight)
@@ -147,27 +155,30 @@ class GittinsTable:
         total = w.sum()
         if total <= 0:
             self.index = np.ones(n)
+            self._grid, self._index = self.grid.tolist(), self.index.tolist()
             return
         # tail[i] = weight of D >= x[i]; cum_xw[i] = sum_{k<i} w_k x_k
         tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])
         cum_xw = np.concatenate([[0.0], np.cumsum(w * x)])
         for i in range(n):
             a = x[i]
-            surv = tail[i]  # mass with D >= a (D in bins i..)
-            if surv <= 0:
+            # Condition on D > a: jobs in bin i finished at a, so survivors are bins i+1..
+            if tail[i + 1] <= 0 or i + 1 >= n:
                 index[i] = index[i - 1] if i else 0.0
                 continue
-            j = np.arange(i, n)
-            done = tail[i] - tail[j + 1]  # mass finishing by x[j]
-            # E[min(D, b) - a ; D >= a] = sum_{k=i..j} w_k (x_k - a) + tail[j+1] (b - a)
-            spent = (cum_xw[j + 1] - cum_xw[i]) - a * done + tail[j + 1] * (x[j] - a)
+            j = np.arange(i + 1, n)
+            done = tail[i + 1] - tail[j + 1]  # mass finishing by x[j]
+            # E[min(D, b) - a ; D > a] = sum_{k=i+1..j} w_k (x_k - a) + tail[j+1] (b - a)
+            spent = (cum_xw[j + 1] - cum_xw[i + 1]) - a * done + tail[j + 1] * (x[j] - a)
             rate = np.where(spent > 0, done / np.maximum(spent, 1e-12), 0.0)
             index[i] = rate.max()
         self.index = index
+        self._grid = self.grid.tolist()
+        self._index = index.tolist()
 
     def __call__(self, attained: float) -> float:
-        i = int(np.searchsorted(self.grid, attained, side="right")) - 1
-        return float(self.index[max(0, min(i, len(self.index) - 1))])
+        i = bisect.bisect_right(self._grid, attained) - 1
+        return self._index[max(0, min(i, len(self._index) - 1))]
 
     def next_point(self, attained: float) -> float:
         i = int(np.searchsorted(self.grid, attained, side="right"))
@@ -178,29 +189,58 @@ class GittinsTable:
 class Gittins(_Preemptive):
     """2D-Gittins (Tiresias): the Gittins index of the job's attained time under
     a duration prior (Philly runtimes), divided by its GPU count, so a job's
-    service is counted in GPU-time.  With ``learn`` the prior absorbs the
-    durations of jobs that finish (weight ``learn_weight`` each)."""
+    service is counted in GPU-time.
+
+    ``learn``: the prior absorbs the run times of jobs that finish
+    (``learn_weight`` each).  ``per_type``: each job type (model, batch size,
+    GPUs) gets its own distribution, the global one scaled to ``prior_weight``
+    pseudo-jobs plus the run times of finished jobs of that type: history-based
+    priors, learned online, never from a job's own duration.
+    ``starve_factor``: Tiresias's starvation guard (0 = off).
+    """
 
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
-                 quantum_s: float = 360.0) -> None:
+                 quantum_s: float = 360.0, starve_factor: float = 0.0, per_type: bool = False,
+                 prior_weight: float = 20.0) -> None:
         super().__init__(quantum_s)
+        if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0:
+            raise ValueError("starve_factor, learn_weight must be >= 0 and prior_weight > 0")
+        self.starve_factor = float(starve_factor)
         self.table = GittinsTable(_load_prior(prior))
         self.learn = learn
         self.learn_weight = float(learn_weight)
+        self.per_type = per_type
+        self.prior_weight = float(prior_weight)
+        self.types: dict[tuple[str, int], GittinsTable] = {}
         self._pending: list[float] = []
 
+    @staticmethod
+    def _type(rec: JobRecord) -> tuple[str, int]:
+        return (rec.job.job_type, rec.job.gpus)
+
     def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        run_time = rec.job.attained_service / rec.job.gpus
+        if self.per_type:
+            tab = self.types.get(self._type(rec))
+            if tab is None:
+                tab = self.types[self._type(rec)] = self.table.scaled(self.prior_weight)
+            tab.add(np.asarray([run_time]), 1.0)
         if not self.learn:
             return
-        self._pending.append(rec.job.attained_service / rec.job.gpus)
+        self._pending.append(run_time)
         if len(self._pending) >= 10:
             self.table.add(np.asarray(self._pending), self.learn_weight)
             self._pending.clear()
 
     def key(self, rec: JobRecord, ctx: Context) -> Any:
         t = rec.service(ctx.now) / rec.job.gpus
-        return (-rec.job.priority, -self.table(t) / rec.job.gpus, *_tiebreak(rec))
-
+        # Tiresias's starvation guard: a job that has waited longer than
+        # starve_factor x its attained time (at least a round) goes to the head, oldest first.
+        if (self.starve_factor and rec.run_since is None and t > 0
+                and ctx.now - rec.queued_since > self.starve_factor * max(t, self.quantum_s)):
+            return (-rec.job.priority, -math.inf, *_tiebreak(rec))
+        tab = self.types.get(self._type(rec), self.table) if self.per_type else self.table
+        return (-rec.job.priority, -tab(t) / rec.job.gpus, *_tiebreak(rec))
 
 
 __all__ = ["Fifo", "Srtf", "Las", "Tiresias", "Gittins", "GittinsTable", "JobState"]

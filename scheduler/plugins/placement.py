@@ -29,7 +29,7 @@ def _types(cand: Candidate, ctx: Context) -> list[str]:
 @register("score", "consolidate")
 class Consolidate:
     def score(self, rec: JobRecord, cand: Candidate, ctx: Context) -> float:
-        left = cand.node.free_gpus - (0 if cand.shared else len(cand.gpus))
+        left = cand.node.free_gpus - (0 if cand.shared else rec.job.gpus)
         return -float(left) - (0.5 if cand.shared else 0.0)
 
 
@@ -123,7 +123,7 @@ class Throughput:
 
     def score(self, rec: JobRecord, cand: Candidate, ctx: Context) -> float:
         if not cand.shared:
-            return 1.0 + len(cand.gpus) * 0.0
+            return 1.0
         speeds = ctx.predictors.colocated_speeds(rec.job.job_type, _types(cand, ctx), rec.job,
                                                  [ctx.records[o].job for o in cand.residents])
         return sum(speeds) - len(speeds) + 1.0

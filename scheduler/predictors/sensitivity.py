@@ -22,6 +22,7 @@ class SensitivityModel:
         self.cpu_levels = [float(c) for c in cpu_levels]
         self.mem_levels = [float(m) for m in mem_levels_gb]
         self.tables: dict[tuple[str, int], list[list[float]]] = {}
+        self._fair: dict[tuple[str, int, float, float], tuple[float, float]] = {}
         for key, p in profiles.items():
             self.add_profile(p["model"], int(p["num_gpus"]), p["throughput"])
 
@@ -37,6 +38,7 @@ class SensitivityModel:
         if not throughput or not all(isinstance(r, list) and r for r in throughput):
             raise ValueError(f"sensitivity table for {model}/{gpus} must be a non-empty 2-D list")
         self.tables[(model, gpus)] = [[float(v) for v in r] for r in throughput]
+        self._fair = {}
 
     def knows(self, model: str, gpus: int) -> bool:
         return (model, gpus) in self.tables or (model, 1) in self.tables
@@ -64,6 +66,13 @@ class SensitivityModel:
 
     def fair_minimum(self, model: str, gpus: int, prop_cpus: float, prop_mem: float) -> tuple[float, float]:
         """The smallest (cores, memory bytes) whose speed is at least the proportional share's."""
+        key = (model, gpus, round(prop_cpus, 6), round(prop_mem))
+        hit = self._fair.get(key)
+        if hit is None:
+            hit = self._fair[key] = self._fair_minimum(model, gpus, prop_cpus, prop_mem)
+        return hit
+
+    def _fair_minimum(self, model: str, gpus: int, prop_cpus: float, prop_mem: float) -> tuple[float, float]:
         target = self.speed(model, gpus, prop_cpus, prop_mem)
         best = (prop_cpus, prop_mem)
         best_cost = 2.0

@@ -1,0 +1,101 @@
+"""``dlshare sim`` (and ``dlshare sim predictor``) and ``dlshare data fetch``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _sim(args, cfg) -> int:
+    if args.action == "predictor":
+        return _predictor(args)
+    from scheduler import data
+    from scheduler.sim import Cluster, simulate, synthetic_trace
+    from scheduler.trace import TraceError, load_trace
+
+    try:
+        cluster = Cluster.parse(args.cluster)
+        if args.synthetic:
+            trace = synthetic_trace(args.synthetic, cluster.nodes * cluster.gpus, seed=args.seed)
+            name = f"synthetic-{args.synthetic}"
+        else:
+            path = data.resolve_trace(args.trace)
+            trace = load_trace(path)
+            name = path.stem
+    except (TraceError, ValueError, FileNotFoundError) as exc:
+        print(f"dlshare sim: {exc}", file=sys.stderr)
+        return 2
+    results = []
+    for prof in args.profile.split(","):
+        try:
+            r = simulate(trace, cluster, prof, seed=args.seed, progress=sys.stderr.isatty(), trace_name=name,
+                         restart_overhead_s=args.restart_overhead)
+        except ValueError as exc:
+            print(f"dlshare sim: {exc}", file=sys.stderr)
+            return 2
+        results.append(r.metrics())
+    from bench.report import markdown_table
+
+    print(markdown_table(results, ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h",
+                                   "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
+                                   "preemptions", "sim_wall_s"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"runs": results}, indent=2) + "\n")
+    return 0
+
+
+def _predictor(args) -> int:
+    from scheduler import data
+    from scheduler.predictors.interference import InterferencePredictor, mape, rows_to_sets
+
+    if not args.train or not args.test:
+        print("dlshare sim predictor: --train CSV and --test CSV are required", file=sys.stderr)
+        return 2
+    try:
+        m1, x1, y1 = data.colocation_util(args.train)
+        m2, x2, y2 = data.colocation_util(args.test)
+    except (OSError, ValueError) as exc:
+        print(f"dlshare sim predictor: {exc}", file=sys.stderr)
+        return 2
+    p = InterferencePredictor(seed=args.seed).fit(rows_to_sets(m1, x1), y1)
+    pred = p.predict(rows_to_sets(m2, x2))
+    import numpy as np
+
+    res = {"train_rows": len(y1), "test_rows": len(y2), "mape": mape(y2, pred), "mae": float(np.mean(np.abs(pred - y2)))}
+    print(json.dumps(res, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def _data(args, cfg) -> int:
+    from scheduler import data, fetch
+
+    dest = Path(args.dest) if args.dest else data.cache_dir()
+    try:
+        fetch.fetch(dest)
+    except OSError as exc:
+        print(f"dlshare data fetch: download failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub) -> None:
+    from nodesvc.cli import add_command
+
+    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test)")
+    p.add_argument("action", nargs="?", choices=["run", "predictor"], default="run")
+    p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
+    p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")
+    p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB]")
+    p.add_argument("--profile", default="dlshare", help="profile name(s), comma-separated, or a TOML path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart-overhead", type=float, default=0.0, metavar="S", help="seconds lost per resume")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--train", metavar="CSV", help="predictor: training rows (colocation_util.csv format)")
+    p.add_argument("--test", metavar="CSV", help="predictor: test rows")
+    d = add_command(sub, "data", _data, "shared data files for the scheduler")
+    d.add_argument("action", choices=["fetch"])
+    d.add_argument("--dest", metavar="DIR", help="where to write (default: the user cache)")

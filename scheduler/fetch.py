@@ -1,0 +1,136 @@
+"""``dlshare data fetch``: fill the user cache from each file's public source.
+
+Each file is downloaded from its repository at the pinned commit
+(``https://raw.githubusercontent.com/REPO/COMMIT/PATH``) and converted the way
+../shared/data/SOURCES.json describes.  Conversions are pure functions of the
+downloaded text, tested on local inputs.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+GAVEL = ("stanford-futuredata/gavel", "c4fa40097339e9608ab71fd64c8bdea96a5e4a4c")
+SYNERGY = ("msr-fiddle/synergy", "1bb2bed6edc9c5f953d0b7f0a40e4fdad053489c")
+IADEEP = ("buzy-coder/IADeep", "78ca7f67d8b04989060454d4d75f1d85af4396b1")
+ALIBABA = ("alibaba/clusterdata", "7a6c496e4f4b6ce6150be8f881cb051bf2abff42")
+
+
+def raw_url(repo: str, commit: str, path: str) -> str:
+    return f"https://raw.githubusercontent.com/{repo}/{commit}/{path}"
+
+
+def convert_gavel_trace(text: str, throughputs_v100: dict) -> str:
+    """Gavel trace lines (tab-separated: job_type, command, working_directory,
+    num_steps_arg, needs_data_dir, total_steps, scale_factor, priority_weight,
+    SLO, arrival_time) -> our Philly CSV: sorted by arrival, arrival relative to
+    the first, rows without a v100 throughput dropped, isolated duration =
+    total_steps / throughput alone."""
+    rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        f = line.split("\t")
+        if len(f) < 10:
+            raise ValueError(f"gavel trace line {n}: expected 10 tab-separated fields, got {len(f)}")
+        job_type, total_steps, scale, arrival = f[0], int(f[5]), int(f[6]), float(f[9])
+        key = str((job_type, scale))
+        entry = throughputs_v100.get(key)
+        if entry is None or not entry.get("null"):
+            continue
+        model, bs = job_type, 0
+        if " (batch size " in job_type:
+            model, rest = job_type.split(" (batch size ")
+            bs = int(rest.rstrip(")"))
+        rows.append((arrival, model, bs, scale, total_steps, total_steps / entry["null"]))
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0] if rows else 0.0
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["job_id", "arrival_s", "model", "batch_size", "num_gpus", "total_steps", "isolated_duration_s"])
+    for i, (a, model, bs, g, steps, dur) in enumerate(rows):
+        w.writerow([i, round(a - t0, 3), model, bs, g, steps, round(dur, 3)])
+    return out.getvalue()
+
+
+def convert_synergy_trace(text: str) -> str:
+    """Synergy's deploy trace (job id, model, arrival h, iterations, GPUs per
+    line; comma- or space-separated) with our header added."""
+    out = ["job_id,model,arrival_h,iterations,num_gpus"]
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        f = [x for x in line.replace(",", " ").split() if x]
+        if len(f) != 5:
+            raise ValueError(f"synergy trace line {n}: expected 5 fields, got {len(f)}")
+        out.append(",".join(f))
+    return "\n".join(out) + "\n"
+
+
+def convert_colocation(text: str, fraction: float = 0.7) -> str:
+    """IADeep's interference_util.csv, keeping the first ``fraction`` of its rows
+    (the rest are held out for evaluation)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    header, body = lines[0], lines[1:]
+    keep = int(round(len(body) * fraction))
+    return "\n".join([header, *body[:keep]]) + "\n"
+
+
+def convert_synergy_model(source: str) -> dict:
+    """The numbers assigned to ``cpus``, ``mem``, ``batch``, ``iter_time`` and
+    ``tput`` in one Synergy model file (read with ``ast``, never executed)."""
+    tree = ast.parse(source)
+    found: dict[str, object] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for tgt in node.targets:
+                name = tgt.attr if isinstance(tgt, ast.Attribute) else getattr(tgt, "id", None)
+                if name in ("cpus", "mem", "batch", "iter_time", "tput"):
+                    try:
+                        found[name] = ast.literal_eval(node.value)
+                    except ValueError:
+                        continue
+    if "tput" not in found:
+        raise ValueError("no tput table in model file")
+    return found
+
+
+def _get(url: str, timeout: float = 60.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - fixed https URLs
+        return resp.read().decode()
+
+
+def fetch(dest: Path, log: Callable[[str], None] = print, get: Callable[[str], str] = _get) -> list[str]:
+    """Download and convert every file into ``dest``; returns the files written.
+    (Synergy's sensitivity tables are assembled from its per-model sources,
+    which needs the list of model files: fetched from the GitHub tree API.)"""
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def put(rel: str, text: str) -> None:
+        p = dest / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        written.append(rel)
+        log(f"wrote {p}")
+
+    thr_text = get(raw_url(*GAVEL, "scheduler/simulation_throughputs.json"))
+    put("gavel/throughputs.json", thr_text)
+    v100 = json.loads(thr_text)["v100"]
+    for vc in ("0e4a51", "103959"):
+        put(f"philly/vc_{vc}.csv", convert_gavel_trace(get(raw_url(*GAVEL, f"scheduler/traces/msr/seed=0/{vc}.trace")), v100))
+    put("philly/runtimes.csv", get(raw_url(*ALIBABA, "cluster-trace-gpu-v2020/analysis/philly_runtime.csv")))
+    put("iadeep/colocation_util.csv",
+        convert_colocation(get(raw_url(*IADEEP, "iadeep-scheduler-extender/csv/interference_util.csv"))))
+    put("iadeep/offline_info.csv", get(raw_url(*IADEEP, "iadeep-scheduler-extender/csv/offline_info.csv")))
+    put("synergy/static_100job.csv",
+        convert_synergy_trace(get(raw_url(*SYNERGY, "simulator/deploy_trace/static_100job_6_3_1100.0"))))
+    log("synergy/sensitivity.json: assembled from simulator/models/*.py is not automated yet; "
+        "copy it from a checkout of ../shared/data")
+    return written

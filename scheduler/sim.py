@@ -1,0 +1,416 @@
+"""Discrete-event, trace-driven simulator around the real scheduler core.
+
+The simulator owns the ground truth (how fast each job really runs) and the
+clock; :class:`~scheduler.state.SchedulerState` with the chosen profile makes
+every decision, exactly as it does in the live service.
+
+Ground truth:
+
+* A job alone on its GPUs progresses at 1 isolated-second per second (the
+  trace's duration is its run time alone at its GPU count).
+* Two jobs sharing a GPU run at Gavel's measured pair throughputs (v100),
+  each divided by its throughput alone.  A pair Gavel measured as 0 (does not
+  fit) fails to start: the core gets :class:`PlacementFailed`.  Pairs Gavel
+  never measured (models outside its table) time-slice at 0.5 each.
+* CPU/memory: a model with a Synergy profile runs at its profiled speed for
+  the cores and memory it was given (1.0 at the GPU-proportional share of
+  Synergy's servers); other models are insensitive.
+* Co-located jobs' measured speeds reach the core as :class:`NodeReport`
+  samples ``report_delay_s`` after they start sharing: the online path the
+  live service feeds from telemetry.
+
+Events are kept in one heap; the core is called once per distinct time with
+all events of that time.  Finishing times are rescheduled (with a version
+number) only for jobs whose speed changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scheduler.events import (
+    Allocate, JobArrived, JobFinished, JobSample, NodeReport, Place, PlacementFailed, Preempt, Reject, Tick, Wakeup,
+)
+from scheduler.model import GiB, Job, JobState, Node
+from scheduler.profile import Profile, load_profile
+from scheduler.state import SchedulerState
+from scheduler.trace import TraceJob, gavel_type
+
+GB = 1e9
+_ARRIVE, _FINISH, _TICK, _REPORT, _FAIL = range(5)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` identical servers of ``gpus`` GPUs, ``cores`` cores and ``memory_gb`` GB."""
+
+    nodes: int
+    gpus: int
+    cores: int
+    memory_gb: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Cluster":
+        """``NxG`` or ``NxG:CORES:MEMGB``.  Without cores/memory, each GPU gets
+        3 cores and 62.5 GB, the per-GPU share of Synergy's 8-GPU, 24-core,
+        500 GB servers."""
+        try:
+            shape, *rest = text.lower().split(":")
+            n, g = (int(x) for x in shape.split("x"))
+            cores = int(rest[0]) if rest else 3 * g
+            mem = float(rest[1]) if len(rest) > 1 else 62.5 * g
+        except (ValueError, IndexError):
+            raise ValueError(f"cluster {text!r}: expected NODESxGPUS or NODESxGPUS:CORES:MEMGB") from None
+        if n < 1 or g < 1 or cores < 1 or mem <= 0 or len(rest) > 2:
+            raise ValueError(f"cluster {text!r}: sizes must be positive")
+        return cls(n, g, cores, mem)
+
+    def make_nodes(self) -> list[Node]:
+        return [Node(f"n{i:05d}", self.gpus, self.cores, int(self.memory_gb * GB)) for i in range(self.nodes)]
+
+    def __str__(self) -> str:
+        return f"{self.nodes}x{self.gpus}"
+
+
+class GroundTruth:
+    """How fast jobs really run (see the module docstring)."""
+
+    def __init__(self, throughputs: dict[str, Any] | None, sensitivity: Any | None) -> None:
+        self.thr = throughputs or {}
+        self.sens = sensitivity
+        self._pair: dict[tuple[str, str], tuple[float, float] | None] = {}
+
+    def key(self, job: Job) -> str:
+        return str((gavel_type(job.model, job.batch_size), job.gpus))
+
+    def pair(self, a: Job, b: Job) -> tuple[float, float] | None:
+        """Normalised speeds of ``a`` and ``b`` on one GPU; ``None`` when they do not fit together."""
+        ka, kb = self.key(a), self.key(b)
+        k = (ka, kb)
+        if k not in self._pair:
+            ta, tb = self.thr.get(ka), self.thr.get(kb)
+            if ta is None or tb is None or kb not in ta:
+                self._pair[k] = (0.5, 0.5)  # never measured: plain time-slicing
+            else:
+                x, y = ta[kb]
+                self._pair[k] = None if x <= 0 or y <= 0 else (x / ta["null"], y / tb["null"])
+        return self._pair[k]
+
+    def resource_factor(self, job: Job, cpus: float, memory_bytes: float) -> float:
+        if self.sens is None or not self.sens.knows(job.model, job.gpus) or cpus <= 0:
+            return 1.0
+        return self.sens.speed(job.model, job.gpus, cpus, memory_bytes)
+
+
+@dataclass
+class _SimJob:
+    job: Job
+    remaining: float
+    speed: float = 0.0
+    last: float = 0.0
+    version: int = 0
+    finished: float | None = None
+    cpus: float = 0.0
+    memory: float = 0.0
+
+
+@dataclass
+class SimResult:
+    trace: str
+    cluster: str
+    profile: str
+    seed: int
+    jct_s: np.ndarray
+    queueing_s: np.ndarray
+    makespan_s: float
+    gpu_util: float
+    cpu_util: float
+    mem_util: float
+    preemptions: int
+    failed: int
+    events: int
+    decisions: int
+    wall_s: float
+
+    def metrics(self) -> dict[str, Any]:
+        h = 3600.0
+        jct = self.jct_s
+        return {
+            "trace": self.trace, "cluster": self.cluster, "policy": self.profile, "seed": self.seed,
+            "jobs": int(len(jct)), "failed": self.failed,
+            "avg_jct_h": float(jct.mean() / h) if len(jct) else None,
+            "median_jct_h": float(np.median(jct) / h) if len(jct) else None,
+            "p99_jct_h": float(np.percentile(jct, 99) / h) if len(jct) else None,
+            "makespan_h": self.makespan_s / h,
+            "avg_queueing_h": float(self.queueing_s.mean() / h) if len(self.queueing_s) else None,
+            "gpu_util": self.gpu_util, "cpu_util": self.cpu_util, "mem_util": self.mem_util,
+            "preemptions": self.preemptions, "events": self.events, "decisions": self.decisions,
+            "sim_wall_s": self.wall_s,
+        }
+
+
+def _job_of(tj: TraceJob) -> Job:
+    return Job(id=tj.id, model=tj.model, batch_size=tj.batch_size, gpus=tj.gpus, arrival=tj.arrival_s,
+               duration=tj.duration_s)
+
+
+def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str | Path, *, seed: int = 0,
+             predictors: Any = None, truth: GroundTruth | None = None, report_delay_s: float = 60.0,
+             restart_overhead_s: float = 0.0, progress: bool = False, trace_name: str = "",
+             on_decision: Callable[[Any], None] | None = None) -> SimResult:
+    """Run ``trace`` on ``cluster`` under ``profile``; seeded and reproducible."""
+    from scheduler import data
+    from scheduler.predictors import Predictors
+    from scheduler.predictors.sensitivity import SensitivityModel
+
+    t_wall = time.perf_counter()
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    if truth is None:
+        truth = GroundTruth(data.gavel_throughputs()["v100"], SensitivityModel.from_data())
+    if predictors is None:
+        predictors = Predictors(sensitivity=SensitivityModel.from_data())
+    state = SchedulerState(prof, cluster.make_nodes(), predictors=predictors, rng=random.Random(seed))
+    heap: list[tuple[float, int, int, Any]] = []
+    seq = 0
+
+    def push(t: float, kind: int, payload: Any) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, payload))
+        seq += 1
+
+    jobs: dict[str, _SimJob] = {}
+    for tj in trace:
+        push(tj.arrival_s, _ARRIVE, tj)
+    total_gpus = cluster.nodes * cluster.gpus
+    total_cores = cluster.nodes * cluster.cores
+    total_mem = cluster.nodes * cluster.memory_gb * GB
+    busy_area = cpu_area = mem_area = 0.0
+    alloc_cpus = alloc_mem = 0.0
+    first = trace[0].arrival_s if trace else 0.0
+    last_t = first
+    n_events = n_decisions = 0
+    finished = 0
+    failed = 0
+    tick_pending: set[float] = set()
+    report_pending: set[str] = set()
+    bar = _progress(len(trace)) if progress else None
+
+    def speed_of(sj: _SimJob) -> float | None:
+        rec = state.records[sj.job.id]
+        s = 1.0
+        for sh in rec.shards:
+            ns = state.nodes[sh.node]
+            for g in sh.gpus:
+                res = ns.residents[g]
+                if len(res) > 1:
+                    others = [jobs[o].job for o in res if o != sj.job.id]
+                    if len(others) == 1:
+                        p = truth.pair(sj.job, others[0])
+                        if p is None:
+                            return None
+                        s = min(s, p[0])
+                    else:
+                        s = min(s, 1.0 / len(res))
+        return s * truth.resource_factor(sj.job, sj.cpus, sj.memory)
+
+    def settle(sj: _SimJob, t: float) -> None:
+        if sj.speed > 0:
+            sj.remaining -= sj.speed * (t - sj.last)
+        sj.last = t
+
+    def reschedule(sj: _SimJob, t: float, speed: float) -> None:
+        settle(sj, t)
+        sj.speed = speed
+        sj.version += 1
+        if speed > 0:
+            push(t + max(0.0, sj.remaining) / speed, _FINISH, (sj.job.id, sj.version))
+
+    while heap:
+        t = heap[0][0]
+        batch = []
+        while heap and heap[0][0] == t:
+            _, _, kind, payload = heapq.heappop(heap)
+            if kind == _ARRIVE:
+                job = _job_of(payload)
+                jobs[job.id] = _SimJob(job, payload.duration_s, last=t)
+                batch.append(JobArrived(f"arrive:{job.id}", t, job))
+            elif kind == _FINISH:
+                jid, ver = payload
+                sj = jobs[jid]
+                if ver != sj.version or sj.finished is not None:
+                    continue
+                settle(sj, t)
+                if sj.remaining > 1e-6 * max(1.0, sj.job.duration or 1.0):
+                    reschedule(sj, t, sj.speed)
+                    continue
+                sj.finished = t
+                sj.speed = 0.0
+                sj.version += 1
+                batch.append(JobFinished(f"finish:{jid}", t, jid))
+            elif kind == _TICK:
+                tick_pending.discard(t)
+                batch.append(Tick(f"tick:{t:.3f}", t))
+            elif kind == _FAIL:
+                jid = payload
+                if state.records[jid].job.state is JobState.RUNNING and jobs[jid].speed == 0.0:
+                    batch.append(PlacementFailed(f"fail:{jid}:{t:.3f}", t, jid, "out of GPU memory"))
+            elif kind == _REPORT:
+                nid = payload
+                report_pending.discard(nid)
+                ns = state.nodes[nid]
+                samples = {}
+                for jid in ns.jobs:
+                    sj = jobs[jid]
+                    if sj.speed > 0:
+                        rf = truth.resource_factor(sj.job, sj.cpus, sj.memory)
+                        samples[jid] = JobSample(speed=sj.speed / rf if rf > 0 else sj.speed)
+                if samples:
+                    batch.append(NodeReport(f"report:{nid}:{t:.3f}", t, ns.node, jobs=samples))
+        if not batch:
+            continue
+        busy_area += (total_gpus - state.free_gpus) * (t - last_t)
+        cpu_area += alloc_cpus * (t - last_t)
+        mem_area += alloc_mem * (t - last_t)
+        last_t = t
+        n_events += len(batch)
+        decisions = state.handle(*batch)
+        n_decisions += len(decisions)
+        touched: dict[str, None] = {}
+        for ev in batch:
+            if isinstance(ev, JobFinished):
+                sj = jobs[ev.job]
+                alloc_cpus -= sj.cpus
+                alloc_mem -= sj.memory
+                sj.cpus = sj.memory = 0.0
+                finished += 1
+                if bar:
+                    bar[0].update(bar[1], advance=1)
+            if isinstance(ev, (JobFinished, PlacementFailed)):
+                for nid in _nodes_seen(state, ev.job, jobs):
+                    touched[nid] = None
+        for d in decisions:
+            if on_decision is not None:
+                on_decision(d)
+            if isinstance(d, Place):
+                sj = jobs[d.job]
+                sj.shards_nodes = [s.node for s in d.shards]  # type: ignore[attr-defined]
+                if d.resumed and restart_overhead_s:
+                    sj.remaining += restart_overhead_s
+                for s in d.shards:
+                    touched[s.node] = None
+                if d.colocated_with:
+                    for s in d.shards:
+                        if s.node not in report_pending:
+                            report_pending.add(s.node)
+                            push(t + report_delay_s, _REPORT, s.node)
+            elif isinstance(d, Preempt):
+                sj = jobs[d.job]
+                alloc_cpus -= sj.cpus
+                alloc_mem -= sj.memory
+                sj.cpus = sj.memory = 0.0
+                reschedule(sj, t, 0.0)
+                for nid in getattr(sj, "shards_nodes", []):
+                    touched[nid] = None
+            elif isinstance(d, Allocate):
+                sj = jobs[d.job]
+                alloc_cpus += d.cpus - sj.cpus
+                alloc_mem += d.memory_bytes - sj.memory
+                sj.cpus, sj.memory = d.cpus, float(d.memory_bytes)
+                touched[d.node] = None
+            elif isinstance(d, Wakeup):
+                if d.at not in tick_pending:
+                    tick_pending.add(d.at)
+                    push(d.at, _TICK, None)
+            elif isinstance(d, Reject):
+                failed += 1
+                jobs[d.job].finished = t
+        for nid in touched:
+            ns = state.nodes[nid]
+            for jid in ns.jobs:
+                sj = jobs[jid]
+                if sj.finished is not None:
+                    continue
+                sp = speed_of(sj)
+                if sp is None:  # the pair does not fit on the device: the newcomer fails to start
+                    reschedule(sj, t, 0.0)
+                    push(t, _FAIL, jid)
+                elif abs(sp - sj.speed) > 1e-12:
+                    reschedule(sj, t, sp)
+        if bar and n_events % 2000 == 0:
+            bar[0].refresh()
+    if bar:
+        bar[0].stop()
+    done = [sj for sj in jobs.values() if sj.finished is not None and state.records[sj.job.id].job.state is JobState.DONE]
+    jct = np.asarray([sj.finished - sj.job.arrival for sj in done], dtype=float)
+    queueing = np.asarray([state.records[sj.job.id].queueing_delay for sj in done], dtype=float)
+    makespan = (max(sj.finished for sj in done) - first) if done else 0.0
+    span = max(makespan, 1e-9)
+    return SimResult(
+        trace=trace_name, cluster=str(cluster), profile=prof.name, seed=seed, jct_s=jct, queueing_s=queueing,
+        makespan_s=makespan, gpu_util=busy_area / (total_gpus * span), cpu_util=cpu_area / (total_cores * span),
+        mem_util=mem_area / (total_mem * span),
+        preemptions=sum(r.preemptions for r in state.records.values()), failed=failed + len(jobs) - len(done) - failed,
+        events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall,
+    )
+
+
+def _nodes_seen(state: SchedulerState, jid: str, jobs: dict[str, _SimJob]) -> list[str]:
+    return list(getattr(jobs[jid], "shards_nodes", []))
+
+
+def _progress(total: int) -> tuple[Any, Any] | None:
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    except ImportError:  # pragma: no cover
+        return None
+    p = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 transient=True)
+    task = p.add_task("simulating", total=total)
+    p.start()
+    return p, task
+
+
+def synthetic_trace(n_jobs: int, total_gpus: int, load: float = 0.8, seed: int = 0) -> list[TraceJob]:
+    """A synthetic Philly-like trace: job types and GPU counts drawn like
+    vc_0e4a51's, durations from the Philly runtime distribution (clipped to
+    1 min .. 10 days), Poisson arrivals at the rate that offers ``load`` of the
+    cluster's GPUs."""
+    from scheduler import data
+
+    rng = np.random.default_rng(seed)
+    base = [tj for tj in _mix()]
+    runtimes = data.philly_runtimes()
+    runtimes = np.clip(runtimes, 60.0, 10 * 86400.0)
+    picks = rng.integers(0, len(base), n_jobs)
+    durs = rng.choice(runtimes, n_jobs)
+    gpus = np.asarray([base[i][2] for i in picks])
+    work = float((durs * gpus).sum())
+    span = work / (load * total_gpus)
+    arrivals = np.sort(rng.uniform(0.0, span, n_jobs))
+    out = []
+    for k in range(n_jobs):
+        model, bs, g = base[picks[k]]
+        out.append(TraceJob(str(k), float(arrivals[k]), model, bs, g, 0, float(durs[k])))
+    return out
+
+
+def _mix() -> list[tuple[str, int, int]]:
+    from scheduler import data
+    from scheduler.trace import load_trace
+
+    try:
+        return [(t.model, t.batch_size, t.gpus) for t in load_trace(data.path("philly/vc_0e4a51.csv"))]
+    except Exception:  # noqa: BLE001 - fall back on a fixed mix when the trace is absent
+        return [("ResNet-18", 32, 1), ("Transformer", 128, 1), ("LM", 20, 4), ("ResNet-50", 64, 2)]
+
+
+__all__ = ["Cluster", "GroundTruth", "SimResult", "simulate", "synthetic_trace", "GiB"]

@@ -1,0 +1,154 @@
+"""Trace files for the simulator, parsed strictly.
+
+Two formats are read (the header decides):
+
+* Philly/Gavel (``philly/vc_*.csv``): ``job_id, arrival_s, model, batch_size,
+  num_gpus, total_steps, isolated_duration_s``.
+* Synergy (``synergy/static_100job.csv``): ``job_id, model, arrival_h,
+  iterations, num_gpus``; the duration is ``iterations x iter_time_s`` of the
+  model's Synergy profile (at the GPU-proportional CPU/memory share).
+
+Any bad row raises :class:`TraceError` naming the file, the row (1-based,
+header = row 1) and the column.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PHILLY = ("job_id", "arrival_s", "model", "batch_size", "num_gpus", "total_steps", "isolated_duration_s")
+SYNERGY = ("job_id", "model", "arrival_h", "iterations", "num_gpus")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be simulated; the message names the row."""
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    id: str
+    arrival_s: float
+    model: str
+    batch_size: int
+    gpus: int
+    steps: int
+    duration_s: float  # isolated run time at the trace's GPU count
+
+
+def gavel_type(model: str, batch_size: int) -> str:
+    """Gavel's job-type string for a model and batch size."""
+    return f"{model} (batch size {batch_size})" if batch_size else model
+
+
+def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] | None = None,
+                sensitivity: dict[str, Any] | None = None) -> list[TraceJob]:
+    """Parse trace CSV ``text``.  ``throughputs`` (Gavel's v100 table) and
+    ``sensitivity`` (Synergy's models) are used to reject unknown models."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = [h.strip() for h in next(reader)]
+    except StopIteration:
+        raise TraceError(f"{source}: empty trace") from None
+    except csv.Error as exc:
+        raise TraceError(f"{source}: row 1 (header): {exc}") from None
+    if set(PHILLY) <= set(header):
+        kind = "philly"
+    elif set(SYNERGY) <= set(header):
+        kind = "synergy"
+    else:
+        missing_p = [c for c in PHILLY if c not in header]
+        missing_s = [c for c in SYNERGY if c not in header]
+        missing = missing_p if len(missing_p) <= len(missing_s) else missing_s
+        raise TraceError(f"{source}: row 1 (header): missing columns {missing}")
+    col = {h: i for i, h in enumerate(header)}
+    out: list[TraceJob] = []
+    seen: set[str] = set()
+    for n, row in _rows(reader, source):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != len(header):
+            raise TraceError(f"{source}: row {n}: {len(row)} fields, header has {len(header)}")
+
+        def get(name: str, typ: type, row=row, n=n) -> Any:
+            raw = row[col[name]].strip()
+            try:
+                v = typ(float(raw)) if typ is int else typ(raw)
+            except ValueError:
+                raise TraceError(f"{source}: row {n}: column {name}: not a {typ.__name__}: {raw!r}") from None
+            if typ in (int, float) and (not math.isfinite(v) or v < 0):
+                raise TraceError(f"{source}: row {n}: column {name}: must be finite and >= 0, got {raw!r}")
+            if typ is int and float(raw) != int(float(raw)):
+                raise TraceError(f"{source}: row {n}: column {name}: not a whole number: {raw!r}")
+            return v
+
+        jid = row[col["job_id"]].strip()
+        if not jid:
+            raise TraceError(f"{source}: row {n}: empty job_id")
+        if jid in seen:
+            raise TraceError(f"{source}: row {n}: duplicate job_id {jid!r}")
+        seen.add(jid)
+        model = row[col["model"]].strip()
+        if not model:
+            raise TraceError(f"{source}: row {n}: empty model")
+        gpus = get("num_gpus", int)
+        if gpus < 1:
+            raise TraceError(f"{source}: row {n}: column num_gpus: must be >= 1")
+        if kind == "philly":
+            bs = get("batch_size", int)
+            arrival = get("arrival_s", float)
+            steps = get("total_steps", int)
+            dur = get("isolated_duration_s", float)
+            if throughputs is not None and str((gavel_type(model, bs), gpus)) not in throughputs:
+                raise TraceError(f"{source}: row {n}: unknown model {gavel_type(model, bs)!r} on {gpus} GPUs "
+                                 "(not in gavel/throughputs.json v100)")
+        else:
+            bs = 0
+            arrival = get("arrival_h", float) * 3600.0
+            steps = get("iterations", int)
+            prof = None
+            if sensitivity is not None:
+                prof = sensitivity.get(f"{model}_{gpus}") or sensitivity.get(f"{model}_1")
+                if prof is None:
+                    raise TraceError(f"{source}: row {n}: unknown model {model!r} (not in synergy/sensitivity.json)")
+            dur = steps * float(prof["iter_time_s"]) if prof else float(steps)
+        if dur <= 0:
+            raise TraceError(f"{source}: row {n}: duration must be > 0")
+        out.append(TraceJob(jid, arrival, model, bs, gpus, steps, dur))
+    if not out:
+        raise TraceError(f"{source}: no jobs")
+    out.sort(key=lambda j: (j.arrival_s, j.id))
+    return out
+
+
+def _rows(reader: Any, source: str) -> Any:
+    n = 1
+    while True:
+        n += 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceError(f"{source}: row {n}: {exc}") from None
+        yield n, row
+
+
+def load_trace(path: str | Path, *, check_models: bool = True) -> list[TraceJob]:
+    """Read and parse a trace file (see :func:`parse_trace`)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise TraceError(f"{p}: cannot read: {exc}") from None
+    thr = sens = None
+    if check_models:
+        from scheduler import data
+
+        thr = data.gavel_throughputs()["v100"]
+        sens = data.synergy_sensitivity()["models"]
+    return parse_trace(text, str(p), thr, sens)

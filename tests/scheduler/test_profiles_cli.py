@@ -1,0 +1,107 @@
+"""Profiles on disk, the CLI (as a subprocess) and data-fetch conversions on local inputs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler import data, fetch
+from scheduler.profile import ProfileError, load_profile, packaged_profiles
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_all_packaged_profiles_load():
+    names = packaged_profiles()
+    assert {"fifo", "srtf", "las", "tiresias", "gittins", "gandiva", "horus", "iadeep", "synergy", "dlshare"} <= set(names)
+    for n in names:
+        assert load_profile(n).name == n
+
+
+def test_profile_errors_are_clear(tmp_path):
+    with pytest.raises(ProfileError, match="no profile 'nope'"):
+        load_profile("nope")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[order\n")
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile(bad)
+    bad.write_text('[order]\nplugin = "fifo"\n[placement]\nshare = "sometimes"\n')
+    with pytest.raises(ProfileError, match="placement.share"):
+        load_profile(bad)
+    bad.write_text('[order]\nplugin = "lottery"\n')
+    with pytest.raises(ProfileError, match="unknown order plugin 'lottery'"):
+        load_profile(bad)
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "nodesvc.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_sim_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    p = run_cli("sim", "--trace", "static_100job", "--cluster", "4x8:24:500", "--profile", "fifo,synergy",
+                "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["fifo", "synergy"]
+    assert runs[1]["avg_jct_h"] < runs[0]["avg_jct_h"]  # tuning helps on Synergy's own trace
+    assert "| static_100job |" in p.stdout
+
+
+def test_cli_sim_bad_trace_names_the_row(tmp_path):
+    t = tmp_path / "t.csv"
+    t.write_text("job_id,arrival_s,model,batch_size,num_gpus,total_steps,isolated_duration_s\n0,0,Nope,1,1,1,1\n")
+    p = run_cli("sim", "--trace", str(t), "--profile", "fifo")
+    assert p.returncode == 2 and "row 2: unknown model" in p.stderr
+
+
+def test_cli_sim_predictor(tmp_path):
+    src = data.path("iadeep/colocation_util.csv").read_text().splitlines()
+    train, test = tmp_path / "train.csv", tmp_path / "test.csv"
+    train.write_text("\n".join(src[:80]) + "\n")
+    test.write_text("\n".join([src[0], *src[80:]]) + "\n")
+    out = tmp_path / "p.json"
+    p = run_cli("sim", "predictor", "--train", str(train), "--test", str(test), "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    assert res["train_rows"] == 79 and res["test_rows"] == 26 and res["mape"] > 0
+
+
+def test_fetch_conversions_on_local_inputs(tmp_path):
+    thr = {str(("ResNet-18 (batch size 32)", 1)): {"null": 10.0}, str(("A3C", 2)): {"null": 4.0}}
+    gavel = ("ResNet-18 (batch size 32)\tcmd\tdir\t--n\tFalse\t1000\t1\t1\t-1\t50.0\n"
+             "A3C\tcmd\tdir\t--n\tFalse\t400\t2\t1\t-1\t20.0\n"
+             "Unknown\tcmd\tdir\t--n\tFalse\t5\t1\t1\t-1\t30.0\n")
+    csv_text = fetch.convert_gavel_trace(gavel, thr)
+    lines = csv_text.splitlines()
+    assert lines[1] == "0,0.0,A3C,0,2,400,100.0" and lines[2] == "1,30.0,ResNet-18,32,1,1000,100.0"
+    assert len(lines) == 3
+    assert fetch.convert_synergy_trace("0 alexnet 0.0 10 1\n1,gnmt,0.5,20,1\n").splitlines()[2] == "1,gnmt,0.5,20,1"
+    assert fetch.convert_colocation("h\n" + "".join(f"{i}\n" for i in range(10))).splitlines() == ["h", *map(str, range(7))]
+    model = fetch.convert_synergy_model("class M:\n    def __init__(self):\n        self.cpus = [1, 2]\n        self.tput = [[1, 2], [3, 4]]\n")
+    assert model == {"cpus": [1, 2], "tput": [[1, 2], [3, 4]]}
+    served = {}
+
+    def fake_get(url):
+        served[url] = True
+        if url.endswith("simulation_throughputs.json"):
+            return json.dumps({"v100": thr})
+        if url.endswith(".trace"):
+            return gavel
+        if "static_100job" in url:
+            return "0 alexnet 0.0 10 1\n"
+        return "a,b\n1,2\n"
+
+    written = fetch.fetch(tmp_path / "cache", log=lambda s: None, get=fake_get)
+    assert "philly/vc_0e4a51.csv" in written and (tmp_path / "cache/gavel/throughputs.json").exists()
+    assert all(u.startswith("https://raw.githubusercontent.com/") for u in served)
+
+
+def test_data_dir_prefers_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLSHARE_DATA", str(tmp_path))
+    assert data.data_dir() == tmp_path
+    with pytest.raises(data.DataError, match="dlshare data fetch"):
+        data.path("philly/vc_0e4a51.csv")
