@@ -131,12 +131,12 @@ def _gib(n: int | float | None) -> str:
     return f"{(n or 0) / (1 << 30):.2f} GiB"
 
 
-def _jobs_table(jobs: list[dict[str, Any]]):
+def _jobs_table(jobs: list[dict[str, Any]], placed: dict[str, dict[str, Any]] | None = None):
     from rich.table import Table
 
     t = Table("job", "kind", "state", "node", "GPU", "CPUs", "memory", "service", "note", title="jobs")
     for j in jobs:
-        a, s = j.get("allocation") or {}, j["spec"]
+        a, s = j.get("allocation") or (placed or {}).get(j["id"], {}).get("allocation") or {}, j["spec"]
         gpus = ",".join(f"#{g}" for g in a.get("gpus") or []) or ("-" if not s.get("gpus") else "(waiting)")
         note = j.get("reason") or ""
         if a.get("colocated_with"):
@@ -163,8 +163,11 @@ def _nodes_table(cluster: dict[str, Any], ours: set[str]):
 
 
 async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
+    import logging
+
     from scheduler.client import SchedulerClient, SchedulerError
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per poll
     console.print("\n[bold]Scheduler[/bold]: real jobs submitted through the API "
                   f"({st.sched_url}, status page {st.sched_url}/?token={st.sched_token})")
     c = SchedulerClient(st.sched_url, st.sched_token, timeout=15)
@@ -218,7 +221,7 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
             await asyncio.sleep(1.0)
         jobs = [await asyncio.to_thread(c.get, j) for j in ids]
         console.print("\n  [bold]Summary[/bold]")
-        console.print(_jobs_table(jobs))
+        console.print(_jobs_table(jobs, seen_running))
         for j in jobs:
             first = seen_running.get(j["id"])
             if j["finished_at"] and j["submitted_at"]:
@@ -256,6 +259,10 @@ def _explain(console, view: dict[str, Any], ours: set[str]) -> None:
         if kinds["gpu"] and kinds["cpu"]:
             console.print(f"  co-located on {n['id']}: GPU training {', '.join(kinds['gpu'])} beside data preparation "
                           f"{', '.join(kinds['cpu'])}, which uses cores and memory the trainings did not ask for")
+        elif len(mine) > 1:
+            console.print(f"  co-located on {n['id']}: {', '.join(mine)} share its CPUs and memory "
+                          f"({n['cpus_allocated']:.2f} of {n['cpu_count']} cores allocated"
+                          + (f", each training on its own GPU)" if kinds["gpu"] else ")"))
         for g in n["gpus"]:
             if len(g["jobs"]) > 1:
                 console.print(f"  GPU #{g['index']} on {n['id']} is shared by {' and '.join(g['jobs'])} "
