@@ -153,7 +153,14 @@ async def _node(broker: str, nid: str, gpus: int, job_s: float, stop: asyncio.Ev
                 runs.value += 1
         elif cmd.op == "stop":
             running.pop(cmd.args.get("job"), None)
-        await bus.publish(messages.node_topic(nid, "reply"), messages.reply(cmd.id, True, {"op": cmd.op}), 1)
+        # Replies are sent from their own task: the message pump goes on to the next command while
+        # the broker acknowledges this one (a node must not serialise commands on broker round trips).
+        t = asyncio.create_task(bus.publish(messages.node_topic(nid, "reply"),
+                                            messages.reply(cmd.id, True, {"op": cmd.op}), 1))
+        pending.add(t)
+        t.add_done_callback(pending.discard)
+
+    pending: set[asyncio.Task] = set()
 
     async def online(b) -> None:
         await b.publish(messages.node_topic(nid, "state"), messages.encode({"status": "online"}), 1, True)

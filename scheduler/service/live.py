@@ -36,17 +36,15 @@ from scheduler import (
 )
 from scheduler.service import cpu_jobs
 from scheduler.service.core_log import CoreLogError, decode_event, encode_event
+from scheduler.service.commands import CommandFailed, NodeCommands
 from scheduler.service.nodes import NodeView, apply_telemetry, core_node
 from scheduler.service.store import ConflictError, DecisionRow, JobRow, JobStore
+from scheduler.service.views import cluster_view
 
 log = logging.getLogger("dlshare.sched.live")
 
 TERMINAL = frozenset({"done", "failed", "cancelled"})
 VANISHED_AFTER = 3  # telemetry reports in a row without a job we started before it counts as gone
-
-
-class CommandFailed(RuntimeError):
-    pass
 
 
 def _eid() -> str:
@@ -84,7 +82,7 @@ class SchedulerService:
         self.k8s_hold_s = 120.0
         self._wake = asyncio.Event()
         self._events: list[Any] = []
-        self._pending: dict[str, asyncio.Future] = {}
+        self.commands = NodeCommands(command_timeout_s)
         self._tasks: list[asyncio.Task] = []
         self._bg: set[asyncio.Task] = set()
         self._batch = store.last_batch()
@@ -382,9 +380,7 @@ class SchedulerService:
         self.wake()
 
     def on_reply(self, r: dict[str, Any]) -> None:
-        fut = self._pending.pop(str(r.get("id")), None)
-        if fut is not None and not fut.done():
-            fut.set_result(r)
+        self.commands.resolve(r)
 
     def job_exited(self, node_id: str, job_id: str, code: int | None, why: str) -> None:
         node = self.nodes.get(node_id)
@@ -410,22 +406,7 @@ class SchedulerService:
 
     async def command(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
         """Send one command (QoS 1) and wait for its reply; raises CommandFailed."""
-        if self.bus is None:
-            raise CommandFailed("no broker configured")
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[cmd_id] = fut
-        try:
-            if not await self.bus.publish(messages.node_topic(node, "cmd"), messages.command(op, cmd_id, **args), 1):
-                raise CommandFailed(f"broker not connected; {op} to {node} not sent")
-            try:
-                r = await asyncio.wait_for(fut, self.command_timeout_s)
-            except TimeoutError:
-                raise CommandFailed(f"{op} to {node}: no reply within {self.command_timeout_s:g}s") from None
-        finally:
-            self._pending.pop(cmd_id, None)
-        if not r.get("ok"):
-            raise CommandFailed(f"{op} on {node} refused: {r.get('error')}")
-        return r.get("result") or {}
+        return await self.commands.call(self.bus, node, op, args, cmd_id)
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -698,41 +679,7 @@ class SchedulerService:
                 self._cpu_dirty = True
 
     def cluster(self) -> dict[str, Any]:
-        now = self.clock()
-        nodes = []
-        for n in sorted(self.nodes.values(), key=lambda n: n.id):
-            gj = n.gpu_jobs()
-            nodes.append({
-                "id": n.id, "status": n.status if n.status in ("online", "offline") else "unknown",
-                "last_seen": n.last_seen, "cpu_count": n.cpu_count, "cpu_percent": n.cpu_percent,
-                "cpus_allocated": n.cpus_allocated, "memory_total_bytes": n.memory_total_bytes,
-                "memory_available_bytes": n.memory_available_bytes, "memory_allocated_bytes": n.memory_allocated_bytes,
-                "reserved_unused_bytes": n.reserved_unused_bytes, "lendable_bytes": n.lendable_bytes,
-                "lent_bytes": n.lent_bytes,
-                "gpus": [{"index": g.index, "name": g.name, "util_percent": g.util_percent,
-                          "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
-                          "jobs": gj.get(g.index, [])} for g in n.gpus],
-                "gpu_reason": n.gpu_reason, "jobs": sorted(n.allocations)})
-        agg = [a for a in self.aggregation.values() if now - a.get("_seen", 0) < 60 and isinstance(a.get("pool", {}), dict)]
-        online = [n for n in nodes if n["status"] == "online"]
-        return {
-            "ts": now, "nodes": nodes, "jobs_by_state": self.store.count_by_state(),
-            "gpus_total": sum(len(n["gpus"]) for n in online),
-            "gpus_allocated": sum(1 for n in online for g in n["gpus"] if g["jobs"]),
-            "cpus_total": float(sum(n["cpu_count"] for n in online)),
-            "cpus_allocated": float(sum(n["cpus_allocated"] for n in online)),
-            "memory_lent_bytes": sum(n["lent_bytes"] for n in online),
-            "memory_lendable_bytes": sum(n["lendable_bytes"] for n in online),
-            "aggregation": {
-                "servers": len(agg),
-                "addresses": sorted(str(a.get("address", "")) for a in agg),
-                "jobs": int(sum(_num(a.get("jobs")) for a in agg)),
-                "pool_cores": float(sum(_num((a.get("pool") or {}).get("size")) for a in agg)),
-                "busy_cores": float(sum(_num((a.get("pool") or {}).get("demand_cores")) for a in agg)),
-                "bytes_in_per_s": float(sum(_num(a.get("bytes_in_per_s")) for a in agg)),
-            },
-            "profile": self.profile,
-        }
+        return cluster_view(self)
 
 
 def _decision_data(d: Any) -> dict[str, Any]:
@@ -742,16 +689,6 @@ def _decision_data(d: Any) -> dict[str, Any]:
     if isinstance(d, Allocate):
         return {"cpus": d.cpus, "memory_bytes": d.memory_bytes}
     return {"reason": getattr(d, "reason", "")}
-
-
-def _num(v: Any) -> float:
-    if isinstance(v, bool):
-        return 0.0
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, (list, dict)):
-        return float(len(v))
-    return 0.0
 
 
 __all__ = ["SchedulerService", "CommandFailed", "ConflictError", "core_job"]

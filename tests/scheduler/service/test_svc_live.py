@@ -100,3 +100,29 @@ async def test_restart_replays_the_log_and_sends_nothing_twice(mosquitto, tmp_pa
     finally:
         await svc2.stop()
         await n1.stop()
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_TOPICS = st.sampled_from(["dlshare/v1/node/n1/telemetry", "dlshare/v1/node/n1/state", "dlshare/v1/node/n1/reply",
+                           "dlshare/v1/node/n1/events", "dlshare/v1/agg/a1/telemetry", "dlshare/v1/agg/a1/state",
+                           "dlshare/v1/sched/x/state", "garbage/topic", "dlshare/v1/node/n1/telemetry/extra"])
+_JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                        lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                            st.sampled_from(["schema", "node", "ts", "cpu", "memory", "gpus", "rdma", "jobs", "donor",
+                                             "status", "id", "ok", "event", "job", "exit_code", "devices", "count",
+                                             "total_bytes", "available_bytes", "pool", "state"]), c, max_size=6),
+                        max_leaves=25)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(topic=_TOPICS, body=_JSONISH, raw=st.binary(max_size=40), use_raw=st.booleans())
+async def test_fuzz_the_message_handler_never_raises(tmp_path_factory, topic, body, raw, use_raw):
+    import json as _json
+
+    svc = SchedulerService(JobStore(":memory:"), profile="fifo")
+    payload = raw if use_raw else _json.dumps({"schema": 1, **body} if isinstance(body, dict) else body).encode()
+    await svc.on_message(topic, payload)
+    svc.round()  # and the loop digests whatever it made of it
+    svc.cluster()
