@@ -69,6 +69,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     import uvicorn
 
     from nodesvc.broker import split_hostport
+    from scheduler import SchedulerState
     from scheduler.service.api import create_app
     from scheduler.service.live import SchedulerService
     from scheduler.service.store import JobStore, load_or_create_token
@@ -77,7 +78,13 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     host, port = split_hostport(s["listen"], 7800)
     store = JobStore(s["db"], synchronous=s["synchronous"])
     token = load_or_create_token(s["db"], s["token"])
-    service = SchedulerService(store, profile=s["profile"], predictors=_predictors(s["predictors"]), broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
+    try:
+        predictors = _predictors(s["predictors"])
+        core = SchedulerState(s["profile"], predictors=predictors)
+    except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
+        store.close()
+        raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
+    service = SchedulerService(store, core=core, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
     app = create_app(service, token, k8s_open=s["k8s_open"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

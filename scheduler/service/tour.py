@@ -4,7 +4,8 @@ Entry point: ``await run_tour(st, console)`` (also fine to call from a thread's
 own loop with ``asyncio.run``).  ``st`` is the running stack, read for:
 
 - ``st.sched_url`` and ``st.sched_token``: the scheduler API and its bearer token;
-- ``st.broker_url``: the MQTT broker (remote-memory jobs find donors through it);
+- ``st.broker_url``: the MQTT broker (remote-memory jobs find donors through it), and
+  ``st.net.gateway`` when the nodes live in network namespaces (jobs reach the broker there);
 - ``st.node_ids``: the node daemons that should be online;
 - ``st.agg_addr``: ``HOST:PORT`` of the aggregation server, or None.
 
@@ -86,7 +87,7 @@ with RemoteMemory(os.environ["BROKER"], replicas=int(os.environ["REPLICAS"])) as
     data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
     buf.write(0, data)
     time.sleep(float(os.environ.get("HOLD_S", "8")))
-    back = np.empty_like(data); buf.read(0, back)
+    back = buf.read(0, len(data))
     assert (back == data).all()
 print(f"{os.environ['DLSHARE_JOB_ID']}: 64 MiB cached in lent memory on other nodes, read back intact")
 """
@@ -97,6 +98,19 @@ def _has(mod: str) -> bool:
         return importlib.util.find_spec(mod) is not None
     except ModuleNotFoundError:
         return False
+
+
+def node_broker(st: Any) -> str:
+    """The broker URL as a job on a node reaches it: through the namespace gateway when
+    ``dlshare up`` put the nodes in network namespaces (``st.net``), else ``st.broker_url``."""
+    net = getattr(st, "net", None)
+    gateway = getattr(net, "gateway", None)
+    if not gateway:
+        return st.broker_url
+    from urllib.parse import urlsplit
+
+    u = urlsplit(st.broker_url)
+    return f"{u.scheme}://{gateway}:{u.port or 1883}"
 
 
 def tour_jobs(st: Any, tag: str) -> list[dict[str, Any]]:
@@ -123,7 +137,7 @@ def tour_jobs(st: Any, tag: str) -> list[dict[str, Any]]:
         jobs.append({"id": f"{tag}-remote-cache", "name": "data preparation caching in lent memory",
                      "kind": "data_prep", "gpus": 0, "cpus": 0.25, "memory_bytes": 256 << 20,
                      "command": py + [REMOTE_CACHE], "cwd": str(ROOT),
-                     "env": {**env, "BROKER": st.broker_url, "REPLICAS": str(min(2, len(st.node_ids) - 1))}})
+                     "env": {**env, "BROKER": node_broker(st), "REPLICAS": str(min(2, len(st.node_ids) - 1))}})
     return jobs
 
 
@@ -195,6 +209,7 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
         console.print(f"  a malformed spec is refused before it reaches the queue: [yellow]{bad}[/yellow]")
 
         seen_running: dict[str, dict[str, Any]] = {}
+        peak = {"lent": 0, "reserved_unused": 0, "agg_jobs": 0}
         shown = False
         start = time.monotonic()
         while True:
@@ -203,6 +218,11 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
                 if j["state"] == "running" and j["allocation"]:
                     seen_running.setdefault(j["id"], j)
             running = [j for j in jobs if j["state"] == "running"]
+            now_view = await asyncio.to_thread(c.cluster)
+            peak["lent"] = max(peak["lent"], now_view["memory_lent_bytes"])
+            peak["reserved_unused"] = max(peak["reserved_unused"],
+                                          sum(n["reserved_unused_bytes"] for n in now_view["nodes"]))
+            peak["agg_jobs"] = max(peak["agg_jobs"], now_view["aggregation"]["jobs"])
             if not shown and len(seen_running) >= min(len(ids), 4) and running:
                 shown = True
                 view = await asyncio.to_thread(c.cluster)
@@ -228,6 +248,8 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
                 wait = (j["started_at"] or j["finished_at"]) - j["submitted_at"]
                 console.print(f"  {j['id']:<24} {j['state']:<7} on {(first or {}).get('allocation', {}).get('node', '-'):<8}"
                               f" waited {wait:5.1f}s, ran {j['finished_at'] - (j['started_at'] or j['finished_at']):5.1f}s")
+        console.print(f"  while they ran: lent memory in use peaked at {_gib(peak['lent'])}, memory reserved but "
+                      f"unused at {_gib(peak['reserved_unused'])}, aggregation jobs at {peak['agg_jobs']}")
         ok = all(j["state"] == "done" for j in jobs)
         console.print(f"  {sum(j['state'] == 'done' for j in jobs)}/{len(jobs)} jobs done"
                       + ("" if ok else "; job output is in the node logs under the stack's state directory"))
