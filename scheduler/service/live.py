@@ -274,6 +274,12 @@ class SchedulerService:
         if self._resend:
             resend, self._resend = self._resend, []
             for d in resend:
+                if isinstance(d, Place):
+                    for sh in d.shards:  # not known to run until the node answers the re-sent command
+                        a = self.nodes.get(sh.node, NodeView(id=sh.node)).allocations.get(d.job)
+                        if a is not None:
+                            a["acked"] = False
+                log.info("re-sending decision %s (never acknowledged before the restart)", self._decision_id(d))
                 self._spawn(self._carry_out(d, replay=True))
         self.wake()
 
@@ -466,9 +472,14 @@ class SchedulerService:
     def _run_batch(self, events: list[Any]) -> None:
         decisions = self._handle(events)
         self._batch += 1
+        # An Allocate for a job placed in this same batch travels inside its `run` command: it is
+        # recorded as applied with the placement, never sent on its own.
+        placed = {(s.node, d.job) for d in decisions if isinstance(d, Place) for s in d.shards}
         rows = [DecisionRow(id=self._decision_id(d), kind=type(d).__name__.lower(), job=getattr(d, "job", None),
                             node=getattr(d, "node", None) if not isinstance(d, Wakeup) else None,
-                            data=_decision_data(d)) for d in decisions if not isinstance(d, Wakeup)]
+                            data=_decision_data(d),
+                            state="acked" if isinstance(d, Allocate) and (d.node, d.job) in placed else "pending")
+                for d in decisions if not isinstance(d, Wakeup)]
         self.store.record_batch(self._batch, [(ev.id, encode_event(ev)) for ev in events], rows)
         allocs = {(d.job, d.node): d for d in decisions if isinstance(d, Allocate)}
         for d in decisions:

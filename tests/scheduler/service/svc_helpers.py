@@ -81,6 +81,8 @@ class FakeNode:
         self.url, self.id, self.cpus, self.memory, self.interval = broker_url, node_id, cpus, memory, interval
         self.gpus = gpus
         self.commands: list[dict[str, Any]] = []
+        self.drop_ops: set[str] = set()  # ops received but neither applied nor answered (a lost reply)
+        self.replies: dict[str, bytes] = {}  # the daemon's reply cache: a repeated id gets the same answer
         self.running: dict[str, dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
         self._stop = asyncio.Event()
@@ -137,6 +139,11 @@ class FakeNode:
 
         cmd = messages.parse_command(payload)
         self.commands.append({"id": cmd.id, "op": cmd.op, "args": cmd.args})
+        if cmd.op in self.drop_ops:
+            return
+        if cmd.id in self.replies:
+            await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
+            return
         if cmd.op == "allocate":
             self.allocations[cmd.args["job"]] = cmd.args
         elif cmd.op == "release":
@@ -146,7 +153,8 @@ class FakeNode:
         elif cmd.op == "stop":
             if self.running.pop(cmd.args["job"], None) is not None:
                 await self._exit(cmd.args["job"], -15)
-        await self.bus.publish(messages.node_topic(self.id, "reply"), messages.reply(cmd.id, True, {"op": cmd.op}), 1)
+        self.replies[cmd.id] = messages.reply(cmd.id, True, {"op": cmd.op})
+        await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
 
     async def _exit(self, job: str, code: int) -> None:
         from nodesvc import messages

@@ -126,3 +126,32 @@ async def test_fuzz_the_message_handler_never_raises(tmp_path_factory, topic, bo
     await svc.on_message(topic, payload)
     svc.round()  # and the loop digests whatever it made of it
     svc.cluster()
+
+
+async def test_a_decision_unacknowledged_at_a_restart_is_resent_with_its_id(mosquitto, tmp_path):
+    n1 = await FakeNode(mosquitto.url, "n1", cpus=8, gpus=1).start()
+    n1.drop_ops = {"run"}  # the first `run` is received but its reply never comes back
+    db = tmp_path / "s.db"
+    svc = await _service(db, mosquitto.url, profile="fifo")
+    try:
+        await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
+        job = svc.submit(dict(GPU_JOB))[0].id
+        await until(lambda: n1.ops("run"), what="the run command sent")
+    finally:
+        await svc.stop()  # down before any reply: the decision is still `sent`
+        svc.store.close()
+    first = n1.ops("run")[0]
+    pending = JobStore(db).pending_decisions()
+    assert [d.job for d in pending] == [job]
+    n1.drop_ops = set()
+    svc2 = await _service(db, mosquitto.url, profile="fifo")
+    try:
+        await until(lambda: job in n1.running, what="the re-sent run applied")
+        runs = n1.ops("run")
+        assert len(runs) == 2 and runs[1]["id"] == first["id"], "re-sent under another id"
+        await until(lambda: svc2.store.decision(pending[0].id).state == "acked", what="decision acked")
+        assert svc2.store.get_job(job).state == "running"
+        assert len(svc2.core.running) == 1  # the replay did not place it a second time
+    finally:
+        await svc2.stop()
+        await n1.stop()
