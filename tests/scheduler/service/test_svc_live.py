@@ -155,3 +155,25 @@ async def test_a_decision_unacknowledged_at_a_restart_is_resent_with_its_id(mosq
     finally:
         await svc2.stop()
         await n1.stop()
+
+
+async def test_las_preempts_through_wakeup_ticks_and_resumes(mosquitto, tmp_path):
+    profile = tmp_path / "las-fast.toml"
+    profile.write_text('name = "las-fast"\n[order]\nplugin = "las"\nargs = { quantum_s = 1.0 }\n'
+                       '[[score]]\nplugin = "consolidate"\n')
+    n1 = await FakeNode(mosquitto.url, "n1", cpus=8, gpus=1).start()
+    svc = await _service(tmp_path / "s.db", mosquitto.url, profile=str(profile))
+    try:
+        await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
+        a = svc.submit(dict(GPU_JOB))[0].id
+        await until(lambda: a in n1.running, what="a running")
+        b = svc.submit(dict(GPU_JOB))[0].id
+        assert svc.store.get_job(b).state == "queued"  # one GPU: b waits for the next round
+        await until(lambda: b in n1.running, timeout=10, what="LAS gives the GPU to b at the quantum")
+        assert a not in n1.running and any(c["args"]["job"] == a for c in n1.ops("stop"))
+        assert "preempted" in [e["kind"] for e in svc.store.events(job=a)]
+        await until(lambda: a in n1.running, timeout=10, what="a resumed at a later quantum")
+        assert svc.core.records[a].preemptions >= 1
+    finally:
+        await svc.stop()
+        await n1.stop()
