@@ -175,6 +175,7 @@ def run(args) -> dict[str, Any]:
         ("FIFO avg JCT vc_0e4a51 (h) >= 203*0.95", fifo, ">=", FIFO_RANGE_H[0] * 0.95),
         ("FIFO avg JCT vc_0e4a51 (h) <= 225*1.05", fifo, "<=", FIFO_RANGE_H[1] * 1.05),
         ("dlshare avg JCT vc_0e4a51 (h)", dl, "<=", 100.0),
+        ("dlshare avg JCT vc_0e4a51 vs 0.8 x best peer (127 h)", dl, "<=", 0.8 * BEST_PEER_0E4A51_H),
         ("dlshare avg JCT vs best baseline", dl, "<=", best_baseline),
         ("dlshare p99 JCT vs FIFO p99 (h)", get("vc_0e4a51", "dlshare", "p99_jct_h"), "<=",
          get("vc_0e4a51", "fifo", "p99_jct_h")),

@@ -53,6 +53,10 @@ Simulator (:mod:`scheduler.sim`)
     ``simulate(trace, cluster, profile, seed=0) -> SimResult`` (JCT mean/median/p99, makespan,
     queueing delay, GPU/CPU/memory utilisation).
 
+Codec (:mod:`scheduler.codec`)
+    ``event_to_dict``/``event_from_dict`` (``CodecError`` names the bad field) and
+    ``decision_to_dict``/``decision_from_dict``: JSON-ready forms for event logs, replay and the API.
+
 Data (:mod:`scheduler.data`): ``data_dir()``, ``path(rel)``; ``dlshare data fetch`` fills the cache.
 """
 

@@ -75,16 +75,49 @@ def convert_synergy_trace(text: str) -> str:
 
 def convert_colocation(text: str, fraction: float = 0.7) -> str:
     """IADeep's interference_util.csv, keeping the first ``fraction`` of its rows
-    (the rest are held out for evaluation)."""
+    (the rest are held out for evaluation).
+
+    SOURCES.json says only "a fixed 70% of the rows"; the shared copy is not the
+    first 70% (its first row is the upstream file's third), and the selection
+    is not published, so a fetched copy has the same size and format but not
+    necessarily the same rows."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     header, body = lines[0], lines[1:]
     keep = int(round(len(body) * fraction))
     return "\n".join([header, *body[:keep]]) + "\n"
 
 
+def _number_expr(node: ast.AST) -> object:
+    """Evaluate a literal, arithmetic on literals, lists, or ``np.array([...])``; nothing else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_number_expr(e) for e in node.elts]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _number_expr(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        a, b = _number_expr(node.left), _number_expr(node.right)
+        if not all(isinstance(v, (int, float)) for v in (a, b)):
+            raise ValueError("arithmetic on non-numbers")
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if b == 0:
+            raise ValueError("division by zero")
+        return a / b
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "array"
+            and len(node.args) == 1):
+        return _number_expr(node.args[0])
+    raise ValueError(f"not a numeric expression: {ast.dump(node)[:60]}")
+
+
 def convert_synergy_model(source: str) -> dict:
     """The numbers assigned to ``cpus``, ``mem``, ``batch``, ``iter_time`` and
-    ``tput`` in one Synergy model file (read with ``ast``, never executed)."""
+    ``tput`` in one Synergy model file (parsed with ``ast``, never executed)."""
     tree = ast.parse(source)
     found: dict[str, object] = {}
     for node in ast.walk(tree):
@@ -93,12 +126,28 @@ def convert_synergy_model(source: str) -> dict:
                 name = tgt.attr if isinstance(tgt, ast.Attribute) else getattr(tgt, "id", None)
                 if name in ("cpus", "mem", "batch", "iter_time", "tput"):
                     try:
-                        found[name] = ast.literal_eval(node.value)
-                    except ValueError:
+                        found[name] = _number_expr(node.value)
+                    except (ValueError, TypeError):
                         continue
     if "tput" not in found:
         raise ValueError("no tput table in model file")
     return found
+
+
+def assemble_sensitivity(models: dict[str, str]) -> dict:
+    """synergy/sensitivity.json from ``{file stem: source}`` of Synergy's model files."""
+    out = {}
+    for stem, src in sorted(models.items()):
+        model, _, gpus = stem.rpartition("_")
+        if not model or not gpus.isdigit():
+            continue
+        f = convert_synergy_model(src)
+        out[stem] = {"model": model, "num_gpus": int(gpus), "best_cpus": f.get("cpus"), "best_mem_gb": f.get("mem"),
+                     "batch_size": f.get("batch"), "iter_time_s": f.get("iter_time"), "throughput": f["tput"]}
+    return {"cpu_levels": [1, 2, 3, 4, 5, 6, 9, 12, 24], "mem_levels_gb": [20.83, 62.5, 125, 187.5, 250],
+            "note": "throughput[i][j] = normalised training throughput with cpu_levels[i] CPU cores and "
+                    "mem_levels_gb[j] GB of host memory (Synergy simulator/jobs/job.py cpu_val/mem_val)",
+            "models": out}
 
 
 def _get(url: str, timeout: float = 60.0) -> str:
@@ -108,8 +157,8 @@ def _get(url: str, timeout: float = 60.0) -> str:
 
 def fetch(dest: Path, log: Callable[[str], None] = print, get: Callable[[str], str] = _get) -> list[str]:
     """Download and convert every file into ``dest``; returns the files written.
-    (Synergy's sensitivity tables are assembled from its per-model sources,
-    which needs the list of model files: fetched from the GitHub tree API.)"""
+    Synergy's sensitivity tables are assembled from its per-model sources,
+    listed through the GitHub contents API."""
     dest.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -131,6 +180,9 @@ def fetch(dest: Path, log: Callable[[str], None] = print, get: Callable[[str], s
     put("iadeep/offline_info.csv", get(raw_url(*IADEEP, "iadeep-scheduler-extender/csv/offline_info.csv")))
     put("synergy/static_100job.csv",
         convert_synergy_trace(get(raw_url(*SYNERGY, "simulator/deploy_trace/static_100job_6_3_1100.0"))))
-    log("synergy/sensitivity.json: assembled from simulator/models/*.py is not automated yet; "
-        "copy it from a checkout of ../shared/data")
+    listing = json.loads(get(f"https://api.github.com/repos/{SYNERGY[0]}/contents/simulator/models?ref={SYNERGY[1]}"))
+    sources = {e["name"][:-3]: get(raw_url(*SYNERGY, f"simulator/models/{e['name']}"))
+               for e in listing if e.get("name", "").endswith(".py") and e["name"] != "__init__.py"
+               and e["name"][:-3].rpartition("_")[2].isdigit()}
+    put("synergy/sensitivity.json", json.dumps(assemble_sensitivity(sources), indent=1) + "\n")
     return written

@@ -151,27 +151,26 @@ class GittinsTable:
     def _build(self) -> None:
         x, w = self.grid, self.weights
         n = len(x)
-        index = np.zeros(n)
-        total = w.sum()
-        if total <= 0:
+        if w.sum() <= 0:
             self.index = np.ones(n)
             self._grid, self._index = self.grid.tolist(), self.index.tolist()
             return
-        # tail[i] = weight of D >= x[i]; cum_xw[i] = sum_{k<i} w_k x_k
+        # tail[i] = weight of D in bins i..; cum_xw[i] = sum_{k<i} w_k x_k
         tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])
         cum_xw = np.concatenate([[0.0], np.cumsum(w * x)])
-        for i in range(n):
-            a = x[i]
-            # Condition on D > a: jobs in bin i finished at a, so survivors are bins i+1..
-            if tail[i + 1] <= 0 or i + 1 >= n:
-                index[i] = index[i - 1] if i else 0.0
-                continue
-            j = np.arange(i + 1, n)
-            done = tail[i + 1] - tail[j + 1]  # mass finishing by x[j]
-            # E[min(D, b) - a ; D > a] = sum_{k=i+1..j} w_k (x_k - a) + tail[j+1] (b - a)
-            spent = (cum_xw[j + 1] - cum_xw[i + 1]) - a * done + tail[j + 1] * (x[j] - a)
-            rate = np.where(spent > 0, done / np.maximum(spent, 1e-12), 0.0)
-            index[i] = rate.max()
+        # Condition on D > a = x[i]: jobs in bin i finished at a, so survivors are
+        # bins i+1..; stopping at b = x[j] (j > i) finishes bins i+1..j and costs
+        # sum_{k=i+1..j} w_k (x_k - a) + tail[j+1] (b - a).  All (i, j) at once.
+        i = np.arange(n)[:, None]
+        j = np.arange(n)[None, :]
+        done = tail[i + 1] - tail[j + 1]
+        spent = (cum_xw[j + 1] - cum_xw[i + 1]) - x[i] * done + tail[j + 1] * (x[j] - x[i])
+        valid = (j > i) & (spent > 1e-12 * max(1.0, float(w.sum())))
+        rate = np.where(valid, done / np.where(valid, spent, 1.0), 0.0)
+        index = rate.max(axis=1)
+        dead = tail[1:] <= 0  # nobody survives past bin i: keep the last index
+        for k in np.nonzero(dead)[0]:
+            index[k] = index[k - 1] if k else 0.0
         self.index = index
         self._grid = self.grid.tolist()
         self._index = index.tolist()

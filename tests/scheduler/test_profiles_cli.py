@@ -81,12 +81,24 @@ def test_fetch_conversions_on_local_inputs(tmp_path):
     assert len(lines) == 3
     assert fetch.convert_synergy_trace("0 alexnet 0.0 10 1\n1,gnmt,0.5,20,1\n").splitlines()[2] == "1,gnmt,0.5,20,1"
     assert fetch.convert_colocation("h\n" + "".join(f"{i}\n" for i in range(10))).splitlines() == ["h", *map(str, range(7))]
-    model = fetch.convert_synergy_model("class M:\n    def __init__(self):\n        self.cpus = [1, 2]\n        self.tput = [[1, 2], [3, 4]]\n")
-    assert model == {"cpus": [1, 2], "tput": [[1, 2], [3, 4]]}
+    src = ("import numpy as np\nclass alexnet_1:\n    def update_stats(self):\n        self.cpus = 12\n"
+           "        self.mem = 62.5*2\n        self.batch = 512\n        self.iter_time = 0.6\n"
+           "        self.tput = np.array([\n [0.1, 0.3],\n [0.1, -1]])\n        self.other = open('x')\n")
+    model = fetch.convert_synergy_model(src)
+    assert model == {"cpus": 12, "mem": 125.0, "batch": 512, "iter_time": 0.6, "tput": [[0.1, 0.3], [0.1, -1]]}
+    with pytest.raises(ValueError, match="no tput"):
+        fetch.convert_synergy_model("x = __import__('os')\n")
+    sens = fetch.assemble_sensitivity({"alexnet_1": src, "model_stats": "x = 1\n"})
+    assert list(sens["models"]) == ["alexnet_1"]
+    assert sens["models"]["alexnet_1"]["best_mem_gb"] == 125.0 and sens["models"]["alexnet_1"]["num_gpus"] == 1
     served = {}
 
     def fake_get(url):
         served[url] = True
+        if "api.github.com" in url:
+            return json.dumps([{"name": "alexnet_1.py"}, {"name": "__init__.py"}, {"name": "model_stats.py"}])
+        if url.endswith("alexnet_1.py"):
+            return src
         if url.endswith("simulation_throughputs.json"):
             return json.dumps({"v100": thr})
         if url.endswith(".trace"):
@@ -97,7 +109,9 @@ def test_fetch_conversions_on_local_inputs(tmp_path):
 
     written = fetch.fetch(tmp_path / "cache", log=lambda s: None, get=fake_get)
     assert "philly/vc_0e4a51.csv" in written and (tmp_path / "cache/gavel/throughputs.json").exists()
-    assert all(u.startswith("https://raw.githubusercontent.com/") for u in served)
+    assert "synergy/sensitivity.json" in written
+    assert json.loads((tmp_path / "cache/synergy/sensitivity.json").read_text())["models"]["alexnet_1"]["iter_time_s"] == 0.6
+    assert all(u.startswith(("https://raw.githubusercontent.com/", "https://api.github.com/")) for u in served)
 
 
 def test_data_dir_prefers_env(tmp_path, monkeypatch):

@@ -105,3 +105,35 @@ def test_cluster_parse():
     for bad in ("x4", "4x0", "4x8:0", "junk"):
         with pytest.raises(ValueError):
             Cluster.parse(bad)
+
+
+def test_pair_that_does_not_fit_fails_the_newcomer_only():
+    thr = data.gavel_throughputs()["v100"]
+    # find a 1-GPU pair Gavel measured as [0, 0] (does not fit on one device)
+    import ast
+
+    pair = None
+    for ka, row in thr.items():
+        for kb, v in row.items():
+            if kb != "null" and v == [0.0, 0.0] and ast.literal_eval(ka)[1] == 1:
+                pair = (ast.literal_eval(ka)[0], ast.literal_eval(kb)[0])
+                break
+        if pair:
+            break
+    assert pair, "Gavel's table has no infeasible 1-GPU pair"
+
+    def split(t):
+        if " (batch size " in t:
+            m, b = t.split(" (batch size ")
+            return m, int(b.rstrip(")"))
+        return t, 0
+
+    (ma, ba), (mb, bb) = split(pair[0]), split(pair[1])
+    tr = [TraceJob("res", 0.0, ma, ba, 1, 0, 1000.0), TraceJob("new", 10.0, mb, bb, 1, 0, 500.0)]
+    decisions = []
+    r = simulate(tr, Cluster.parse("1x1"), "gandiva", on_decision=decisions.append)
+    assert r.metrics()["jobs"] == 2
+    # the resident was not delayed by the failed attempt; the newcomer ran after it
+    assert min(r.jct_s) == pytest.approx(1000.0)
+    assert max(r.jct_s) == pytest.approx(1000.0 + 500.0 - 10.0)
+    assert any(getattr(d, "colocated_with", ()) == ("res",) for d in decisions)

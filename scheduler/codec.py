@@ -1,0 +1,119 @@
+"""Plain-dict (JSON-ready) forms of events and decisions, for event logs and replay.
+
+``event_to_dict(ev)`` / ``event_from_dict(d)`` and ``decision_to_dict(d)`` /
+``decision_from_dict(d)`` round-trip every type in :mod:`scheduler.events`;
+the ``"type"`` key names the class.  ``event_from_dict`` raises
+:class:`CodecError` (a ``ValueError``) naming the field at fault, so a shell can
+reject a bad logged or submitted event without crashing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from scheduler import events as E
+from scheduler.model import Job, Node, Shard
+
+EVENTS = {c.__name__: c for c in (E.JobArrived, E.JobFinished, E.JobCancelled, E.PlacementFailed, E.Tick,
+                                  E.NodeReport, E.NodeLost)}
+DECISIONS = {c.__name__: c for c in (E.Place, E.Preempt, E.Allocate, E.Reject, E.Wakeup)}
+
+
+class CodecError(ValueError):
+    """A dict that is not a valid event or decision."""
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Job):
+        return v.to_dict()
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def event_to_dict(ev: E.Event) -> dict[str, Any]:
+    return {"type": type(ev).__name__, **_plain(ev)}
+
+
+def decision_to_dict(d: E.Decision) -> dict[str, Any]:
+    return {"type": type(d).__name__, **_plain(d)}
+
+
+def _num(d: dict[str, Any], key: str) -> float:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise CodecError(f"{key}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _str(d: dict[str, Any], key: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not v:
+        raise CodecError(f"{key}: expected a non-empty string, got {v!r}")
+    return v
+
+
+def event_from_dict(d: Any) -> E.Event:
+    if not isinstance(d, dict):
+        raise CodecError("event must be an object")
+    t = d.get("type")
+    cls = EVENTS.get(t) if isinstance(t, str) else None
+    if cls is None:
+        raise CodecError(f"type: unknown event type {d.get('type')!r} (known: {', '.join(EVENTS)})")
+    base = {"id": _str(d, "id"), "now": _num(d, "now")}
+    try:
+        if cls is E.JobArrived:
+            if not isinstance(d.get("job"), dict):
+                raise CodecError("job: expected an object")
+            return cls(**base, job=Job.from_dict(d["job"]))
+        if cls in (E.JobFinished, E.JobCancelled, E.PlacementFailed):
+            extra = {"reason": str(d.get("reason", ""))} if "reason" in d else {}
+            if cls is E.JobFinished:
+                extra["failed"] = bool(d.get("failed", False))
+            return cls(**base, job=_str(d, "job"), **extra)
+        if cls is E.Tick:
+            return cls(**base)
+        if cls is E.NodeLost:
+            return cls(**base, node=_str(d, "node"))
+        node = d.get("node")
+        if not isinstance(node, dict):
+            raise CodecError("node: expected an object")
+        jobs = d.get("jobs") or {}
+        if not isinstance(jobs, dict):
+            raise CodecError("jobs: expected an object")
+        samples = {}
+        for jid, s in jobs.items():
+            if not isinstance(s, dict):
+                raise CodecError(f"jobs.{jid}: expected an object")
+            samples[str(jid)] = E.JobSample(**{k: (None if s.get(k) is None else _num(s, k))
+                                               for k in ("sm_percent", "mem_percent", "speed")})
+        util = d.get("gpu_util") or []
+        if not isinstance(util, list):
+            raise CodecError("gpu_util: expected a list")
+        return E.NodeReport(**base, node=Node(**{k: node[k] for k in Node.__dataclass_fields__ if k in node}),
+                            gpu_util=tuple(float(x) for x in util),
+                            cpu_percent=None if d.get("cpu_percent") is None else _num(d, "cpu_percent"),
+                            memory_available_bytes=None if d.get("memory_available_bytes") is None
+                            else int(_num(d, "memory_available_bytes")),
+                            jobs=samples)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CodecError(f"{cls.__name__}: {exc}") from None
+
+
+def decision_from_dict(d: dict[str, Any]) -> E.Decision:
+    t = d.get("type")
+    cls = DECISIONS.get(t) if isinstance(t, str) else None
+    if cls is None:
+        raise CodecError(f"type: unknown decision type {d.get('type')!r}")
+    fields = {k: v for k, v in d.items() if k != "type"}
+    if cls is E.Place:
+        fields["shards"] = tuple(Shard(s["node"], tuple(s["gpus"])) for s in fields["shards"])
+        fields["colocated_with"] = tuple(fields.get("colocated_with", ()))
+    return cls(**fields)
