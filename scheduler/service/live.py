@@ -275,6 +275,12 @@ class SchedulerService:
             resend, self._resend = self._resend, []
             for d in resend:
                 if isinstance(d, Place):
+                    rec, row = self.core.records.get(d.job), self.store.get_job(d.job)
+                    if (rec is not None and rec.shards == d.shards and row is not None and row.state == "queued"):
+                        # Logged, then the service died before the job's row said so: finish that step.
+                        allocs = {(d.job, n): Allocate(d.cause, d.job, n, a.cpus, a.memory_bytes)
+                                  for n, a in rec.allocation.items()}
+                        self._mark_placed(d, allocs)
                     for sh in d.shards:  # not known to run until the node answers the re-sent command
                         a = self.nodes.get(sh.node, NodeView(id=sh.node)).allocations.get(d.job)
                         if a is not None:

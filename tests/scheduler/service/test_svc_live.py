@@ -177,3 +177,28 @@ async def test_las_preempts_through_wakeup_ticks_and_resumes(mosquitto, tmp_path
     finally:
         await svc.stop()
         await n1.stop()
+
+
+async def test_a_crash_between_logging_a_placement_and_acting_on_it(mosquitto, tmp_path):
+    n1 = await FakeNode(mosquitto.url, "n1", cpus=8, gpus=1).start()
+    db = tmp_path / "s.db"
+    svc = await _service(db, mosquitto.url, profile="fifo")
+    try:
+        await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
+        # Die right after the batch and its decisions are logged: no row update, no command.
+        svc._mark_placed = lambda *a, **k: None
+        svc._spawn = lambda coro: coro.close()
+        job = svc.submit(dict(GPU_JOB))[0].id
+        await until(lambda: job in svc.core.running, what="the core placed it")
+        assert svc.store.get_job(job).state == "queued" and not n1.ops("run")
+    finally:
+        await svc.stop()
+        svc.store.close()
+    svc2 = await _service(db, mosquitto.url, profile="fifo")
+    try:
+        await until(lambda: job in n1.running, what="the logged placement carried out after the restart")
+        row = svc2.store.get_job(job)
+        assert row.state == "running" and row.allocation["node"] == "n1" and len(n1.ops("run")) == 1
+    finally:
+        await svc2.stop()
+        await n1.stop()
