@@ -13,7 +13,7 @@ import hmac
 import logging
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -40,6 +40,10 @@ def _same_path(route: Any, request: Request) -> bool:
     return bool(regex is not None and regex.match(request.url.path))
 
 
+JobIdPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                               description="the job's id")]
+
+
 def known_query(*names: str):
     """A dependency that refuses query parameters the operation does not take (a typo such as
     ``?sate=running`` would otherwise be ignored silently)."""
@@ -64,6 +68,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
         description="Job-launcher API, cluster view and Kubernetes scheduler extender of dlshare. "
         "Send `Authorization: Bearer <token>` (the token is in `<db>.token` unless configured).",
     )
+    app.router.redirect_slashes = False  # /v1/jobs/ is not /v1/jobs: a 404, never a redirect
     bearer = HTTPBearer(auto_error=False, description="the service token")
 
     def check_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -146,7 +151,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
 
     @app.get("/v1/jobs/{job_id}", response_model=Job, dependencies=[*auth, known_query()], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
-    async def get_job(job_id: str) -> Any:
+    async def get_job(job_id: JobIdPath) -> Any:
         row = service.store.get_job(job_id)
         if row is None:
             raise HTTPException(404, f"no job {job_id!r}")
@@ -154,7 +159,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
 
     @app.delete("/v1/jobs/{job_id}", response_model=Job, dependencies=[*auth, known_query()], tags=["jobs"],
                 responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
-    async def cancel_job(job_id: str) -> Any:
+    async def cancel_job(job_id: JobIdPath) -> Any:
         row = await service.cancel(job_id)
         if row is None:
             raise HTTPException(404, f"no job {job_id!r}")
@@ -162,7 +167,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
 
     @app.get("/v1/jobs/{job_id}/events", response_model=JobEvents, dependencies=[*auth, known_query("after")], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
-    async def job_events(job_id: str, after: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Any:
+    async def job_events(job_id: JobIdPath, after: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Any:
         if service.store.get_job(job_id) is None:
             raise HTTPException(404, f"no job {job_id!r}")
         return {"job": job_id, "events": service.store.events(job=job_id, after=after)}
