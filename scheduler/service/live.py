@@ -35,6 +35,7 @@ from scheduler import (
     PlacementFailed, Preempt, Reject, SchedulerError, SchedulerState, Tick, Wakeup,
 )
 from scheduler.service import cpu_jobs
+from scheduler.service.cpu_shell import CpuJobsShell
 from scheduler.service.core_log import CoreLogError, decode_event, encode_event
 from scheduler.service.commands import CommandFailed, NodeCommands
 from scheduler.service.nodes import NodeView, apply_telemetry, core_node
@@ -59,7 +60,7 @@ def core_job(row: JobRow, now: float) -> Job:
                attained_service=float(row.attained_service), features=s.get("graph_features"))
 
 
-class SchedulerService:
+class SchedulerService(CpuJobsShell):
     def __init__(self, store: JobStore, profile: str = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
@@ -211,11 +212,6 @@ class SchedulerService:
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
         else:
             self._cpu_wait(row)
-
-    def _cpu_wait(self, row: JobRow) -> None:
-        self._cpu_waiting[row.id] = {"id": row.id, "spec": row.spec, "submitted_at": row.submitted_at}
-        self._cpu_dirty = True
-        self.wake()
 
     async def cancel(self, job_id: str) -> JobRow | None:
         job = self.store.get_job(job_id)
@@ -608,58 +604,6 @@ class SchedulerService:
         n = self._failures.get(job, 0)
         self._failures[job] = n + 1
         return min(30.0, 0.5 * 2 ** n)
-
-    # --- CPU-only jobs ----------------------------------------------------------------------
-
-    def _admit_cpu_jobs(self) -> None:
-        now = self.clock()
-        due = any(t <= now for j, t in self._not_before.items() if j in self._cpu_waiting)
-        if not self._cpu_waiting or not (self._cpu_dirty or due):
-            return
-        self._cpu_dirty = False
-        waiting = [j for j in self._cpu_waiting.values() if self._not_before.get(j["id"], 0) <= now]
-        online = [n for n in self.nodes.values() if n.status == "online"]
-        for job, node_id, alloc in cpu_jobs.admit(waiting, online):
-            self._cpu_waiting.pop(job, None)
-            self._not_before.pop(job, None)
-            row = self.store.get_job(job)
-            if row is None or row.state != "queued":
-                continue
-            node = self.nodes[node_id]
-            alloc = {**alloc, "started_at": now}
-            node.allocations[job] = {**alloc, "acked": False}
-            self.store.update_job(job, event="placed", node=node_id, event_data={**alloc, "policy": "cpu_jobs"},
-                                  state="running", allocation=alloc, started_at=now,
-                                  attempts=row.attempts + 1, reason=None)
-            self._report(node, force=True)
-            self._spawn(self._start_cpu_job(job, node_id, alloc, (row.attempts if row else 0) + 1))
-
-    async def _start_cpu_job(self, job: str, node: str, alloc: dict[str, Any], attempt: int) -> None:
-        did = f"{job}/cpu-place/{attempt}"
-        self.store.record_decision(DecisionRow(id=did, kind="cpu-place", job=job, node=node, data=alloc))
-        row = self.store.get_job(job)
-        try:
-            base = {"job": job, "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"]}
-            run = {**base, "argv": row.spec["command"], "env": {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": job}}
-            if row.spec.get("cwd"):
-                run["cwd"] = row.spec["cwd"]
-            await self.command(node, "run", run, f"{did}/run")
-            self.store.set_decision_state(did, "acked")
-            if node in self.nodes and job in self.nodes[node].allocations:
-                self.nodes[node].allocations[job]["acked"] = True
-            self.decision_latency_s.append(self.clock() - row.submitted_at)
-            self.store.log_event("started", job=job, node=node, data={"decision": did})
-        except CommandFailed as exc:
-            self.store.set_decision_state(did, "failed", {"error": str(exc)})
-            if node in self.nodes:
-                self.nodes[node].allocations.pop(job, None)
-            cur = self.store.get_job(job)
-            if cur is not None and cur.state == "running":
-                self.store.update_job(job, event="placement_failed", node=node, event_data={"error": str(exc)},
-                                      state="queued", reason=f"placement failed: {exc}", allocation=None)
-                self._cpu_wait(cur)
-            self._not_before[job] = self.clock() + self._backoff(job)
-            await self._release(job, node)
 
     # --- accounting and views ---------------------------------------------------------------
 
