@@ -23,7 +23,6 @@ import asyncio
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
