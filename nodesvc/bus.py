@@ -130,6 +130,10 @@ class Bus:
                 if stop.is_set():
                     break
                 log.warning("broker %s unreachable (%s); retrying in %.1fs", self.addr.url(), exc, delay)
+            except Exception:  # a fault in on_connect or a subscription: reconnect, never give up
+                if stop.is_set():
+                    break
+                log.exception("MQTT session failed; reconnecting in %.1fs", delay)
             finally:
                 self.connected.clear()
                 self.client = None

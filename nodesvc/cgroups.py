@@ -5,11 +5,11 @@ Both drivers place a job's processes in ``<base>/<job>`` where ``<base>`` is a
 its supervisor delegated to it (systemd ``Delegate=yes``, or a container's
 cgroup) instead of writing at the root of the hierarchy.
 
-- v2 (unified): ``cpu.max``, ``cpuset.cpus``/``cpuset.mems``, ``memory.max`` and
-  ``memory.high``.  Controllers are enabled down the path through
+- v2 (unified): ``cpu.max``, ``cpuset.cpus``/``cpuset.mems``, ``memory.max``,
+  ``memory.high`` and ``memory.swap.max`` (0, so a job over its limit is stopped, not swapped).  Controllers are enabled down the path through
   ``cgroup.subtree_control``; because of the no-internal-processes rule, the
-  daemon moves itself into a ``<base>/_daemon`` leaf first, as systemd
-  delegation requires.
+  daemon moves itself (and nothing else) into a ``<group>.daemon`` leaf first,
+  as systemd delegation requires.  Job groups are ``<top>/<group>/<job>``.
 - v1 (one hierarchy per controller): ``cpu.cfs_quota_us``/``cpu.cfs_period_us``,
   ``cpuset.cpus``/``cpuset.mems``, ``memory.limit_in_bytes`` (and
   ``memory.memsw.limit_in_bytes`` when swap accounting exists, so the limit is
@@ -113,13 +113,16 @@ class CgroupV2:
     controllers = ("cpu", "cpuset", "memory")
 
     def __init__(self, root: str | os.PathLike[str] = "/sys/fs/cgroup", base: str | None = None,
-                 memory_high_ratio: float = 0.95) -> None:
+                 memory_high_ratio: float = 0.95, group: str = "dlshare") -> None:
         self.root = Path(root)
         # Delegated mode (base None): our own cgroup, as systemd Delegate=yes hands it to us.
         # Explicit base: a group we create, enabling controllers from the root down.
         self.delegated = base is None
         rel = own_cgroup(2).get("", "/") if base is None else base
-        self.base = self.root / rel.lstrip("/")
+        self.top = self.root / rel.lstrip("/")
+        # Daemons sharing one cgroup (dlshare up) each get their own group and daemon leaf.
+        self.base = self.top / group
+        self.leaf = self.top / (group.replace("/", "-") + ".daemon")
         self.memory_high_ratio = memory_high_ratio
         self._ready = False
 
@@ -132,7 +135,7 @@ class CgroupV2:
         except CgroupError as exc:
             if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EBUSY:
                 raise CgroupError(
-                    f"{node} holds processes of its own, so controllers cannot be enabled below it; "
+                    f"{node} holds other processes, so controllers cannot be enabled below it; "
                     "run the daemon with systemd Delegate=yes (see deploy/dlshare-node.service)"
                 ) from exc
             raise
@@ -140,23 +143,23 @@ class CgroupV2:
     def _prepare(self) -> None:
         if self._ready:
             return
-        self.base.mkdir(parents=True, exist_ok=True)
+        self.top.mkdir(parents=True, exist_ok=True)
         if not self.delegated:
-            chain = [p for p in reversed(self.base.parents) if p.is_relative_to(self.root)]
-            for node in chain:
+            for node in [p for p in reversed(self.top.parents) if p.is_relative_to(self.root)]:
                 self._enable(node)
-        # No internal processes: whatever lives in base (the daemon, when delegated)
-        # moves to the _daemon leaf before base's controllers are enabled.
-        leaf = self.base / "_daemon"
-        leaf.mkdir(exist_ok=True)
-        procs = self.base / "cgroup.procs"
-        for pid in (_read(procs).split() if procs.exists() else []):
-            try:
-                _write(leaf / "cgroup.procs", pid)
-            except CgroupError as exc:
-                if not (isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH):
-                    raise
-        self._enable(self.base)
+        # No internal processes: the daemon moves itself (only itself) to a leaf
+        # before controllers are enabled below top.  Other processes in top make
+        # that fail with a clear error rather than being moved behind their back.
+        self.leaf.mkdir(exist_ok=True)
+        top_procs = self.top / "cgroup.procs"
+        if top_procs.exists() and str(os.getpid()) in _read(top_procs).split():
+            _write(self.leaf / "cgroup.procs", str(os.getpid()))
+        self._enable(self.top)
+        node = self.top
+        for part in self.base.relative_to(self.top).parts:
+            node = node / part
+            node.mkdir(exist_ok=True)
+            self._enable(node)
         self._ready = True
 
     def path(self, job: str) -> Path:
@@ -177,9 +180,13 @@ class CgroupV2:
             high = int(alloc.memory_bytes * self.memory_high_ratio)
             _write(g / "memory.high", str(high))
             _write(g / "memory.max", str(int(alloc.memory_bytes)))
+            if (g / "memory.swap.max").exists():
+                _write(g / "memory.swap.max", "0")  # over the limit means stopped, not swapped
         else:
             _write(g / "memory.high", "max")
             _write(g / "memory.max", "max")
+            if (g / "memory.swap.max").exists():
+                _write(g / "memory.swap.max", "max")
         self.add_pids(alloc.job, pids)
         return g
 
@@ -198,6 +205,10 @@ class CgroupV2:
             return []
         return [int(x) for x in _read(f).split()]
 
+    def cleanup_stale(self) -> int:
+        """Remove empty job groups an earlier run left behind; returns how many."""
+        return _cleanup(self.base)
+
     def oom_kills(self, job: str) -> int:
         f = self.path(job) / "memory.events"
         if not f.exists():
@@ -212,21 +223,7 @@ class CgroupV2:
         g = self.path(job)
         if not g.exists():
             return
-        for pid in self.pids(job):
-            try:
-                _write(self.base / "_daemon" / "cgroup.procs", str(pid))
-            except CgroupError:
-                log.warning("could not move pid %d out of %s", pid, g)
-        try:
-            g.rmdir()
-        except OSError as exc:
-            # A fake tree (tests) holds regular files; the kernel's does not.
-            if exc.errno == errno.ENOTEMPTY and not (g / "cgroup.events").exists():
-                for f in g.iterdir():
-                    f.unlink()
-                g.rmdir()
-            else:
-                raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+        _empty_and_remove(g, self.leaf / "cgroup.procs", kernel_file="cgroup.events")
 
 
 class CgroupV1:
@@ -324,6 +321,9 @@ class CgroupV1:
                 return [int(x) for x in _read(f).split()]
         return []
 
+    def cleanup_stale(self) -> int:
+        return sum(_cleanup(b) for b in self.bases.values())
+
     def oom_kills(self, job: str) -> int:
         b = self.bases.get("memory")
         f = b / job / "memory.oom_control" if b else None
@@ -338,24 +338,8 @@ class CgroupV1:
     def release(self, job: str) -> None:
         for c, b in self.bases.items():
             g = b / job
-            if not g.exists():
-                continue
-            procs = g / "cgroup.procs"
-            for pid in (_read(procs).split() if procs.exists() else []):
-                try:
-                    _write(b.parent / "cgroup.procs", pid)
-                except CgroupError:
-                    log.warning("could not move pid %s out of %s", pid, g)
-            try:
-                g.rmdir()
-            except OSError as exc:
-                # A fake tree (tests) holds regular files; the kernel's has "tasks".
-                if exc.errno == errno.ENOTEMPTY and not (g / "tasks").exists():
-                    for f in g.iterdir():
-                        f.unlink()
-                    g.rmdir()
-                else:
-                    raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+            if g.exists():
+                _empty_and_remove(g, b.parent / "cgroup.procs", kernel_file="tasks")
 
 
 class NoCgroups:
@@ -378,8 +362,54 @@ class NoCgroups:
     def oom_kills(self, job: str) -> int:
         return 0
 
+    def cleanup_stale(self) -> int:
+        return 0
+
     def release(self, job: str) -> None:
         return None
+
+
+def _empty_and_remove(g: Path, target_procs: Path, kernel_file: str) -> None:
+    """Move the group's processes to ``target_procs``, then remove the group.
+
+    ``kernel_file`` is one the kernel always creates in a group; where it is
+    missing this is a fake tree (tests), whose regular files must go first.
+    """
+    procs = g / "cgroup.procs"
+    for pid in (_read(procs).split() if procs.exists() else []):
+        try:
+            _write(target_procs, pid)
+        except CgroupError:
+            log.warning("could not move pid %s out of %s", pid, g)
+    try:
+        g.rmdir()
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY and not (g / kernel_file).exists():
+            for f in g.iterdir():
+                f.unlink()
+            g.rmdir()
+        else:
+            raise CgroupError(f"removing {g}: {os.strerror(exc.errno or 0)}") from exc
+
+
+def _cleanup(base: Path) -> int:
+    """rmdir every empty job group under base (a group with processes is left alone)."""
+    n = 0
+    if not base.is_dir():
+        return 0
+    for g in base.iterdir():
+        if not g.is_dir() or g.name.endswith(".daemon"):
+            continue
+        procs = g / "cgroup.procs"
+        if procs.exists() and _read(procs):
+            log.warning("cgroup %s still has processes; leaving it", g)
+            continue
+        try:
+            g.rmdir()
+            n += 1
+        except OSError:
+            continue  # a fake tree's regular files, or a group with children
+    return n
 
 
 def driver(root: str = "/sys/fs/cgroup", base: str | None = None, version: int | None = None,
@@ -393,7 +423,7 @@ def driver(root: str = "/sys/fs/cgroup", base: str | None = None, version: int |
     v = version or detect(root)
     try:
         if v == 2:
-            return CgroupV2(root, base)
+            return CgroupV2(root, base, group=group)
         if v == 1:
             return CgroupV1(root, base, group)
     except CgroupError as exc:

@@ -22,9 +22,28 @@ from nodesvc.extension import NodeContext
 from nodesvc.gpu import GpuProbe, SimulatedNvml
 from nodesvc.jobs import JobTable
 from nodesvc.metrics import NodeMetrics
-from nodesvc.node_core import AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op
+from nodesvc.node_core import BUILTIN_OPS, AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op
 
 log = logging.getLogger("dlshare.node")
+
+
+def default_state_dir(node_id: str) -> str:
+    if os.geteuid() == 0:
+        return f"/var/lib/dlshare/{node_id}"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "dlshare", node_id)
+
+
+def protected_pids() -> frozenset[int]:
+    """init, this daemon and its ancestors: never to be put under an allocation or signalled."""
+    import psutil
+
+    pids = {1, os.getpid()}
+    try:
+        pids.update(p.pid for p in psutil.Process().parents())
+    except psutil.Error:
+        pass
+    return frozenset(pids)
 
 
 def sd_notify(state: str) -> None:
@@ -55,7 +74,9 @@ class NodeDaemon:
             cgroups.driver(n["cgroup_root"], n["cgroup_base"] or None, group=f"dlshare/{self.node_id}")
             if n["enforce"] else cgroups.NoCgroups("enforcement disabled (node.enforce = false)")
         )
-        self.jobs = JobTable(n["state_dir"] or f"/tmp/dlshare-node-{self.node_id}")
+        self.jobs = JobTable(n["state_dir"] or default_state_dir(self.node_id))
+        self.allow_run = bool(n["allow_run"])
+        self.protected_pids = protected_pids()
         self.allocations: dict[str, cgroups.Allocation] = {}
         nvml = None
         if n["fake_gpus"] > 0:
@@ -151,8 +172,11 @@ class NodeDaemon:
 
     async def _telemetry_loop(self) -> None:
         while not self._stop.is_set():
+            self.metrics.connected.set(1 if self.bus.connected.is_set() else 0)
             try:
                 self.last = await asyncio.to_thread(self.collect)
+                if self._stop.is_set():
+                    break  # do not republish "online" after a clean stop said "offline"
                 payload = messages.encode(self.last)
                 if await self.bus.publish(self.topic("telemetry"), payload, qos=0):
                     self.metrics.telemetry.inc()
@@ -166,14 +190,21 @@ class NodeDaemon:
 
     async def _reap_loop(self) -> None:
         while not self._stop.is_set():
-            for jp in self.jobs.reap():
-                oom = self.cgroups.oom_kills(jp.job) if jp.job in self.allocations else 0
-                log.info("job %s exited with %s", jp.job, jp.exit_code)
-                await self.bus.publish(self.topic("events"), messages.encode({
-                    "event": "job_exit", "node": self.node_id, "job": jp.job, "exit_code": jp.exit_code,
-                    "oom_killed": oom > 0, "ts": jp.exited_at,
-                }), qos=1)
-            self.jobs.forget_exited()
+            try:
+                for jp in self.jobs.reap():
+                    try:
+                        oom = self.cgroups.oom_kills(jp.job) if jp.job in self.allocations else 0
+                    except cgroups.CgroupError as exc:
+                        log.warning("cannot read OOM count of %s: %s", jp.job, exc)
+                        oom = 0
+                    log.info("job %s exited with %s", jp.job, jp.exit_code)
+                    await self.bus.publish(self.topic("events"), messages.encode({
+                        "event": "job_exit", "node": self.node_id, "job": jp.job, "exit_code": jp.exit_code,
+                        "oom_killed": oom > 0, "ts": jp.exited_at,
+                    }), qos=1)
+                self.jobs.forget_exited()
+            except Exception:  # reaping must go on, or exited jobs become zombies
+                log.exception("reaping jobs failed")
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=0.25)
             except TimeoutError:
@@ -205,18 +236,20 @@ class NodeDaemon:
         cached = self.replies.get(cmd.id)
         if cached is not None:
             return cached
+        known = cmd.op in BUILTIN_OPS or any(cmd.op in ext.commands() for ext in self.extensions)
+        label = cmd.op if known else "unknown"  # bounded label set: one series per real op
         try:
             result = await self._apply(cmd)
             reply = messages.reply(cmd.id, True, result=result, op=cmd.op)
-            self.metrics.commands.labels(cmd.op, "ok").inc()
+            self.metrics.commands.labels(label, "ok").inc()
         except messages.PayloadError as exc:
             log.warning("rejected command %s %s: %s", cmd.id, cmd.op, exc)
             reply = messages.reply(cmd.id, False, error=str(exc), op=cmd.op)
-            self.metrics.commands.labels(cmd.op, "rejected").inc()
+            self.metrics.commands.labels(label, "rejected").inc()
         except Exception as exc:  # the command failed to apply; report, keep running
             log.exception("command %s %s failed", cmd.id, cmd.op)
             reply = messages.reply(cmd.id, False, error=f"{type(exc).__name__}: {exc}", op=cmd.op)
-            self.metrics.commands.labels(cmd.op, "failed").inc()
+            self.metrics.commands.labels(label, "failed").inc()
         self.replies.put(cmd.id, reply)
         return reply
 
@@ -225,7 +258,7 @@ class NodeDaemon:
             handler = ext.commands().get(cmd.op)
             if handler is not None:
                 return await handler(cmd.args)
-        spec = parse_op(cmd)
+        spec = parse_op(cmd, self.protected_pids)
         if isinstance(spec, Ping):
             return {"node": self.node_id, "ts": time.time()}
         if isinstance(spec, AllocateSpec):
@@ -239,6 +272,10 @@ class NodeDaemon:
             existed = self.allocations.pop(spec.job, None) is not None
             return {"job": spec.job, "released": existed}
         if isinstance(spec, RunSpec):
+            if not self.allow_run:
+                raise messages.PayloadError(
+                    f"node {self.node_id} does not start processes: set node.allow_run = true "
+                    "(and restrict who may publish to its cmd topic with broker ACLs)")
             procs: list[str] = []
             if spec.alloc is not None:
                 where = self.cgroups.apply(spec.alloc)
@@ -255,7 +292,7 @@ class NodeDaemon:
             return {"job": spec.job, "pid": jp.popen.pid, "log": jp.log_path}
         if isinstance(spec, StopSpec):
             try:
-                sent = self.jobs.signal(spec.job, spec.signal)
+                sent = self.jobs.signal(spec.job, spec.signal, self.cgroups.pids(spec.job))
             except KeyError:
                 raise messages.PayloadError(f"no job {spec.job!r} on node {self.node_id}") from None
             return {"job": spec.job, "signalled": sent}
@@ -280,13 +317,26 @@ class NodeDaemon:
         ctx = NodeContext(self.node_id, self.cfg, self.bus.publish)
         for ext in self.extensions:
             await ext.start(ctx)
-        self.last = await asyncio.to_thread(self.collect)
-        log.info("node %s up (cgroup v%s, %d GPUs%s)", self.node_id, self.cgroups.version,
-                 len(self.last["gpus"]["devices"]), ", simulated" if self.last["gpus"].get("simulated") else "")
-        tasks = [asyncio.create_task(self.bus.run(self._stop)), asyncio.create_task(self._telemetry_loop()),
-                 asyncio.create_task(self._reap_loop())]
+        try:
+            removed = self.cgroups.cleanup_stale()
+            if removed:
+                log.info("removed %d stale job cgroups left by an earlier run", removed)
+        except cgroups.CgroupError as exc:
+            log.warning("could not clean up stale cgroups: %s", exc)
+        try:
+            self.last = await asyncio.to_thread(self.collect)
+            log.info("node %s up (cgroup v%s, %d GPUs%s)", self.node_id, self.cgroups.version,
+                     len(self.last["gpus"]["devices"]), ", simulated" if self.last["gpus"].get("simulated") else "")
+        except Exception:
+            log.exception("first telemetry collection failed; continuing")
+        bus_stop = asyncio.Event()  # the bus outlives the loops: the offline state goes out last
+        bus_task = asyncio.create_task(self.bus.run(bus_stop))
+        loops = [asyncio.create_task(self._telemetry_loop()), asyncio.create_task(self._reap_loop())]
         await self._stop.wait()
         sd_notify("STOPPING=1")
+        for t in loops:  # no telemetry may republish "online" after the offline state below
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         # A clean stop says offline itself; the Last Will covers crashes.
         await self.bus.publish(self.topic("state"), messages.encode({
             "node": self.node_id, "status": "offline", "reason": "stopped"}), qos=1, retain=True)
@@ -296,9 +346,17 @@ class NodeDaemon:
             except Exception:
                 log.exception("stopping extension %s failed", ext.name)
         await asyncio.to_thread(self.jobs.stop_all)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for job in list(self.allocations):
+            try:
+                self.cgroups.release(job)
+            except cgroups.CgroupError as exc:
+                log.warning("could not release %s: %s", job, exc)
+        bus_stop.set()
+        try:
+            await asyncio.wait_for(bus_task, timeout=5)
+        except TimeoutError:
+            bus_task.cancel()
+            await asyncio.gather(bus_task, return_exceptions=True)
         self.metrics.close()
         self.gpu.close()
 

@@ -50,7 +50,11 @@ class GpuProbe:
         except Exception as exc:  # noqa: BLE001
             return {"devices": [], "reason": f"nvmlDeviceGetCount failed: {exc}", "simulated": self.simulated}
         for i in range(count):
-            h = n.nvmlDeviceGetHandleByIndex(i)
+            try:
+                h = n.nvmlDeviceGetHandleByIndex(i)
+            except Exception as exc:  # noqa: BLE001 - a GPU that fell off the bus
+                devices.append({"index": i, "error": f"nvmlDeviceGetHandleByIndex failed: {exc}"})
+                continue
             d: dict[str, Any] = {"index": i}
             d["name"] = _try(lambda: _text(n.nvmlDeviceGetName(h)))
             d["uuid"] = _try(lambda: _text(n.nvmlDeviceGetUUID(h)))

@@ -28,6 +28,8 @@ class JobProcess:
     job: str
     popen: subprocess.Popen | None = None
     pids: list[int] = field(default_factory=list)  # adopted pids (allocate with pids)
+    # start time of each adopted pid: a pid is signalled only while it is still that process
+    pid_started: dict[int, float] = field(default_factory=dict)
     gpus: tuple[int, ...] = ()
     started: float = field(default_factory=time.time)
     exit_code: int | None = None
@@ -77,6 +79,22 @@ class JobProcess:
         return self.last_usage
 
 
+def private_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` (mode 0700) or check that an existing one is ours and private.
+
+    Job logs are written there as root; a directory another user could
+    prepare with symlinks would let them redirect those writes.
+    """
+    p = Path(path)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(p)
+    if not os.path.isdir(p) or os.path.islink(p):
+        raise RuntimeError(f"state directory {p} is not a plain directory")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"state directory {p} must be owned by uid {os.geteuid()} and not group/world-writable")
+    return p
+
+
 class JobTable:
     def __init__(self, state_dir: str) -> None:
         self.state_dir = Path(state_dir)
@@ -87,12 +105,13 @@ class JobTable:
         cur = self.jobs.get(job)
         if cur is not None and cur.state == "running":
             raise RuntimeError(f"job {job} is already running (pid {cur.root_pids()})")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state_dir)
         log_path = self.state_dir / f"{job}.log"
         full_env = {**os.environ, **env, "DLSHARE_JOB": job, "DLSHARE_CGROUP_PROCS": ":".join(cgroup_procs)}
         if gpus:
             full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        with open(log_path, "ab") as out:
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "ab") as out:
             popen = subprocess.Popen(
                 ["/bin/sh", "-c", _TRAMPOLINE, "dlshare-job", *argv],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -108,11 +127,25 @@ class JobTable:
         if jp is None or jp.state == "exited":
             jp = JobProcess(job=job)
             self.jobs[job] = jp
-        jp.pids = sorted(set(jp.pids) | set(pids))
+        for pid in pids:
+            try:
+                jp.pid_started[pid] = psutil.Process(pid).create_time()
+            except psutil.Error:
+                continue  # already gone
+        jp.pids = sorted(set(jp.pids) | set(jp.pid_started))
         jp.memory_bytes = memory_bytes
         return jp
 
-    def signal(self, job: str, sig: int) -> list[int]:
+    def _same_process(self, jp: JobProcess, pid: int) -> bool:
+        try:
+            return psutil.Process(pid).create_time() == jp.pid_started.get(pid)
+        except psutil.Error:
+            return False
+
+    def signal(self, job: str, sig: int, members: list[int] = ()) -> list[int]:
+        """Signal the job: its process group, its adopted pids (if still the same
+        processes) and ``members`` (its cgroup's processes, which catches children
+        that left the group)."""
         jp = self.jobs.get(job)
         if jp is None:
             raise KeyError(job)
@@ -123,13 +156,13 @@ class JobTable:
                 sent.append(jp.popen.pid)
             except ProcessLookupError:
                 pass
-        for pid in jp.pids:
+        for pid in [p for p in jp.pids if self._same_process(jp, p)] + [p for p in members if p not in sent]:
             try:
                 os.kill(pid, sig)
                 sent.append(pid)
             except ProcessLookupError:
                 pass
-        return sent
+        return sorted(set(sent))
 
     def reap(self) -> list[JobProcess]:
         """Jobs whose processes ended since the last call."""
@@ -142,7 +175,7 @@ class JobTable:
                 if rc is not None:
                     jp.exit_code, jp.exited_at = rc, time.time()
                     ended.append(jp)
-            elif jp.pids and not any(psutil.pid_exists(p) for p in jp.pids):
+            elif jp.pids and not any(self._same_process(jp, p) for p in jp.pids):
                 jp.exit_code, jp.exited_at = 0, time.time()
                 ended.append(jp)
         return ended
@@ -153,11 +186,13 @@ class JobTable:
             del self.jobs[job]
 
     def stop_all(self, timeout: float = 5.0) -> None:
-        for job in list(self.jobs):
-            try:
-                self.signal(job, signal.SIGTERM)
-            except KeyError:
-                pass
+        """Stop the jobs this daemon started; adopted processes (allocate with pids) are not ours to stop."""
+        for jp in self.jobs.values():
+            if jp.popen is not None and jp.popen.poll() is None:
+                try:
+                    os.killpg(jp.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         deadline = time.time() + timeout
         for jp in self.jobs.values():
             if jp.popen is not None:

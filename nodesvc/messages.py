@@ -17,6 +17,7 @@ PREFIX = "dlshare/v1"
 MAX_PAYLOAD = 1 << 20  # a control message larger than 1 MiB is refused unparsed
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_OP_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 
 
 class PayloadError(ValueError):
@@ -114,8 +115,8 @@ def parse_command(payload: bytes | str) -> Command:
     if not isinstance(cid, str) or not cid or len(cid) > 128:
         raise PayloadError("command needs an 'id': a non-empty string of at most 128 characters")
     op = obj.get("op")
-    if not isinstance(op, str) or not op:
-        raise PayloadError("command needs an 'op': a non-empty string")
+    if not isinstance(op, str) or not _OP_RE.match(op):
+        raise PayloadError("command needs an 'op': 1-64 characters of a-z 0-9 _ - starting with a letter")
     args = obj.get("args", {})
     if not isinstance(args, dict):
         raise PayloadError(f"command 'args' must be an object, not {type(args).__name__}")
@@ -159,7 +160,10 @@ def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], required
     if isinstance(v, bool) and bool not in kinds:
         raise PayloadError(f"argument {name!r} must be {_kname(kinds)}, not bool")
     if float in kinds and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise PayloadError(f"argument {name!r} is out of range") from None
     if not isinstance(v, kinds):
         raise PayloadError(f"argument {name!r} must be {_kname(kinds)}, not {type(v).__name__}")
     return v

@@ -25,7 +25,10 @@ config.register_section("node", {
     "cgroup_root": "/sys/fs/cgroup",
     "cgroup_base": "",  # default: a dlshare group under the daemon's own (delegated) cgroup
     "fake_gpus": 0,  # simulate this many GPUs (marked simulated in telemetry) on GPU-less nodes
-    "state_dir": "",  # job logs; default /tmp/dlshare-node-<id>
+    "state_dir": "",  # job logs; default /var/lib/dlshare/<id> (root) or ~/.local/state/dlshare/<id>
+    # Start job processes on request (the `run` op). Off by default: whoever may publish to this
+    # node's cmd topic could then run programs as the daemon's user. Enable it together with broker ACLs.
+    "allow_run": False,
 })
 
 
@@ -51,5 +54,7 @@ def register(sub) -> None:
     config_flag(p, "--metrics-listen", "node", "metrics_listen", help="HOST:PORT for Prometheus metrics")
     config_flag(p, "--lend", "node", "lend", action="store_const", const=True, help="lend idle memory")
     config_flag(p, "--fake-gpus", "node", "fake_gpus", type=int, help="simulate N GPUs (for GPU-less demos)")
+    config_flag(p, "--allow-run", "node", "allow_run", action="store_const", const=True,
+                help="start job processes on request (the run command); restrict the broker's ACLs")
     config_flag(p, "--no-enforce", "node", "enforce", action="store_const", const=False,
                 help="do not apply allocations through cgroups")

@@ -80,8 +80,12 @@ def _job(args: dict[str, Any]) -> str:
     return check_id(arg(args, "job", str), "job id")
 
 
-def parse_op(cmd: Command) -> Any:
-    """Validate a built-in command's arguments into a spec."""
+def parse_op(cmd: Command, protected_pids: frozenset[int] = frozenset({1})) -> Any:
+    """Validate a built-in command's arguments into a spec.
+
+    ``protected_pids`` (init, the daemon and its ancestors) may never be put
+    under an allocation: a 1 MiB limit on them would be a remote kill switch.
+    """
     a = cmd.args
     if cmd.op == "ping":
         return Ping()
@@ -90,6 +94,9 @@ def parse_op(cmd: Command) -> Any:
         pids = arg(a, "pids", list, required=False, default=[])
         if len(pids) > MAX_PIDS or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 31 for p in pids):
             raise PayloadError(f"pids must be a list of at most {MAX_PIDS} positive process ids")
+        bad = sorted(set(pids) & protected_pids)
+        if bad:
+            raise PayloadError(f"pids {bad} are init, the node daemon or its ancestors and cannot be allocated")
         return AllocateSpec(_alloc(a, job), tuple(pids))
     if cmd.op == "release":
         return ReleaseSpec(_job(a))

@@ -22,8 +22,24 @@ def _gib(n: Any) -> str:
     return "-" if not isinstance(n, (int, float)) else f"{n / 2**30:.1f}"
 
 
+def _d(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _num(v: Any) -> float | int | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _str(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
 def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Pure: retained state payloads by topic -> the status document (also the --json output)."""
+    """Pure: retained state payloads by topic -> the status document (also the --json output).
+
+    Anyone may publish a retained message, so every field is type-checked: a
+    malformed one shows as missing, never as a crash.
+    """
     nodes, aggs, scheds = [], [], []
     borrowed: dict[str, int] = {}
     for topic, st in states.items():
@@ -31,38 +47,43 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             kind, ident, leaf = messages.parse_topic(topic)
         except messages.PayloadError:
             continue
-        if leaf != "state":
+        if leaf != "state" or not isinstance(st, dict):
             continue
+        status = _str(st.get("status")) or "unknown"
         if kind == "node":
-            s = st.get("summary") or {}
-            donor = s.get("donor") or {}
-            for consumer, nbytes in (donor.get("lent_to") or {}).items():
-                if isinstance(nbytes, int):
+            s = _d(st.get("summary"))
+            donor = _d(s.get("donor"))
+            for consumer, nbytes in _d(donor.get("lent_to")).items():
+                if isinstance(nbytes, int) and not isinstance(nbytes, bool):
                     borrowed[consumer] = borrowed.get(consumer, 0) + nbytes
+            utils = s.get("gpu_util_percent")
+            ts = _num(st.get("ts"))
             nodes.append({
                 "node": ident,
-                "status": st.get("status", "unknown"),
-                "cpus": s.get("cpu_count"),
-                "cpu_percent": s.get("cpu_percent"),
-                "memory_total_bytes": s.get("memory_total_bytes"),
-                "memory_available_bytes": s.get("memory_available_bytes"),
-                "gpus": s.get("gpus"),
-                "gpu_util_percent": s.get("gpu_util_percent"),
-                "gpus_simulated": s.get("gpus_simulated"),
-                "jobs_running": s.get("jobs_running"),
-                "lendable_bytes": donor.get("lendable_bytes"),
-                "lent_bytes": donor.get("lent_bytes"),
-                "age_s": round(time.time() - st["ts"], 1) if isinstance(st.get("ts"), (int, float)) else None,
-                "reason": st.get("reason"),
+                "status": status,
+                "cpus": _num(s.get("cpu_count")),
+                "cpu_percent": _num(s.get("cpu_percent")),
+                "memory_total_bytes": _num(s.get("memory_total_bytes")),
+                "memory_available_bytes": _num(s.get("memory_available_bytes")),
+                "gpus": _num(s.get("gpus")),
+                "gpu_util_percent": [_num(u) for u in utils] if isinstance(utils, list) else [],
+                "gpus_simulated": bool(s.get("gpus_simulated")),
+                "jobs_running": _num(s.get("jobs_running")),
+                "lendable_bytes": _num(donor.get("lendable_bytes")),
+                "lent_bytes": _num(donor.get("lent_bytes")),
+                "age_s": round(time.time() - ts, 1) if ts is not None else None,
+                "reason": _str(st.get("reason")),
             })
         elif kind == "agg":
-            s = st.get("summary") or st
-            aggs.append({"server": ident, "status": st.get("status", "unknown"), "addr": st.get("addr"),
-                         "cores": s.get("cores"), "min_cores": s.get("min_cores"), "max_cores": s.get("max_cores"),
-                         "busy": s.get("busy", s.get("load")), "jobs": s.get("jobs")})
+            s = _d(st.get("summary")) or st
+            aggs.append({"server": ident, "status": status,
+                         "addr": _str(st.get("addr")) or _str(st.get("address")),
+                         "cores": _num(s.get("cores")), "min_cores": _num(s.get("min_cores")),
+                         "max_cores": _num(s.get("max_cores")), "busy": _num(s.get("busy", s.get("load"))),
+                         "jobs": s.get("jobs") if isinstance(s.get("jobs"), (list, dict, int)) else None})
         elif kind == "sched":
-            scheds.append({"scheduler": ident, "status": st.get("status", "unknown"), "url": st.get("url"),
-                           "jobs": st.get("jobs")})
+            scheds.append({"scheduler": ident, "status": status, "url": _str(st.get("url")),
+                           "jobs": st.get("jobs") if isinstance(st.get("jobs"), (dict, int)) else None})
     for n in nodes:
         n["borrowed_bytes"] = borrowed.get(n["node"], 0)
     key = lambda r: str(next(iter(r.values())))  # noqa: E731
@@ -107,7 +128,7 @@ def render(doc: dict[str, Any], console=None) -> None:
             f":{','.join(str(u) for u in n['gpu_util_percent'] or [])}" if n["gpus"] else "")
         if n.get("gpus_simulated"):
             gpus += " (sim)"
-        cpu = "-" if n["cpus"] is None else f"{n['cpu_percent']:.0f}%/{n['cpus']}"
+        cpu = "-" if n["cpus"] is None or n["cpu_percent"] is None else f"{n['cpu_percent']:.0f}%/{n['cpus']}"
         t.add_row(n["node"], f"[green]{n['status']}[/]" if online else f"[red]{n['status']}[/]", cpu,
                   f"{_gib(n['memory_available_bytes'])}/{_gib(n['memory_total_bytes'])}", gpus,
                   _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]), _gib(n["borrowed_bytes"]),
@@ -119,9 +140,10 @@ def render(doc: dict[str, Any], console=None) -> None:
             a.add_column(col)
         for s in doc["aggregators"]:
             jobs = s["jobs"]
-            a.add_row(s["server"], s["status"], str(s["addr"] or "-"),
-                      f"{s['cores']} ({s['min_cores']}-{s['max_cores']})", str(s["busy"]),
-                      str(len(jobs) if isinstance(jobs, (list, dict)) else jobs))
+            cores = "-" if s["cores"] is None else f"{s['cores']} ({s['min_cores']}-{s['max_cores']})"
+            busy = "-" if s["busy"] is None else f"{s['busy']:.2f}"
+            a.add_row(s["server"], s["status"], str(s["addr"] or "-"), cores, busy,
+                      "-" if jobs is None else str(len(jobs) if isinstance(jobs, (list, dict)) else jobs))
         console.print(a)
     if doc["schedulers"]:
         s_t = Table(title="schedulers", title_justify="left")

@@ -35,7 +35,7 @@ config.register_section("up", {
     "sched_listen": "127.0.0.1:7800",
     "fake_gpus": 4,  # this machine has no GPU: each node simulates this many (marked simulated)
     "interval": 2.0,
-    "state_dir": "/tmp/dlshare-up",
+    "state_dir": "",  # default: a new private directory under /tmp
     # Run each node daemon in its own network namespace, standing in for a separate host:
     # "auto" (when root and iproute2 allow it), "on" (fail if they do not) or "off" (all on loopback).
     "netns": "auto",
@@ -49,6 +49,14 @@ def _has(mod: str) -> bool:
         return importlib.util.find_spec(mod) is not None
     except ModuleNotFoundError:
         return False
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if `dlshare up` dies, so no orphan outlives it."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -105,22 +113,27 @@ class Stack:
         cmd = raw if raw is not None else [*prefix, sys.executable, "-m", "nodesvc.cli", *argv]
         p = subprocess.Popen(cmd, stdout=logf,
                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
-                             cwd=Path(__file__).resolve().parent.parent)
+                             cwd=Path(__file__).resolve().parent.parent, preexec_fn=_die_with_parent)
         self.procs.append((name, p))
         return p
 
     def stop(self) -> None:
-        for name, p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p in reversed(self.procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in 10 s; killing it", name)
-                p.kill()
-                p.wait()
-        self.procs.clear()
+        """Stop the children in reverse start order (services, then nodes, then the broker)."""
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for name, p in reversed(self.procs):
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in 10 s; killing it", name)
+                    p.kill()
+                    p.wait()
+            self.procs.clear()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
         if self.net is not None:
             self.net.destroy()
             self.net = None
@@ -141,8 +154,10 @@ def _want_netns(mode: str) -> bool:
 
 
 def start(cfg: dict, log_json: bool = False) -> Stack:
+    import tempfile
+
     u = cfg["up"]
-    st = Stack(state_dir=u["state_dir"])
+    st = Stack(state_dir=u["state_dir"] or tempfile.mkdtemp(prefix="dlshare-up-"))
     try:
         _start(st, u, log_json)
     except BaseException:
@@ -179,7 +194,8 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         addr = st.net.addrs[nid] if st.net else "127.0.0.1"
         broker = f"mqtt://{st.net.gateway}:{port}" if st.net else st.broker_url
         argv = ["node", "--broker", broker, "--node-id", nid, "--interval", str(u["interval"]),
-                "--metrics-listen", f"{addr}:0", "--fake-gpus", str(u["fake_gpus"]), *common]
+                "--metrics-listen", f"{addr}:0", "--fake-gpus", str(u["fake_gpus"]),
+                "--allow-run", *common]  # the scheduler starts jobs; only this machine reaches the broker
         env = {"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)}
         if lend:
             argv.append("--lend")

@@ -53,15 +53,29 @@ def test_parse_op_random_args_only_payload_error(op, args):
         assert spec.argv and all(isinstance(a, str) for a in spec.argv)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=400))
-def test_parse_telemetry_random_bytes(raw):
+@settings(max_examples=400, deadline=None)
+@given(st.fixed_dictionaries({"schema": st.just(1)}, optional={
+    "node": st.one_of(st.text(max_size=10), st.integers(), st.none()),
+    "ts": json_values, "cpu": json_values, "gpus": json_values, "rdma": json_values,
+    "memory": st.one_of(json_values, st.fixed_dictionaries({}, optional={
+        "total_bytes": json_values, "available_bytes": json_values}))}))
+def test_parse_telemetry_random_objects(obj):
     try:
-        messages.parse_telemetry(raw)
-    except PayloadError:
-        pass
-    else:
-        pytest.fail("random bytes must not validate as telemetry")
+        t = messages.parse_telemetry(json.dumps(obj))
+    except PayloadError as exc:
+        assert str(exc)
+        return
+    assert messages.valid_id(t["node"]) and t["memory"]["total_bytes"] >= 0
+
+
+def test_long_op_names_are_refused_not_echoed():
+    with pytest.raises(PayloadError, match="'op'") as ei:
+        messages.parse_command(json.dumps({"schema": 1, "id": "x", "op": "a" * 100_000}))
+    assert len(str(ei.value)) < 200
+    with pytest.raises(PayloadError, match="out of range"):
+        parse_op(messages.Command("c", "allocate", {"job": "j", "cpus": 10**400}))
+    with pytest.raises(PayloadError, match="cannot be allocated"):
+        parse_op(messages.Command("c", "allocate", {"job": "j", "pids": [1]}))
 
 
 def test_good_command_and_errors():
