@@ -66,25 +66,30 @@ def decision_latency(profile: str, nodes: int = 1000, gpus: int = 8, decisions: 
         now += 1.0
         m, bs = rng.choice(models).split("@")
         job = Job(f"j{k}", m, int(bs), gpus=rng.choice(sizes), arrival=now)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = st.handle(JobArrived(f"e{k}", now, job))
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         if any(isinstance(d, Place) for d in out):
             running.append(job.id)
-        return dt
+        return dt, dc
 
     target = int(0.75 * nodes * gpus)
     while st.total_gpus - st.free_gpus < target:
         submit()
-    times = []
+    wall, cpu = [], []
     for _ in range(decisions):
         while running and st.total_gpus - st.free_gpus >= target:
             victim = running.pop(rng.randrange(len(running)))
             now += 1.0
             st.handle(JobFinished(f"f{victim}", now, victim))
-        times.append(submit())
-    ms = np.asarray(times) * 1000.0
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+        w, c = submit()
+        wall.append(w)
+        cpu.append(c)
+    ms, cms = np.asarray(wall) * 1000.0, np.asarray(cpu) * 1000.0
+    # Wall time includes the moments the OS ran someone else (this machine is shared);
+    # the thread's CPU time is the decision's own cost.
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "cpu_p50_ms": float(np.percentile(cms, 50)), "cpu_p99_ms": float(np.percentile(cms, 99))}
 
 
 def _plot(runs: list[dict[str, Any]], jcts: dict[tuple[str, str], np.ndarray], out_dir) -> list[str]:
@@ -92,16 +97,17 @@ def _plot(runs: list[dict[str, Any]], jcts: dict[tuple[str, str], np.ndarray], o
     files = []
     for trace in sorted({r["trace"] for r in runs}):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in runs:
-            if r["trace"] != trace:
-                continue
+        mine = [r for r in runs if r["trace"] == trace]
+        colours = plt.get_cmap("tab20").colors
+        for i, r in enumerate(mine):
             v = np.sort(jcts[(trace, r["policy"])] / 3600.0)
-            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r["policy"],
-                    linewidth=2.2 if r["policy"] == "dlshare" else 1.0)
+            ours = r["policy"] == "dlshare"
+            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r["policy"], linewidth=2.4 if ours else 1.0,
+                    color="black" if ours else colours[(2 * i) % 20])
         ax.set_xscale("log")
         ax.set_xlabel("job completion time (h)")
         ax.set_ylabel("fraction of jobs")
-        ax.set_title(f"JCT CDF: {trace} ({r['cluster']})")
+        ax.set_title(f"JCT CDF: {trace}, cluster {mine[0]['cluster']}")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         p = out_dir / f"sched_jct_cdf_{trace}.png"
@@ -165,7 +171,9 @@ def run(args) -> dict[str, Any]:
         "interference_mape_cv": cv["mape"], "interference_mae_cv": cv["mae"],
         "interference_naive_mape_cv": cv["naive_mape"], "interference_mape_floor": cv["floor_mape"],
         "decision_p99_ms_1000_nodes": lat["p99_ms"], "decision_p50_ms_1000_nodes": lat["p50_ms"],
-        "decision_p99_ms_1000_nodes_fifo": lat_fifo["p99_ms"], "decision_latency_nodes": n_lat,
+        "decision_cpu_p99_ms_1000_nodes": lat["cpu_p99_ms"],
+        "decision_p99_ms_1000_nodes_fifo": lat_fifo["p99_ms"], "decision_cpu_p99_ms_1000_nodes_fifo": lat_fifo["cpu_p99_ms"],
+        "decision_latency_nodes": n_lat,
         "fidelity_fifo_avg_jct_h": fifo,
         "fidelity_fifo_in_range": (fifo is not None and FIFO_RANGE_H[0] * 0.95 <= fifo <= FIFO_RANGE_H[1] * 1.05),
         "dlshare_vs_best_peer": (dl / BEST_PEER_0E4A51_H) if dl else None,
@@ -185,7 +193,8 @@ def run(args) -> dict[str, Any]:
          min([r["avg_jct_h"] for r in runs if r["trace"] == "vc_103959" and r["policy"] not in ("dlshare", "srtf")],
              default=None)),
         ("interference_mape_cv", cv["mape"], "<=", 0.15),
-        ("decision_p99_ms_1000_nodes", lat["p99_ms"], "<=", 10.0),
+        ("decision_p99_ms_1000_nodes (wall)", lat["p99_ms"], "<=", 10.0),
+        ("decision p99 on 1000 nodes, thread CPU time (ms)", lat["cpu_p99_ms"], "<=", 10.0),
     ]
     targets = report.target_rows(checks)
     cols = ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h", "makespan_h", "avg_queueing_h",

@@ -18,6 +18,7 @@ A profile is TOML.  The packaged ones live in ``scheduler/profiles/NAME.toml``
     backfill = true              # non-preemptive sorts: may a later job start when the head cannot?
     nodes_to_score_percent = 0   # 0 = adaptive (Kubernetes' percentageOfNodesToScore rule)
     min_run_s = 0                # preemptive sorts: never preempt a job younger than this
+    scan_limit = 1000            # a pass gives up after this many waiting jobs found no place
 
     [[filter]]
     plugin = "gpu_memory"
@@ -67,6 +68,7 @@ class Profile:
     backfill: bool = True
     nodes_to_score_percent: float = 0.0
     min_run_s: float = 0.0
+    scan_limit: int = 1000
     description: str = ""
 
     def build_order(self) -> Any:
@@ -119,7 +121,8 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
     pl = data.get("placement", {})
     if not isinstance(pl, dict):
         raise ProfileError(f"profile {label}: [placement] must be a table")
-    placement_keys = {"share", "max_share", "share_max_gpus", "backfill", "nodes_to_score_percent", "min_run_s"}
+    placement_keys = {"share", "max_share", "share_max_gpus", "backfill", "nodes_to_score_percent", "min_run_s",
+                      "scan_limit"}
     extra = set(pl) - placement_keys
     if extra:
         raise ProfileError(f"profile {label}: unknown [placement] keys {sorted(extra)}")
@@ -131,14 +134,15 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
     backfill = _typed(pl, "backfill", bool, True, label)
     pct = float(_typed(pl, "nodes_to_score_percent", (int, float), 0.0, label))
     min_run = float(_typed(pl, "min_run_s", (int, float), 0.0, label))
-    if max_share < 1 or share_max_gpus < 0 or not 0 <= pct <= 100 or min_run < 0:
+    scan_limit = _typed(pl, "scan_limit", int, 1000, label)
+    if max_share < 1 or share_max_gpus < 0 or not 0 <= pct <= 100 or min_run < 0 or scan_limit < 1:
         raise ProfileError(f"profile {label}: placement values out of range")
     name = data.get("name", label)
     if not isinstance(name, str) or not name:
         raise ProfileError(f"profile {label}: name must be a non-empty string")
     prof = Profile(name=name, order=order, filters=filters, scores=scores, allocate=allocate, share=share,
                    max_share=max_share, share_max_gpus=share_max_gpus, backfill=backfill,
-                   nodes_to_score_percent=pct, min_run_s=min_run,
+                   nodes_to_score_percent=pct, min_run_s=min_run, scan_limit=scan_limit,
                    description=str(data.get("description", "")))
     try:
         prof.build_order(), prof.build_filters(), prof.build_scores(), prof.build_allocator()

@@ -121,6 +121,7 @@ class _SimJob:
     finished: float | None = None
     cpus: float = 0.0
     memory: float = 0.0
+    nodes: list[str] = field(default_factory=list)  # where it last ran
 
 
 @dataclass
@@ -199,7 +200,6 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
     last_t = first
     n_events = n_decisions = 0
     finished = 0
-    failed = 0
     tick_pending: set[float] = set()
     report_pending: set[str] = set()
     bar = _progress(len(trace)) if progress else None
@@ -296,7 +296,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                 if bar:
                     bar[0].update(bar[1], advance=1)
             if isinstance(ev, (JobFinished, PlacementFailed)):
-                for nid in _nodes_seen(state, ev.job, jobs):
+                for nid in jobs[ev.job].nodes:
                     touched[nid] = None
         for d in decisions:
             if on_decision is not None:
@@ -304,7 +304,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
             if isinstance(d, Place):
                 placed_now.add(d.job)
                 sj = jobs[d.job]
-                sj.shards_nodes = [s.node for s in d.shards]  # type: ignore[attr-defined]
+                sj.nodes = [s.node for s in d.shards]
                 if d.resumed and restart_overhead_s:
                     sj.remaining += restart_overhead_s
                 for s in d.shards:
@@ -320,7 +320,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                 alloc_mem -= sj.memory
                 sj.cpus = sj.memory = 0.0
                 reschedule(sj, t, 0.0)
-                for nid in getattr(sj, "shards_nodes", []):
+                for nid in sj.nodes:
                     touched[nid] = None
             elif isinstance(d, Allocate):
                 sj = jobs[d.job]
@@ -333,7 +333,6 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                     tick_pending.add(d.at)
                     push(d.at, _TICK, None)
             elif isinstance(d, Reject):
-                failed += 1
                 jobs[d.job].finished = t
         for nid in touched:
             ns = state.nodes[nid]
@@ -361,13 +360,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         trace=trace_name, cluster=str(cluster), profile=prof.name, seed=seed, jct_s=jct, queueing_s=queueing,
         makespan_s=makespan, gpu_util=busy_area / (total_gpus * span), cpu_util=cpu_area / (total_cores * span),
         mem_util=mem_area / (total_mem * span),
-        preemptions=sum(r.preemptions for r in state.records.values()), failed=failed + len(jobs) - len(done) - failed,
+        preemptions=sum(r.preemptions for r in state.records.values()), failed=len(jobs) - len(done),
         events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall,
     )
-
-
-def _nodes_seen(state: SchedulerState, jid: str, jobs: dict[str, _SimJob]) -> list[str]:
-    return list(getattr(jobs[jid], "shards_nodes", []))
 
 
 def _progress(total: int) -> tuple[Any, Any] | None:

@@ -18,6 +18,7 @@ One pass per ``handle`` call:
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Iterable
@@ -63,6 +64,9 @@ class SchedulerState:
         self.waiting: dict[str, JobRecord] = {}  # queued or preempted, insertion-ordered
         self.running: dict[str, JobRecord] = {}
         self._wait_key: dict[str, Any] = {}
+        self._wait_order: list[tuple[Any, str]] = []  # (key, id) of waiting jobs, kept sorted
+        self._class: dict[str, tuple[str, int, float, int]] = {}
+        self.share_slots = 0  # GPUs a newcomer could join (see _slot)
         self._by_free: dict[int, dict[str, None]] = {}  # free GPU count -> nodes (ordered set)
         self.total_gpus = 0
         self.free_gpus = 0
@@ -217,8 +221,10 @@ class SchedulerState:
     def _set_alive(self, ns: NodeState, alive: bool) -> None:
         if ns.alive == alive:
             return
+        slots = sum(self._slot(res) for res in ns.residents)
         ns.alive = alive
         sign = 1 if alive else -1
+        self.share_slots += sign * slots
         self.total_gpus += sign * ns.node.gpus
         self.free_gpus += sign * ns.free_gpus
         if alive:
@@ -236,9 +242,30 @@ class SchedulerState:
     # ------------------------------------------------------------ job moves
 
     def _enqueue(self, rec: JobRecord) -> None:
-        self.waiting[rec.job.id] = rec
+        jid = rec.job.id
+        self.waiting[jid] = rec
         rec.queued_since = self.now
-        self._wait_key[rec.job.id] = self.order.key(rec, self._ctx())
+        # A waiting job's service does not grow, so its key is fixed until it runs.
+        key = self.order.key(rec, self._ctx())
+        self._wait_key[jid] = key
+        bisect.insort(self._wait_order, (key, jid))
+        job = rec.job
+        self._class[jid] = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
+
+    def _dequeue(self, jid: str) -> None:
+        self.waiting.pop(jid, None)
+        key = self._wait_key.pop(jid, None)
+        if key is not None:
+            i = bisect.bisect_left(self._wait_order, (key, jid))
+            if i < len(self._wait_order) and self._wait_order[i][1] == jid:
+                del self._wait_order[i]
+
+    def _slot(self, res: list[str]) -> int:
+        """1 when a GPU with these residents could take one more job, else 0."""
+        if not res or len(res) >= self.profile.max_share or self.profile.share == "never":
+            return 0
+        limit = self.profile.share_max_gpus
+        return int(all(self.records[o].job.gpus <= limit for o in res))
 
     def _co_residents(self, rec: JobRecord) -> list[str]:
         seen: dict[str, None] = {}
@@ -260,13 +287,14 @@ class SchedulerState:
             for g in gpus:
                 if not ns.residents[g]:
                     newly += 1
+                before = self._slot(ns.residents[g]) if ns.alive else 0
                 ns.residents[g].append(job.id)
+                self.share_slots += (self._slot(ns.residents[g]) if ns.alive else 0) - before
             ns.jobs[job.id] = len(gpus)
             self._set_free(ns, ns.free_gpus - newly)
             touched.append(ns)
         rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
-        self.waiting.pop(job.id, None)
-        self._wait_key.pop(job.id, None)
+        self._dequeue(job.id)
         self.running[job.id] = rec
         job.state = JobState.RUNNING
         rec.run_since = self.now
@@ -286,7 +314,9 @@ class SchedulerState:
             for g in sh.gpus:
                 res = ns.residents[g]
                 if job.id in res:
+                    before = self._slot(res) if ns.alive else 0
                     res.remove(job.id)
+                    self.share_slots += (self._slot(res) if ns.alive else 0) - before
                     if not res:
                         freed += 1
             ns.jobs.pop(job.id, None)
@@ -315,8 +345,7 @@ class SchedulerState:
             touched = self._release(rec)
         else:
             touched = []
-            self.waiting.pop(rec.job.id, None)
-            self._wait_key.pop(rec.job.id, None)
+            self._dequeue(rec.job.id)
         rec.job.state = state
         rec.finished_at = self.now
         hook = getattr(self.order, "observe_finished", None)
@@ -467,27 +496,34 @@ class SchedulerState:
         if not self.waiting:
             return
         ctx = self._ctx()
-        keys = self._wait_key
         share_possible = self.profile.share != "never"
         # Equivalence classes (as kube-scheduler caches them): once a (type, GPUs)
         # job found no place, its twins will not either until something is placed.
-        failed: set[tuple[str, int, float, float]] = set()
-        for rec in sorted(self.waiting.values(), key=lambda r: keys[r.job.id]):
-            if self.free_gpus == 0 and not share_possible:
+        failed: set[tuple[str, int, float, int]] = set()
+        misses = 0
+        for _, jid in list(self._wait_order):
+            if self.free_gpus == 0 and (not share_possible or self.share_slots == 0):
                 break
+            if misses >= self.profile.scan_limit:  # like Slurm's bf_max_job_test
+                break
+            rec = self.waiting.get(jid)
+            if rec is None:
+                continue
             job = rec.job
             if self.free_gpus < job.gpus and not self._share_ok(rec):
                 if not self.profile.backfill:
                     break
                 continue
-            cls = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
+            cls = self._class[jid]
             if cls in failed:
                 continue
             placed = self._try_place(rec, ctx, cause, out)
             if placed:
                 failed.clear()
+                misses = 0
             else:
                 failed.add(cls)
+                misses += 1
                 if not self.profile.backfill:
                     break
 
@@ -506,62 +542,66 @@ class SchedulerState:
         min_run = self.profile.min_run_s
         victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING
                    and (r.run_since is None or self.now - r.run_since >= min_run)]
+        rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
         for r in active:
             if r.job.id not in admitted or r.job.state is JobState.RUNNING:
                 continue
             ctx = self._ctx()
             if self._try_place(r, ctx, cause, out):
                 continue
-            freed = self._make_room(r, victims, cause, out)
-            if freed:
-                victims = [v for v in victims if v.job.state is JobState.RUNNING]
+            if rank and self._make_room(r, rank, cause, out):
                 self._try_place(r, self._ctx(), cause, out)
         # Work conservation: anything else that fits (or may share) starts now.
         self._fill(cause, out)
 
-    def _make_room(self, rec: JobRecord, victims: list[JobRecord], cause: str, out: list[Decision]) -> bool:
-        """Preempt the fewest, lowest-ranked victims that free a place for ``rec``."""
-        if not victims:
-            return False
-        vset = {v.job.id for v in victims}
-        rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
+    def _make_room(self, rec: JobRecord, rank: dict[str, int], cause: str, out: list[Decision]) -> bool:
+        """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
+        ``rank`` maps still-running victims to their rank (0 = worst); preempted
+        ones are removed from it."""
         g = rec.job.gpus
-        plans: list[tuple[int, int, list[str]]] = []
+        live = [jid for jid in rank if self.records[jid].job.state is JobState.RUNNING]
+        if not live:
+            return False
+        victim_nodes: dict[str, None] = {}
+        for jid in live:
+            for sh in self.records[jid].shards:
+                victim_nodes[sh.node] = None
         per_node: list[tuple[NodeState, int, list[str]]] = []
-        for ns in self.nodes.values():
-            if not ns.alive or not (set(ns.jobs) & vset):
-                if ns.alive and ns.free_gpus:
-                    per_node.append((ns, ns.free_gpus, []))
+        for nid in victim_nodes:
+            ns = self.nodes[nid]
+            if not ns.alive:
                 continue
             reclaim = ns.free_gpus
             need_v: dict[str, None] = {}
             for res in ns.residents:
-                if res and all(o in vset for o in res):
+                if res and all(o in rank for o in res):
                     reclaim += 1
                     for o in res:
                         need_v[o] = None
-            per_node.append((ns, reclaim, sorted(need_v, key=lambda j: rank[j])))
+            if need_v:
+                per_node.append((ns, reclaim, sorted(need_v, key=rank.__getitem__)))
+
+        def preempt(jid: str) -> None:
+            vr = self.records[jid]
+            rank.pop(jid, None)
+            if vr.job.state is JobState.RUNNING:
+                self._stop(vr, cause, out, requeue=True)
+                out.append(Preempt(cause, jid, f"for {rec.job.id}"))
+
         if g <= self.max_node_gpus:
-            for ns, reclaim, vs in per_node:
-                if reclaim >= g and vs:
-                    plans.append((len(vs), -min(rank[v] for v in vs), vs))
+            plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)
+                     if reclaim >= g]
             if not plans:
                 return False
-            plans.sort(key=lambda p: (p[0], p[1]))
-            chosen = plans[0][2]
-            ns_free_needed = g
-            node = next(ns for ns, _, vs in per_node if vs is chosen)
+            node, _, chosen = per_node[min(plans)[2]]
             for v in chosen:
-                if node.free_gpus >= ns_free_needed:
+                if node.free_gpus >= g:
                     break
-                vr = self.records[v]
-                if vr.job.state is JobState.RUNNING:
-                    self._stop(vr, cause, out, requeue=True, reason="preempted")
-                    out.append(Preempt(cause, v, f"for {rec.job.id}"))
+                preempt(v)
             return node.free_gpus >= g
-        # Spans nodes: free whole nodes with the most reclaimable GPUs first.
+        # Spans nodes: free nodes first, then the nodes with the most reclaimable GPUs.
+        got = self.free_gpus - sum(ns.free_gpus for ns, _, _ in per_node)
         per_node.sort(key=lambda p: -p[1])
-        got = 0
         chosen_nodes = []
         for ns, reclaim, vs in per_node:
             if got >= g:
@@ -572,10 +612,7 @@ class SchedulerState:
             return False
         for vs in chosen_nodes:
             for v in vs:
-                vr = self.records[v]
-                if vr.job.state is JobState.RUNNING:
-                    self._stop(vr, cause, out, requeue=True)
-                    out.append(Preempt(cause, v, f"for {rec.job.id}"))
+                preempt(v)
         return True
 
     def _maybe_wakeup(self, cause: str, out: list[Decision]) -> None:
@@ -583,10 +620,18 @@ class SchedulerState:
             return
         ctx = self._ctx()
         at = math.inf
-        for r in self.running.values():
-            t = self.order.next_change(r, ctx)
-            if t is not None and t < at:
-                at = t
+        if getattr(self.order, "uniform_wakeup", False):
+            # Every running job's key changes on the same quantum: one look suffices,
+            # and a wakeup already pending in the future cannot be beaten.
+            if self._wakeup_at is not None and self._wakeup_at > self.now:
+                return
+            if self.running:
+                at = self.order.next_change(next(iter(self.running.values())), ctx) or math.inf
+        else:
+            for r in self.running.values():
+                t = self.order.next_change(r, ctx)
+                if t is not None and t < at:
+                    at = t
         if self.profile.min_run_s:  # also wake when a protected job may be preempted
             for r in self.running.values():
                 t = (r.run_since or 0.0) + self.profile.min_run_s

@@ -31,6 +31,7 @@ class Fifo:
 
 class _Preemptive:
     preemptive = True
+    uniform_wakeup = True  # every running job's key may change at now + quantum
 
     def __init__(self, quantum_s: float = 360.0) -> None:
         # 360 s: Gavel's round length, the granularity its preemptive policies decide at.
@@ -79,6 +80,8 @@ class Tiresias(_Preemptive):
     multi-day jobs does not collapse into one queue as Tiresias's fixed
     3,250/7,200/18,000 GPU-s do.
     """
+
+    uniform_wakeup = False  # each job crosses its next threshold at its own time
 
     def __init__(self, thresholds: list[float] | None = None, quantiles: list[float] = (0.5, 0.8, 0.95),
                  prior: str = "philly", quantum_s: float = 360.0, min_samples: int = 20) -> None:
@@ -144,9 +147,13 @@ class GittinsTable:
         return t
 
     def add(self, samples: np.ndarray, weight: float = 1.0) -> None:
+        """Add samples; the index is rebuilt lazily, once the new weight reaches
+        a tenth of what the last build saw (so n samples cost O(log n) builds)."""
         idx = np.clip(np.searchsorted(self.grid, np.maximum(samples, self.grid[0])), 0, len(self.grid) - 1)
         np.add.at(self.weights, idx, weight)
-        self._build()
+        self._pending = getattr(self, "_pending", 0.0) + weight * len(idx)
+        if not hasattr(self, "_index") or self._pending >= 0.1 * getattr(self, "_built_weight", 0.0):
+            self._build()
 
     def _build(self) -> None:
         x, w = self.grid, self.weights
@@ -174,6 +181,8 @@ class GittinsTable:
         self.index = index
         self._grid = self.grid.tolist()
         self._index = index.tolist()
+        self._built_weight = float(w.sum())
+        self._pending = 0.0
 
     def __call__(self, attained: float) -> float:
         i = bisect.bisect_right(self._grid, attained) - 1

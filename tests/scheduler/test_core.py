@@ -185,3 +185,42 @@ def test_min_run_protects_young_jobs_and_wakes_when_it_expires(tmp_path):
     assert wakes and min(wakes) > 500
     out = st.handle(Tick("t2", 1001))
     assert [d.job for d in out if isinstance(d, Preempt)] == ["old"]
+
+
+@pytest.mark.parametrize("profile", ["fifo", "las", "gandiva", "dlshare"])
+def test_incremental_indexes_stay_consistent_under_random_events(profile):
+    import random as _r
+
+    rng = _r.Random(7)
+    st = make_state(profile, n=4, gpus=4)
+    now = 0.0
+    live: list[str] = []
+    for k in range(300):
+        now += rng.uniform(0, 50)
+        roll = rng.random()
+        if roll < 0.5:
+            jid = f"j{k}"
+            st.handle(JobArrived(f"a{k}", now, Job(jid, rng.choice("ABC"), 8, gpus=rng.choice([1, 1, 2, 4, 8]))))
+            live.append(jid)
+        elif roll < 0.8 and live:
+            jid = live.pop(rng.randrange(len(live)))
+            if st.records[jid].job.state.active:
+                st.handle(JobFinished(f"f{k}", now, jid))
+        elif roll < 0.9:
+            st.handle(Tick(f"t{k}", now))
+        else:
+            node = f"n{rng.randrange(4)}"
+            if st.nodes[node].alive:
+                st.handle(NodeLost(f"l{k}", now, node))
+            else:
+                st.handle(NodeReport(f"r{k}", now, Node(node, 4, 12, 256 << 30)))
+        alive = [ns for ns in st.nodes.values() if ns.alive]
+        assert st.free_gpus == sum(sum(1 for r in ns.residents if not r) for ns in alive)
+        assert st.total_gpus == sum(ns.node.gpus for ns in alive)
+        assert st.share_slots == sum(st._slot(r) for ns in alive for r in ns.residents)
+        assert sorted(st._wait_order) == st._wait_order and {j for _, j in st._wait_order} == set(st.waiting)
+        for ns in alive:
+            assert ns.node.id in st._by_free[ns.free_gpus]
+        for rec in st.running.values():
+            assert all(rec.job.id in st.nodes[sh.node].residents[g] for sh in rec.shards for g in sh.gpus)
+            assert sum(len(sh.gpus) for sh in rec.shards) == rec.job.gpus

@@ -137,3 +137,9 @@ def test_pair_that_does_not_fit_fails_the_newcomer_only():
     assert min(r.jct_s) == pytest.approx(1000.0)
     assert max(r.jct_s) == pytest.approx(1000.0 + 500.0 - 10.0)
     assert any(getattr(d, "colocated_with", ()) == ("res",) for d in decisions)
+
+
+def test_job_larger_than_the_cluster_is_counted_failed():
+    tr = [TraceJob("big", 0.0, "ResNet-18", 32, 8, 0, 100.0), TraceJob("ok", 0.0, "ResNet-18", 32, 1, 0, 100.0)]
+    m = simulate(tr, Cluster.parse("1x4"), "fifo").metrics()
+    assert m["jobs"] == 1 and m["failed"] == 1
