@@ -152,7 +152,7 @@ def run(args) -> dict[str, Any]:
             print(f"  {trace_name:14s} {pol:9s} avg JCT {m['avg_jct_h']:8.2f} h  ({m['sim_wall_s']:.1f} s)", flush=True)
 
     models, X, y = data.colocation_util()
-    cv = cross_validate(rows_to_sets(models, X), y)
+    cv = cross_validate(rows_to_sets(models, X), y, repeats=1 if quick else 5)
     n_lat = getattr(args, "latency_nodes", None) or 1000
     lat = decision_latency("dlshare", nodes=n_lat, decisions=150 if quick else 400)
     lat_fifo = decision_latency("fifo", nodes=n_lat, decisions=150 if quick else 400)
@@ -170,6 +170,7 @@ def run(args) -> dict[str, Any]:
     metrics = {
         "interference_mape_cv": cv["mape"], "interference_mae_cv": cv["mae"],
         "interference_naive_mape_cv": cv["naive_mape"], "interference_mape_floor": cv["floor_mape"],
+        "interference_mape_cv_range": [cv["mape_min"], cv["mape_max"]], "interference_cv_repeats": cv["repeats"],
         "decision_p99_ms_1000_nodes": lat["p99_ms"], "decision_p50_ms_1000_nodes": lat["p50_ms"],
         "decision_cpu_p99_ms_1000_nodes": lat["cpu_p99_ms"],
         "decision_p99_ms_1000_nodes_fifo": lat_fifo["p99_ms"], "decision_cpu_p99_ms_1000_nodes_fifo": lat_fifo["cpu_p99_ms"],

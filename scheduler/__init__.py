@@ -30,7 +30,8 @@ Core (:mod:`scheduler.state`)
     (id -> JobRecord), ``state.nodes`` (id -> NodeState), ``state.waiting``, ``state.running``,
     ``state.queue()`` (waiting jobs in start order), ``state.candidates(job, node_ids=None)``
     (feasible placements with weighted scores 0-100 x weight, best first; changes nothing: for
-    the Kubernetes extender's filter/prioritize).
+    the Kubernetes extender's filter/prioritize), ``state.explain(job, node_ids=None)``
+    (node -> reason for each node that cannot take the job: the extender's ``FailedNodes``).
 
     A live shell does: on submit ``JobArrived``; on a node's telemetry ``NodeReport``; on
     a job exit ``JobFinished``; on the Last Will ``NodeLost``; on a ``Wakeup(at)`` a timer that
@@ -44,14 +45,18 @@ Profiles (:mod:`scheduler.profile`)
     ``ProfileError``. Plugins: :mod:`scheduler.framework` (``register``, ``available``).
 
 Predictors (:mod:`scheduler.predictors`)
-    ``Predictors`` (bundle; ``Predictors.from_data()`` trains on the shared data),
-    ``InterferencePredictor``, ``UtilisationPredictor`` / ``graph_features``, ``SensitivityModel``;
-    each with ``fit``/``predict``/``update``.
+    ``Predictors`` (the bundle the plugins read; ``Predictors.from_data()`` trains the interference
+    model and loads the Synergy tables; ``observe`` is the online path from ``NodeReport`` samples),
+    ``predictors.interference.InterferencePredictor`` (+ ``cross_validate``),
+    ``predictors.utilisation.UtilisationPredictor`` / ``graph_features(module, example)`` (torch.fx),
+    ``predictors.sensitivity.SensitivityModel``; each with ``fit``/``predict``/``update`` or
+    ``add_profile``.
 
-Simulator (:mod:`scheduler.sim`)
-    ``load_trace(path) -> list[TraceJob]`` (``TraceError`` names the row), ``Cluster.parse("16x4")``,
-    ``simulate(trace, cluster, profile, seed=0) -> SimResult`` (JCT mean/median/p99, makespan,
-    queueing delay, GPU/CPU/memory utilisation).
+Simulator (:mod:`scheduler.sim`, :mod:`scheduler.trace`)
+    ``trace.load_trace(path) -> list[TraceJob]`` (``TraceError`` names the row),
+    ``sim.Cluster.parse("16x4")``, ``sim.simulate(trace, cluster, profile, seed=0) -> SimResult``
+    (``.metrics()``: JCT mean/median/p99, makespan, queueing delay, GPU/CPU/memory utilisation),
+    ``sim.synthetic_trace(n_jobs, total_gpus, load, seed)``.
 
 Codec (:mod:`scheduler.codec`)
     ``event_to_dict``/``event_from_dict`` (``CodecError`` names the bad field) and

@@ -27,7 +27,6 @@ number) only for jobs whose speed changed.
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import time
 from collections.abc import Callable, Sequence

@@ -19,7 +19,6 @@ One pass per ``handle`` call:
 from __future__ import annotations
 
 import bisect
-import math
 import random
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,10 +26,11 @@ from typing import Any
 
 from scheduler.events import (
     Allocate, Decision, Event, JobArrived, JobCancelled, JobFinished, NodeLost, NodeReport, Place,
-    PlacementFailed, Preempt, Reject, Tick, Wakeup,
+    PlacementFailed, Reject, Tick,
 )
 from scheduler.framework import Candidate, Context, NodeState
 from scheduler.model import Allocation, Job, JobRecord, JobState, Node, Shard
+from scheduler.passes import SchedulingPasses
 from scheduler.profile import Profile, load_profile
 
 
@@ -38,7 +38,7 @@ class SchedulerError(ValueError):
     """An event the core cannot apply (unknown job, duplicate id).  State is unchanged."""
 
 
-class SchedulerState:
+class SchedulerState(SchedulingPasses):
     """The scheduler's state machine (see the module docstring).
 
     ``profile``: a :class:`Profile`, a packaged profile name or a TOML path.
@@ -92,9 +92,14 @@ class SchedulerState:
         for ev in events:
             if ev.now < self.now - 1e-9:
                 raise SchedulerError(f"event {ev.id}: time went backwards ({ev.now} < {self.now})")
+            before = self.now
             self.now = max(self.now, ev.now)
             cause = ev.id
-            full_pass |= self._apply(ev, out)
+            try:
+                full_pass |= self._apply(ev, out)
+            except SchedulerError:
+                self.now = before
+                raise
         if events:
             self._schedule(cause, full_pass or not self.order.preemptive, out)
         return out
@@ -124,6 +129,37 @@ class SchedulerState:
         cands = self._candidates(rec, ctx, limit=False, allowed=allowed)
         cands = [c if c.gpus else Candidate(c.node, c.node.free_indices()[:job.gpus], (), c.more) for c in cands]
         return self._rank(rec, cands, ctx)
+
+    def explain(self, job: Job, node_ids: Iterable[str] | None = None) -> dict[str, str]:
+        """Why ``job`` cannot go on each node that has no feasible placement for
+        it (node id -> reason), as the Kubernetes extender's ``FailedNodes``
+        wants.  Nodes that would take it are absent.  Changes nothing."""
+        rec = self.records.get(job.id) or JobRecord(job=job, queued_since=self.now)
+        ctx = self._ctx()
+        ids = list(node_ids) if node_ids is not None else list(self.nodes)
+        cands = self._candidates(rec, ctx, limit=False, allowed=set(ids))
+        ok = {c.node.node.id for c in cands} | {ns.node.id for c in cands for ns, _ in c.more}
+        out: dict[str, str] = {}
+        for nid in ids:
+            if nid in ok:
+                continue
+            ns = self.nodes.get(nid)
+            if ns is None:
+                out[nid] = "unknown node"
+            elif not ns.alive:
+                out[nid] = "node offline"
+            elif job.gpus > ns.node.gpus and job.gpus > self.free_gpus:
+                out[nid] = f"needs {job.gpus} GPUs; {self.free_gpus} free in the cluster"
+            elif ns.free_gpus < job.gpus and not self._share_ok(rec):
+                out[nid] = f"needs {job.gpus} free GPUs, node has {ns.free_gpus}"
+            else:
+                cand = Candidate(ns, ns.free_indices()[:job.gpus])
+                if not self._fits_resources(rec, cand, ctx):
+                    out[nid] = "not enough CPU or memory for the job's minimum"
+                else:
+                    reasons = [r for f in self.filters if (r := f.filter(rec, cand, ctx))]
+                    out[nid] = reasons[0] if reasons else "no GPU it may share"
+        return out
 
     # ------------------------------------------------------------ events
 
@@ -376,273 +412,6 @@ class SchedulerState:
     def _ctx(self) -> Context:
         return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
                        rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus)
-
-    def _score_limit(self) -> int:
-        n = len(self.nodes)
-        pct = self.profile.nodes_to_score_percent
-        if pct <= 0:  # Kubernetes' adaptive percentageOfNodesToScore: 50% - n/125, at least 5%
-            if n <= 100:
-                return n
-            pct = max(5.0, 50.0 - n / 125.0)
-        return max(100, math.ceil(n * pct / 100.0))
-
-    def _share_ok(self, rec: JobRecord) -> bool:
-        return self.profile.share != "never" and rec.job.gpus <= self.profile.share_max_gpus
-
-    def _candidates(self, rec: JobRecord, ctx: Context, limit: bool = True,
-                    allowed: set[str] | None = None) -> list[Candidate]:
-        g = rec.job.gpus
-        cands: list[Candidate] = []
-        cap = self._score_limit() if limit else 1 << 60
-        if g <= self.max_node_gpus:
-            for free in range(g, self.max_node_gpus + 1):
-                bucket = self._by_free.get(free)
-                if not bucket:
-                    continue
-                for nid in bucket:
-                    if allowed is not None and nid not in allowed:
-                        continue
-                    cands.append(Candidate(self.nodes[nid], ()))  # GPUs picked once a node wins
-                    if len(cands) >= cap:
-                        break
-                if len(cands) >= cap:
-                    break
-        elif g <= self.free_gpus:
-            # Spans nodes: take whole free nodes, emptiest first, then the remainder.
-            picked: list[tuple[NodeState, tuple[int, ...]]] = []
-            need = g
-            for free in range(self.max_node_gpus, 0, -1):
-                for nid in self._by_free.get(free, {}):
-                    if allowed is not None and nid not in allowed:
-                        continue
-                    ns = self.nodes[nid]
-                    take = min(need, free)
-                    picked.append((ns, tuple(i for i, r in enumerate(ns.residents) if not r)[:take]))
-                    need -= take
-                    if need == 0:
-                        break
-                if need == 0:
-                    break
-            if need == 0:
-                cands.append(Candidate(picked[0][0], picked[0][1], (), tuple(picked[1:])))
-        share = self._share_ok(rec) and (self.profile.share == "always" or not cands)
-        if share:
-            incompatible = self._incompatible
-            jt = rec.job.job_type
-            for ns in self.nodes.values():
-                if not ns.alive or (allowed is not None and ns.node.id not in allowed):
-                    continue
-                seen: set[tuple[str, ...]] = set()
-                for i, res in enumerate(ns.residents):
-                    if not res or len(res) >= self.profile.max_share:
-                        continue
-                    types = tuple(sorted(self.records[o].job.job_type for o in res))
-                    if types in seen:
-                        continue
-                    seen.add(types)
-                    if any(frozenset((jt, t)) in incompatible for t in types):
-                        continue
-                    if any(self.records[o].job.gpus > self.profile.share_max_gpus for o in res):
-                        continue
-                    cands.append(Candidate(ns, (i,), tuple(res)))
-        out = []
-        for c in cands:
-            if self._fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
-                out.append(c)
-        return out
-
-    def _fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
-        first = rec.job.gpus if not cand.gpus else len(cand.gpus)
-        for ns, n in ((cand.node, first), *((m, len(g)) for m, g in cand.more)):
-            need = self.allocator.demand(rec, ns, n, ctx)
-            if (ns.demand_cpus + need.cpus > ns.node.cores + 1e-9
-                    or ns.demand_memory + need.memory_bytes > ns.node.memory_bytes):
-                return False
-        return True
-
-    def _rank(self, rec: JobRecord, cands: list[Candidate], ctx: Context) -> list[tuple[Candidate, float]]:
-        if not cands:
-            return []
-        total = [0.0] * len(cands)
-        for plugin, weight in self.scores:
-            raw = [plugin.score(rec, c, ctx) for c in cands]
-            lo, hi = min(raw), max(raw)
-            span = hi - lo
-            for i, r in enumerate(raw):
-                total[i] += weight * (100.0 * (r - lo) / span if span > 0 else 100.0)
-        ranked = sorted(range(len(cands)), key=lambda i: -total[i])  # stable: ties keep candidate order
-        return [(cands[i], total[i]) for i in ranked]
-
-    def _try_place(self, rec: JobRecord, ctx: Context, cause: str, out: list[Decision]) -> bool:
-        cands = self._candidates(rec, ctx)
-        if not cands:
-            return False
-        best = self._rank(rec, cands, ctx)[0][0]
-        if not best.gpus:
-            best = Candidate(best.node, best.node.free_indices()[:rec.job.gpus], (), best.more)
-        self._start(rec, best, cause, out)
-        return True
-
-    # ------------------------------------------------------------ passes
-
-    def _schedule(self, cause: str, full: bool, out: list[Decision]) -> None:
-        if self.order.preemptive and full and (self.waiting or self.running):
-            self._preemptive_pass(cause, out)
-        else:
-            self._fill(cause, out)
-        self._maybe_wakeup(cause, out)
-
-    def _fill(self, cause: str, out: list[Decision]) -> None:
-        if not self.waiting:
-            return
-        ctx = self._ctx()
-        share_possible = self.profile.share != "never"
-        # Equivalence classes (as kube-scheduler caches them): once a (type, GPUs)
-        # job found no place, its twins will not either until something is placed.
-        failed: set[tuple[str, int, float, int]] = set()
-        misses = 0
-        for _, jid in list(self._wait_order):
-            if self.free_gpus == 0 and (not share_possible or self.share_slots == 0):
-                break
-            if misses >= self.profile.scan_limit:  # like Slurm's bf_max_job_test
-                break
-            rec = self.waiting.get(jid)
-            if rec is None:
-                continue
-            job = rec.job
-            if self.free_gpus < job.gpus and not self._share_ok(rec):
-                if not self.profile.backfill:
-                    break
-                continue
-            cls = self._class[jid]
-            if cls in failed:
-                continue
-            placed = self._try_place(rec, ctx, cause, out)
-            if placed:
-                failed.clear()
-                misses = 0
-            else:
-                failed.add(cls)
-                misses += 1
-                if not self.profile.backfill:
-                    break
-
-    def _preemptive_pass(self, cause: str, out: list[Decision]) -> None:
-        ctx = self._ctx()
-        active = list(self.running.values()) + list(self.waiting.values())
-        active.sort(key=lambda r: self.order.key(r, ctx))
-        rem = self.total_gpus
-        admitted: set[str] = set()
-        for r in active:
-            if r.job.gpus <= rem:
-                admitted.add(r.job.id)
-                rem -= r.job.gpus
-            if rem == 0:
-                break
-        min_run = self.profile.min_run_s
-        victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING
-                   and (r.run_since is None or self.now - r.run_since >= min_run)]
-        rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
-        for r in active:
-            if r.job.id not in admitted or r.job.state is JobState.RUNNING:
-                continue
-            ctx = self._ctx()
-            if self._try_place(r, ctx, cause, out):
-                continue
-            if rank and self._make_room(r, rank, cause, out):
-                self._try_place(r, self._ctx(), cause, out)
-        # Work conservation: anything else that fits (or may share) starts now.
-        self._fill(cause, out)
-
-    def _make_room(self, rec: JobRecord, rank: dict[str, int], cause: str, out: list[Decision]) -> bool:
-        """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
-        ``rank`` maps still-running victims to their rank (0 = worst); preempted
-        ones are removed from it."""
-        g = rec.job.gpus
-        live = [jid for jid in rank if self.records[jid].job.state is JobState.RUNNING]
-        if not live:
-            return False
-        victim_nodes: dict[str, None] = {}
-        for jid in live:
-            for sh in self.records[jid].shards:
-                victim_nodes[sh.node] = None
-        per_node: list[tuple[NodeState, int, list[str]]] = []
-        for nid in victim_nodes:
-            ns = self.nodes[nid]
-            if not ns.alive:
-                continue
-            reclaim = ns.free_gpus
-            need_v: dict[str, None] = {}
-            for res in ns.residents:
-                if res and all(o in rank for o in res):
-                    reclaim += 1
-                    for o in res:
-                        need_v[o] = None
-            if need_v:
-                per_node.append((ns, reclaim, sorted(need_v, key=rank.__getitem__)))
-
-        def preempt(jid: str) -> None:
-            vr = self.records[jid]
-            rank.pop(jid, None)
-            if vr.job.state is JobState.RUNNING:
-                self._stop(vr, cause, out, requeue=True)
-                out.append(Preempt(cause, jid, f"for {rec.job.id}"))
-
-        if g <= self.max_node_gpus:
-            plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)
-                     if reclaim >= g]
-            if not plans:
-                return False
-            node, _, chosen = per_node[min(plans)[2]]
-            for v in chosen:
-                if node.free_gpus >= g:
-                    break
-                preempt(v)
-            return node.free_gpus >= g
-        # Spans nodes: free nodes first, then the nodes with the most reclaimable GPUs.
-        got = self.free_gpus - sum(ns.free_gpus for ns, _, _ in per_node)
-        per_node.sort(key=lambda p: -p[1])
-        chosen_nodes = []
-        for ns, reclaim, vs in per_node:
-            if got >= g:
-                break
-            got += reclaim
-            chosen_nodes.append(vs)
-        if got < g:
-            return False
-        for vs in chosen_nodes:
-            for v in vs:
-                preempt(v)
-        return True
-
-    def _maybe_wakeup(self, cause: str, out: list[Decision]) -> None:
-        if not self.order.preemptive or not self.waiting:
-            return
-        ctx = self._ctx()
-        at = math.inf
-        if getattr(self.order, "uniform_wakeup", False):
-            # Every running job's key changes on the same quantum: one look suffices,
-            # and a wakeup already pending in the future cannot be beaten.
-            if self._wakeup_at is not None and self._wakeup_at > self.now:
-                return
-            if self.running:
-                at = self.order.next_change(next(iter(self.running.values())), ctx) or math.inf
-        else:
-            for r in self.running.values():
-                t = self.order.next_change(r, ctx)
-                if t is not None and t < at:
-                    at = t
-        if self.profile.min_run_s:  # also wake when a protected job may be preempted
-            for r in self.running.values():
-                t = (r.run_since or 0.0) + self.profile.min_run_s
-                if self.now < t < at:
-                    at = t
-        if at == math.inf:
-            return
-        at = max(at, self.now + 1e-6)
-        if self._wakeup_at is None or self._wakeup_at <= self.now or at < self._wakeup_at - 1e-9:
-            self._wakeup_at = at
-            out.append(Wakeup(cause, at))
 
     # ------------------------------------------------------------ summaries
 

@@ -51,6 +51,7 @@ class Predictors:
     pairs: PairSpeeds = field(default_factory=PairSpeeds)
     alone_util: dict[str, tuple[float, float]] = field(default_factory=dict)
     default_util: tuple[float, float] = (50.0, 25.0)
+    _memo: dict[tuple, float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def default(cls) -> "Predictors":
@@ -96,7 +97,10 @@ class Predictors:
             jobs = [new_job, *residents] if new_job is not None and len(residents) == len(resident_types) else None
             if self.interference is not None and jobs is not None:
                 utils = [self.utilisation_of(j) for j in jobs]
-                total = float(self.interference.predict([utils])[0])
+                key = tuple(sorted((round(a, 1), round(b, 1)) for a, b in utils))
+                total = self._memo.get(key)
+                if total is None:  # a model call costs ~0.1 ms: remember it per utilisation set
+                    total = self._memo[key] = float(self.interference.predict([utils])[0])
                 # IADeep's sum_interference is the summed relative slowdown: split it evenly.
                 each = 1.0 / (1.0 + total / len(types))
                 out = [v if v == v else each for v in out]

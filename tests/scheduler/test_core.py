@@ -224,3 +224,14 @@ def test_incremental_indexes_stay_consistent_under_random_events(profile):
         for rec in st.running.values():
             assert all(rec.job.id in st.nodes[sh.node].residents[g] for sh in rec.shards for g in sh.gpus)
             assert sum(len(sh.gpus) for sh in rec.shards) == rec.job.gpus
+
+
+def test_explain_gives_a_reason_per_rejected_node():
+    st = make_state("fifo", n=3)
+    st.handle(JobArrived("1", 0, Job("a", "m", gpus=3)))
+    st.handle(NodeLost("2", 1, "n2"))
+    why = st.explain(Job("probe", "m", gpus=2))
+    assert "n0" in why and "free GPUs" in why["n0"]  # 'a' left one GPU there
+    assert why["n2"] == "node offline"
+    assert "n1" not in why  # it fits there
+    assert st.explain(Job("probe", "m", gpus=2), ["nope"]) == {"nope": "unknown node"}

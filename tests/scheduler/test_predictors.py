@@ -82,3 +82,18 @@ def test_sensitivity_tables():
     assert not s.knows("ResNet-18", 1)
     s.add_profile("mine", 1, [[0.5, 1.0]] * 9)
     assert s.speed("mine", 1, 24, 70e9) == 1.0
+
+
+def test_predictor_bundle_falls_back_on_the_trained_interference_model():
+    from scheduler import Job
+    from scheduler.predictors import Predictors
+
+    p = Predictors.from_data()
+    a, b = Job("a", "X"), Job("b", "Y")
+    p.alone_util.update({"X": (53.4, 26.7), "Y": (60.8, 34.7)})  # vgg16 and vgg19 alone (IADeep)
+    speeds = p.colocated_speeds("X", ["Y"], a, [b])
+    assert len(speeds) == 2 and all(0 < s < 1 for s in speeds)
+    assert p.colocated_speeds("X", ["Y"], a, [b]) == speeds  # memoised, same answer
+    # measured speeds, once reported, win over the model
+    p.pairs.observe("X", ("Y",), 0.9)
+    assert p.colocated_speeds("X", ["Y"], a, [b])[0] == pytest.approx(0.9)

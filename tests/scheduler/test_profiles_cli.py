@@ -119,3 +119,10 @@ def test_data_dir_prefers_env(tmp_path, monkeypatch):
     assert data.data_dir() == tmp_path
     with pytest.raises(data.DataError, match="dlshare data fetch"):
         data.path("philly/vc_0e4a51.csv")
+
+
+def test_cli_sim_synthetic_trace():
+    p = run_cli("sim", "--synthetic", "300", "--cluster", "4x4", "--profile", "fifo,dlshare")
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("| synthetic-300 |")]
+    assert len(lines) == 2

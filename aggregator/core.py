@@ -1,0 +1,362 @@
+"""The aggregation state machine: events in, decisions out, no sockets, threads or clocks.
+
+:class:`AggregationCore` holds the jobs a server serves.  A job has ranks
+(connections), and reductions in flight, each an :class:`AggregationRound`
+unit identified by (round, key, chunk).  Buffers are opaque objects to the core:
+it hands them back in decisions and never reads them.
+
+The shell (aggregator/server.py) feeds :meth:`AggregationCore.handle` with
+events, each carrying an id for replay, and carries out the decisions it gets.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from aggregator.protocol import DType, Header, Hello, MsgType, Op, control, error
+
+ALL = 0xFFFFFFFF  # key/chunk value of an error that covers a whole round
+FAILED_ROUNDS_KEPT = 256  # failed rounds remembered per job, to answer late pushes at once
+
+DEFAULT_MAX_JOB_BYTES = 4 << 30  # per job: bounds what ranks that push unmatched rounds can pin
+
+ConnId = Hashable
+
+
+# --- events ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Register:
+    eid: int
+    conn: ConnId
+    hello: Hello
+    now: float
+
+
+@dataclass(frozen=True)
+class ChunkArrived:
+    eid: int
+    conn: ConnId
+    header: Header
+    buf: Any
+    now: float
+
+
+@dataclass(frozen=True)
+class ConnectionLost:
+    eid: int
+    conn: ConnId
+    now: float
+    orderly: bool = False
+
+
+@dataclass(frozen=True)
+class Tick:
+    eid: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Drain:
+    eid: int
+    now: float
+
+
+# --- decisions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send a control message (header and JSON payload, already encoded)."""
+
+    conn: ConnId
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Close:
+    conn: ConnId
+
+
+@dataclass(frozen=True)
+class Release:
+    """Buffers the core no longer needs (a failed or refused reduction)."""
+
+    bufs: tuple
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """Sum ``bufs`` (rank order) into ``bufs[0]``, divide by ``divisor``, send it to ``conns``."""
+
+    job: str
+    dtype: DType
+    bufs: tuple
+    divisor: float
+    result: Header
+    conns: tuple
+    nbytes: int
+
+
+Decision = Send | Close | Release | Reduce
+
+
+# --- state ----------------------------------------------------------------------------------
+
+
+@dataclass
+class AggregationRound:
+    """One (round, key, chunk) reduction waiting for its ranks' chunks."""
+
+    first: Header
+    bufs: list
+    created: float
+    arrived: int = 0
+
+    def missing(self) -> list[int]:
+        return [r for r, b in enumerate(self.bufs) if b is None]
+
+
+@dataclass
+class JobState:
+    name: str
+    handle: int
+    world: int
+    conns: dict[int, ConnId] = field(default_factory=dict)
+    units: dict[tuple[int, int, int], AggregationRound] = field(default_factory=dict)
+    failed: OrderedDict = field(default_factory=OrderedDict)  # round -> (code, message)
+    max_round: int = -1
+    drain_from: int | None = None
+    layout: dict[int, tuple[int, int]] | None = None  # key -> (elements, dtype code), when registered
+    bytes_in: int = 0
+    rounds_done: int = 0
+    held_bytes: int = 0  # chunks received and not yet reduced or dropped
+
+
+def _describe(h: Header) -> str:
+    dt = DType(h.dtype).label
+    return f"{dt} {Op(h.op).name.lower()} with {h.numel} elements in {h.nchunks} chunks ({h.nbytes}-byte chunk)"
+
+
+def _layout_diff(have: dict[int, tuple[int, int]], new: tuple) -> str:
+    theirs = {k: (n, dt) for k, n, dt in new}
+    for k in sorted(set(have) | set(theirs)):
+        a, b = have.get(k), theirs.get(k)
+        if a != b:
+            fmt = lambda v: "absent" if v is None else f"{v[0]} {DType(v[1]).label} elements"  # noqa: E731
+            return f"key {k}: job has {fmt(a)}, this rank {fmt(b)}"
+    return ""
+
+
+class AggregationCore:
+    """All jobs of one server.  Not thread-safe: the shell serialises calls."""
+
+    def __init__(self, server_id: str, round_timeout_s: float, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> None:
+        self.server_id = server_id
+        self.round_timeout_s = round_timeout_s
+        self.max_job_bytes = max_job_bytes
+        self.jobs: dict[str, JobState] = {}
+        self.conn_job: dict[ConnId, tuple[str, int]] = {}
+        self.draining = False
+        self._next_handle = 1
+
+    # public view for telemetry
+    def summary(self) -> dict[str, Any]:
+        return {
+            name: {"world": j.world, "ranks": sorted(j.conns), "pending": len(j.units), "held_bytes": j.held_bytes,
+                   "rounds_done": j.rounds_done, "bytes_in": j.bytes_in, "draining_from": j.drain_from}
+            for name, j in self.jobs.items()
+        }
+
+    def pending_units(self) -> int:
+        return sum(len(j.units) for j in self.jobs.values())
+
+    def handle(self, ev) -> list[Decision]:
+        if isinstance(ev, ChunkArrived):
+            return self._chunk(ev)
+        if isinstance(ev, Register):
+            return self._register(ev)
+        if isinstance(ev, ConnectionLost):
+            return self._lost(ev)
+        if isinstance(ev, Tick):
+            return self._tick(ev)
+        if isinstance(ev, Drain):
+            return self._drain(ev)
+        raise TypeError(f"unknown event {type(ev).__name__}")
+
+    # --- registration ---
+
+    def _register(self, ev: Register) -> list[Decision]:
+        h = ev.hello
+        out: list[Decision] = []
+        if ev.conn in self.conn_job:
+            return [Send(ev.conn, error("bad_message", "this connection already said HELLO")), Close(ev.conn)]
+        job = self.jobs.get(h.job)
+        if job is not None and job.world != h.world:
+            msg = f"job {h.job} has world size {job.world} on server {self.server_id}; rank {h.rank} says {h.world}"
+            return [Send(ev.conn, error("world_mismatch", msg)), Close(ev.conn)]
+        if job is not None and h.layout is not None and job.layout is not None:
+            diff = _layout_diff(job.layout, h.layout)
+            if diff:
+                msg = f"rank {h.rank} registered a layout that differs from job {h.job}'s: {diff}"
+                return [Send(ev.conn, error("layout_mismatch", msg)), Close(ev.conn)]
+        if job is None:
+            job = JobState(h.job, self._next_handle, h.world)
+            self._next_handle += 1
+            if self.draining:
+                job.drain_from = 0
+            self.jobs[h.job] = job
+        old = job.conns.get(h.rank)
+        if old is not None:
+            # A restarted worker replaces its old connection; the old one's rounds cannot finish.
+            out += self._lost(ConnectionLost(ev.eid, old, ev.now))
+            out.append(Close(old))
+            if h.job not in self.jobs:  # the job went away with its last rank
+                self.jobs[h.job] = job
+        if h.layout is not None and job.layout is None:
+            job.layout = {k: (n, dt) for k, n, dt in h.layout}
+        job.conns[h.rank] = ev.conn
+        self.conn_job[ev.conn] = (h.job, h.rank)
+        body: dict[str, Any] = {"server": self.server_id, "job_handle": job.handle}
+        out.append(Send(ev.conn, control(MsgType.WELCOME, body, job=job.handle, rank=h.rank, world=h.world)))
+        if job.drain_from is not None:
+            out.append(Send(ev.conn, self._redirect(job, ALL, ALL)))
+        return out
+
+    # --- data ---
+
+    def _chunk(self, ev: ChunkArrived) -> list[Decision]:
+        h = ev.header
+        who = self.conn_job.get(ev.conn)
+        if who is None:
+            return [Release((ev.buf,)), Send(ev.conn, error("bad_message", "PUSH before HELLO", h.round, h.key,
+                                                            h.chunk))]
+        job = self.jobs[who[0]]
+        rank = who[1]
+        if h.job != job.handle or h.rank != rank or h.world != job.world:
+            msg = (f"PUSH names job handle {h.job} rank {h.rank} world {h.world}; this connection is "
+                   f"job {job.name} (handle {job.handle}) rank {rank} world {job.world}")
+            return [Release((ev.buf,)), Send(ev.conn, error("bad_message", msg, h.round, h.key, h.chunk))]
+        if h.round in job.failed:
+            code, msg = job.failed[h.round]
+            return [Release((ev.buf,)), Send(ev.conn, error(code, msg, h.round, ALL, ALL, job.handle))]
+        if job.layout is not None:
+            want = job.layout.get(h.key)
+            if want != (h.numel, h.dtype):
+                exp = "no such key" if want is None else f"{want[0]} {DType(want[1]).label} elements"
+                msg = (f"layout mismatch in job {job.name} round {h.round}: rank {rank} pushed key {h.key} "
+                       f"as {h.numel} {DType(h.dtype).label} elements; the registered layout has {exp}")
+                return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
+        if job.held_bytes + h.nbytes > self.max_job_bytes:
+            msg = (f"job {job.name} holds {job.held_bytes} bytes of unfinished reductions on server "
+                   f"{self.server_id}; another {h.nbytes} would pass its limit of {self.max_job_bytes} "
+                   f"(agg.max_job_bytes): are its ranks pushing different rounds?")
+            return [Release((ev.buf,))] + self._fail_round(job, h.round, "over_limit", msg)
+        unit_id = h.unit
+        unit = job.units.get(unit_id)
+        if unit is None:
+            if job.drain_from is not None and h.round >= job.drain_from:
+                return [Release((ev.buf,)), Send(ev.conn, self._redirect(job, h.key, h.chunk, h.round))]
+            unit = AggregationRound(h, [None] * job.world, ev.now)
+            job.units[unit_id] = unit
+            job.max_round = max(job.max_round, h.round)
+        else:
+            f = unit.first
+            if (f.dtype, f.op, f.nchunks, f.nbytes, f.numel) != (h.dtype, h.op, h.nchunks, h.nbytes, h.numel):
+                msg = (f"mismatch in job {job.name} round {h.round} key {h.key} chunk {h.chunk}: rank {rank} "
+                       f"pushed {_describe(h)}, rank {f.rank} pushed {_describe(f)}")
+                return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
+            if unit.bufs[rank] is not None:
+                msg = f"rank {rank} pushed round {h.round} key {h.key} chunk {h.chunk} of job {job.name} twice"
+                return [Release((ev.buf,)), Send(ev.conn, error("duplicate", msg, h.round, h.key, h.chunk))]
+        unit.bufs[rank] = ev.buf
+        unit.arrived += 1
+        job.bytes_in += h.nbytes
+        job.held_bytes += h.nbytes
+        if unit.arrived < job.world:
+            return []
+        del job.units[unit_id]
+        job.held_bytes -= h.nbytes * job.world
+        job.rounds_done += 1
+        conns = tuple(job.conns.get(r) for r in range(job.world))
+        f = unit.first
+        result = f.with_(mtype=MsgType.RESULT, rank=0)
+        divisor = float(job.world) if f.op == Op.MEAN else 1.0
+        return [Reduce(job.name, DType(f.dtype), tuple(unit.bufs), divisor, result, conns, f.nbytes)]
+
+    # --- faults ---
+
+    def _fail_round(self, job: JobState, rnd: int, code: str, msg: str, skip: ConnId | None = None) -> list[Decision]:
+        out: list[Decision] = []
+        job.failed[rnd] = (code, msg)
+        while len(job.failed) > FAILED_ROUNDS_KEPT:
+            job.failed.popitem(last=False)
+        for uid in [u for u in job.units if u[0] == rnd]:
+            unit = job.units.pop(uid)
+            bufs = tuple(b for b in unit.bufs if b is not None)
+            job.held_bytes -= unit.first.nbytes * len(bufs)
+            if bufs:
+                out.append(Release(bufs))
+        for conn in job.conns.values():
+            if conn != skip:
+                out.append(Send(conn, error(code, msg, rnd, ALL, ALL, job.handle)))
+        return out
+
+    def _lost(self, ev: ConnectionLost) -> list[Decision]:
+        who = self.conn_job.pop(ev.conn, None)
+        if who is None:
+            return []
+        name, rank = who
+        job = self.jobs[name]
+        if job.conns.get(rank) == ev.conn:
+            del job.conns[rank]
+        out: list[Decision] = []
+        how = "closed its connection" if ev.orderly else "disconnected"
+        for rnd in sorted({u[0] for u in job.units}):
+            msg = f"rank {rank} of job {name} {how} during round {rnd} (server {self.server_id})"
+            out += self._fail_round(job, rnd, "peer_lost", msg, skip=ev.conn)
+        if not job.conns:
+            del self.jobs[name]
+        return out
+
+    def _tick(self, ev: Tick) -> list[Decision]:
+        out: list[Decision] = []
+        for job in list(self.jobs.values()):
+            late = {}
+            for uid, unit in job.units.items():
+                if ev.now - unit.created >= self.round_timeout_s:
+                    late.setdefault(uid[0], (uid, unit))
+            for rnd, (uid, unit) in sorted(late.items()):
+                msg = (f"round {rnd} of job {job.name} timed out after {self.round_timeout_s:g} s on server "
+                       f"{self.server_id}: ranks {unit.missing()} never pushed key {uid[1]} chunk {uid[2]}")
+                out += self._fail_round(job, rnd, "timeout", msg)
+        return out
+
+    # --- draining ---
+
+    def _redirect(self, job: JobState, key: int, chunk: int, rnd: int | None = None) -> bytes:
+        body = {"from_round": job.drain_from, "server": self.server_id}
+        return control(MsgType.REDIRECT, body, job=job.handle, round=job.drain_from if rnd is None else rnd,
+                       key=key, chunk=chunk)
+
+    def _drain(self, ev: Drain) -> list[Decision]:
+        """Stop taking new rounds: each job's rounds from the next one on go to the other servers.
+
+        Reductions already started here (any rank pushed) finish here; a round
+        nobody has pushed yet is redirected, so every rank of a job sends a
+        given chunk to the same server whether or not it has heard of the drain.
+        """
+        self.draining = True
+        out: list[Decision] = []
+        for job in self.jobs.values():
+            if job.drain_from is None:
+                job.drain_from = job.max_round + 1
+            for conn in job.conns.values():
+                out.append(Send(conn, self._redirect(job, ALL, ALL)))
+        return out
+
+    def drained(self) -> bool:
+        return self.draining and self.pending_units() == 0

@@ -1,0 +1,14 @@
+#ifndef DLSHARE_AGG_IO_H
+#define DLSHARE_AGG_IO_H
+#include <stddef.h>
+
+/* Blocking socket I/O for the aggregation data path, called with the GIL released, so that
+ * a whole message costs one GIL release instead of one per partial send or receive. */
+
+/* Send a then b (either may be empty) completely on blocking socket fd.
+ * Returns the bytes sent, or -errno. */
+long dls_agg_send2(int fd, const void *a, size_t alen, const void *b, size_t blen);
+/* Receive exactly len bytes.  Returns len, 0 on EOF before the first byte, -errno on an
+ * error, or -ECONNRESET when the peer closed mid-message. */
+long dls_agg_recv_exact(int fd, void *buf, size_t len);
+#endif
