@@ -284,7 +284,9 @@ class NodeDaemon:
             elif spec.job in self.allocations:
                 procs = [str(p / "cgroup.procs") for p in _path_list(self.cgroups.apply(self.allocations[spec.job]))]
             try:
-                jp = self.jobs.start(spec.job, list(spec.argv), spec.env, spec.cwd, procs, spec.gpus)
+                # A job reaches the broker (and through it the aggregation servers) the way its node does.
+                env = {"DLSHARE_BROKER": self.cfg["dlshare"]["broker"], "DLSHARE_NODE_ID": self.node_id, **spec.env}
+                jp = self.jobs.start(spec.job, list(spec.argv), env, spec.cwd, procs, spec.gpus)
             except RuntimeError as exc:
                 raise messages.PayloadError(str(exc)) from None
             except OSError as exc:

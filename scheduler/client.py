@@ -1,0 +1,128 @@
+"""A small client for job launchers: ``SchedulerClient(url, token).submit({...})``.
+
+It speaks the service's HTTP API (``dlshare sched``) with httpx.  Errors come
+back as :class:`SchedulerError` carrying the HTTP status and the service's own
+explanation, e.g. ``422 invalid request: cpus: Input should be greater than 0``.
+
+    from scheduler.client import SchedulerClient
+    c = SchedulerClient("http://127.0.0.1:7800", token)
+    job = c.submit({"model": "resnet50", "gpus": 1, "cpus": 4, "memory_bytes": 8 << 30,
+                    "command": ["python", "train.py"]})
+    c.wait(job["id"], {"done", "failed"})
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TERMINAL = frozenset({"done", "failed", "cancelled"})
+
+
+class SchedulerError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status} {message}")
+        self.status = status
+        self.message = message
+
+
+def _explain(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text.strip()[:500] or r.reason_phrase
+    if isinstance(body, dict):
+        if isinstance(body.get("message"), str):
+            return body["message"]
+        d = body.get("detail")
+        if isinstance(d, str):
+            return d
+        if isinstance(d, list):
+            return "; ".join(f"{'.'.join(map(str, e.get('loc', [])))}: {e.get('msg')}" for e in d if isinstance(e, dict))
+    return str(body)[:500]
+
+
+class SchedulerClient:
+    def __init__(self, url: str, token: str, timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout,
+                                 transport=transport)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "SchedulerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise SchedulerError(0, f"cannot reach the scheduler at {self.url}: {exc}") from None
+        if r.status_code >= 400:
+            raise SchedulerError(r.status_code, _explain(r))
+        return r.json()
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Submit a job spec; returns the stored job (state ``queued``)."""
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def list(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0) -> list[dict[str, Any]]:
+        params: list[tuple[str, Any]] = [("limit", limit), ("offset", offset)]
+        params += [("state", s) for s in states or []]
+        return self._call("GET", "/v1/jobs", params=params)["jobs"]
+
+    def all(self, states: Iterable[str] | None = None, page: int = 10_000) -> list[dict[str, Any]]:
+        """Every job (in submission order), fetched page by page."""
+        out: list[dict[str, Any]] = []
+        while True:
+            got = self.list(states, limit=page, offset=len(out))
+            out += got
+            if len(got) < page:
+                return out
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/jobs/{job_id}")
+
+    def events(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after})["events"]
+
+    def cluster(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/cluster")
+
+    def wait(self, job_id: str, states: Iterable[str] = TERMINAL, timeout: float = 60.0,
+             poll: float = 0.2) -> dict[str, Any]:
+        """Poll until the job is in one of ``states``; raises TimeoutError with its last state."""
+        want = set(states)
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get(job_id)
+            if job["state"] in want:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is {job['state']} ({job.get('reason')}) after {timeout}s, "
+                                   f"not one of {sorted(want)}")
+            time.sleep(poll)
+
+
+def default_token(db_path: str | None = None) -> str | None:
+    """``$DLSHARE_SCHED_TOKEN``, else the token file the service wrote beside its DB."""
+    tok = os.environ.get("DLSHARE_SCHED_TOKEN")
+    if tok:
+        return tok
+    if db_path:
+        p = Path(db_path + ".token")
+        if p.exists():
+            return p.read_text().strip() or None
+    return None

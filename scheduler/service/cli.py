@@ -1,0 +1,257 @@
+"""``dlshare sched`` (the scheduler service) and ``dlshare job submit|list|show|events|cancel``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from nodesvc import config
+
+log = logging.getLogger("dlshare.sched")
+
+
+def _default_db() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "dlshare", "sched.db")
+
+
+config.register_section("sched", {
+    "listen": "127.0.0.1:7800",
+    "db": _default_db(),
+    "token": "",  # empty: generated at first start, stored beside the DB as <db>.token (mode 0600)
+    "profile": "dlshare",
+    "synchronous": "FULL",  # SQLite: FULL survives power loss, NORMAL survives a process kill only
+    "tick_s": 2.0,
+    "command_timeout_s": 10.0,
+    "node_timeout_s": 30.0,
+    "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
+    "k8s_open": False,
+    "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
+})
+
+
+def _url(cfg: dict[str, dict[str, Any]]) -> str:
+    if cfg["sched"]["url"]:
+        return cfg["sched"]["url"]
+    from nodesvc.broker import split_hostport
+
+    host, port = split_hostport(cfg["sched"]["listen"], 7800)
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}"
+
+
+def _predictors(kind: str):
+    """The predictor bundle the core starts with; both learn online from telemetry."""
+    from scheduler import Predictors
+
+    if kind == "default":
+        return Predictors.default()
+    if kind != "data":
+        raise config.ConfigError(f"sched.predictors must be 'data' or 'default', not {kind!r}")
+    try:
+        return Predictors.from_data()
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("predictors: the shared data is not usable (%s); starting uninformed", exc)
+        return Predictors.default()
+
+
+async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = None,
+                ready: asyncio.Event | None = None) -> None:
+    """Run the service until ``stop`` is set or SIGINT/SIGTERM."""
+    import uvicorn
+
+    from nodesvc.broker import split_hostport
+    from scheduler import SchedulerState
+    from scheduler.service.api import create_app
+    from scheduler.service.live import SchedulerService
+    from scheduler.service.store import JobStore, load_or_create_token
+
+    s = cfg["sched"]
+    host, port = split_hostport(s["listen"], 7800)
+    store = JobStore(s["db"], synchronous=s["synchronous"])
+    token = load_or_create_token(s["db"], s["token"])
+    try:
+        predictors = _predictors(s["predictors"])
+        core = SchedulerState(s["profile"], predictors=predictors)
+    except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
+        store.close()
+        raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
+    service = SchedulerService(store, core=core, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
+                               command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
+    app = create_app(service, token, k8s_open=s["k8s_open"])
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           lifespan="off"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await service.start()
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if task.done():
+        await service.stop()
+        task.result()
+        raise RuntimeError(f"scheduler API could not listen on {host}:{port}")
+    log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s)", host, port, service.profile,
+             s["db"], cfg["dlshare"]["broker"])
+    if ready:
+        ready.set()
+    await stop.wait()
+    server.should_exit = True
+    await task
+    await service.stop()
+    store.close()
+
+
+def _run_sched(args, cfg) -> int:
+    asyncio.run(serve(cfg))
+    return 0
+
+
+# --- dlshare job -------------------------------------------------------------------------
+
+
+def _client(cfg):
+    from scheduler.client import SchedulerClient, default_token
+
+    token = cfg["sched"]["token"] or default_token(cfg["sched"]["db"])
+    if not token:
+        raise config.ConfigError(f"no scheduler token: set DLSHARE_SCHED_TOKEN or --token "
+                                 f"(the service stores it in {cfg['sched']['db']}.token)")
+    return SchedulerClient(_url(cfg), token)
+
+
+def _spec_from_args(args) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if args.spec:
+        text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
+        spec = json.loads(text)
+        if not isinstance(spec, dict):
+            raise ValueError("the job spec file must hold a JSON object")
+    for key in ("id", "name", "kind", "model", "batch_size", "gpus", "cpus", "priority", "cwd"):
+        v = getattr(args, key.replace("-", "_"), None)
+        if v is not None:
+            spec[key] = v
+    if args.memory is not None:
+        spec["memory_bytes"] = _parse_bytes(args.memory)
+    if args.env:
+        env = dict(spec.get("env") or {})
+        for kv in args.env:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise ValueError(f"--env {kv!r}: expected NAME=VALUE")
+            env[k] = v
+        spec["env"] = env
+    if args.argv:
+        argv = args.argv[1:] if args.argv[0] == "--" else args.argv
+        spec["command"] = argv
+    return spec
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().rstrip("b").rstrip("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _print_jobs(jobs: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("job", "name", "state", "node", "gpus", "cpus", "memory", "service s", "reason")
+    for j in jobs:
+        a, s = j.get("allocation") or {}, j["spec"]
+        table.add_row(j["id"], str(s.get("name") or s.get("model") or ""), j["state"], str(a.get("node") or "-"),
+                      ",".join(map(str, a.get("gpus") or [])) or str(s.get("gpus")), str(a.get("cpus", s.get("cpus"))),
+                      f"{(a.get('memory_bytes') or s.get('memory_bytes') or 0) / (1 << 30):.2f} GiB",
+                      f"{j.get('attained_service', 0):.1f}", str(j.get("reason") or ""))
+    Console().print(table)
+
+
+def _run_job(args, cfg) -> int:
+    from scheduler.client import SchedulerError
+
+    try:
+        with _client(cfg) as c:
+            if args.action == "submit":
+                job = c.submit(_spec_from_args(args))
+                if args.wait:
+                    job = c.wait(job["id"], timeout=args.wait)
+                print(json.dumps(job, indent=2) if args.json_out else f"{job['id']} {job['state']}")
+                return 0 if job["state"] not in ("failed", "cancelled") else 1
+            if args.action == "list":
+                jobs = c.list(states=args.state or None)
+                if args.json_out:
+                    print(json.dumps(jobs, indent=2))
+                else:
+                    _print_jobs(jobs)
+            elif args.action == "show":
+                print(json.dumps(c.get(args.job), indent=2))
+            elif args.action == "events":
+                for e in c.events(args.job):
+                    print(json.dumps(e) if args.json_out else
+                          f"{e['seq']:>6} {e['kind']:<18} {e.get('node') or '-':<12} {json.dumps(e['data'])}")
+            elif args.action == "cancel":
+                job = c.cancel(args.job)
+                print(f"{job['id']} {job['state']}")
+    except SchedulerError as exc:
+        print(f"dlshare job: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"dlshare job: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def register(sub) -> None:
+    from nodesvc.cli import add_command, config_flag
+
+    p = add_command(sub, "sched", _run_sched, "run the scheduler service: job API, live loop, Kubernetes extender",
+                    sections=["sched"])
+    config_flag(p, "--listen", "sched", "listen", help="HOST:PORT of the HTTP API (default 127.0.0.1:7800)")
+    config_flag(p, "--db", "sched", "db", help="SQLite database path")
+    config_flag(p, "--token", "sched", "token", help="bearer token (default: generated, stored in <db>.token)")
+    config_flag(p, "--profile", "sched", "profile", help="scheduling profile (scheduler/profiles/NAME.toml)")
+    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
+
+    j = add_command(sub, "job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
+                    sections=["sched"])
+    config_flag(j, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
+    config_flag(j, "--token", "sched", "token", help="bearer token (default $DLSHARE_SCHED_TOKEN or <db>.token)")
+    config_flag(j, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
+    j.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
+    acts = j.add_subparsers(dest="action", metavar="ACTION", required=True)
+    s = acts.add_parser("submit", help="submit a job: dlshare job submit --gpus 1 --model resnet50 -- python train.py")
+    s.add_argument("--spec", metavar="FILE", help="JSON job spec (- for stdin); flags override its keys")
+    s.add_argument("--id"), s.add_argument("--name"), s.add_argument("--model")
+    s.add_argument("--kind", choices=["training", "data_prep", "inference", "other"])
+    s.add_argument("--batch-size", dest="batch_size", type=int)
+    s.add_argument("--gpus", type=int), s.add_argument("--cpus", type=float)
+    s.add_argument("--memory", help="host memory, e.g. 4GiB")
+    s.add_argument("--priority", type=int), s.add_argument("--cwd")
+    s.add_argument("--env", action="append", metavar="NAME=VALUE")
+    s.add_argument("--wait", type=float, metavar="SECONDS", help="wait until the job ends")
+    s.add_argument("argv", nargs=argparse.REMAINDER, help="the command to run")
+    ls = acts.add_parser("list", help="list jobs")
+    ls.add_argument("--state", action="append", choices=["queued", "running", "preempted", "done", "failed", "cancelled"])
+    for name in ("show", "events", "cancel"):
+        a = acts.add_parser(name, help=f"{name} one job")
+        a.add_argument("job")
+
+
+__all__ = ["register", "serve"]

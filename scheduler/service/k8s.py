@@ -1,0 +1,311 @@
+"""Kubernetes scheduler extender: ``POST /k8s/filter``, ``/k8s/prioritize``, ``/k8s/bind``.
+
+The wire format is kube-scheduler's (``k8s.io/kube-scheduler/extender/v1``):
+Go structs without JSON tags, so the keys are the Go field names.
+
+- ``ExtenderArgs`` ``{"Pod": v1.Pod, "Nodes": v1.NodeList | null, "NodeNames": [str] | null}``
+  (``NodeNames`` when the extender is configured ``nodeCacheCapable: true``).
+- ``ExtenderFilterResult`` ``{"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}``.
+- ``HostPriorityList`` ``[{"Host": str, "Score": int}]`` with scores in 0..10
+  (``MaxExtenderPriority``; kube-scheduler multiplies by the extender's weight).
+- ``ExtenderBindingArgs`` ``{"PodName", "PodNamespace", "PodUID", "Node"}`` ->
+  ``ExtenderBindingResult`` ``{"Error"}``.
+
+Parsing and formatting are pure functions (fuzzed in the tests); the routes
+call the same engine, hence the same filter and score plugins, as the live loop
+and the simulator.  A bad request is answered in the wire format with ``Error``
+set, never with a stack trace.
+"""
+
+
+import logging
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("dlshare.sched.k8s")
+
+MAX_EXTENDER_PRIORITY = 10  # k8s.io/kube-scheduler/extender/v1: MaxExtenderPriority
+GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
+ANNOTATION_PREFIX = "dlshare.io/"
+DEFAULT_CPUS = 0.1  # a container with no CPU request
+DEFAULT_MEMORY = 64 << 20  # and no memory request
+
+_SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+           "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "M": 10**6,
+           "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_QTY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+
+
+class ExtenderArgs(BaseModel):
+    """The body of filter and prioritize, as kube-scheduler marshals ``extenderv1.ExtenderArgs``."""
+
+    model_config = ConfigDict(extra="allow")
+    Pod: dict[str, Any] = Field(..., description="the v1.Pod being scheduled")
+    Nodes: dict[str, Any] | None = Field(None, description="v1.NodeList of candidates (nodeCacheCapable: false)")
+    NodeNames: list[str] | None = Field(None, description="candidate node names (nodeCacheCapable: true)")
+
+
+class ExtenderBindingArgs(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    PodName: str
+    PodNamespace: str
+    PodUID: str = ""
+    Node: str
+
+
+class ExtenderError(ValueError):
+    """A request kube-scheduler would not send; answered with ``Error`` set."""
+
+
+def parse_quantity(q: Any) -> float:
+    """A Kubernetes resource quantity (``500m``, ``2``, ``1Gi``, ``1e9``) as a number."""
+    if isinstance(q, bool):
+        raise ExtenderError(f"quantity {q!r} is not a number")
+    if isinstance(q, (int, float)):
+        if not (0 <= q < float("inf")):
+            raise ExtenderError(f"resource quantity {q!r} must be a finite non-negative number")
+        return float(q)
+    if not isinstance(q, str):
+        raise ExtenderError(f"quantity {q!r} is not a string")
+    m = _QTY.match(q.strip())
+    if not m:
+        raise ExtenderError(f"cannot parse resource quantity {q!r}")
+    try:
+        val = Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
+    except InvalidOperation:
+        raise ExtenderError(f"cannot parse resource quantity {q!r}") from None
+    if val < 0 or not val.is_finite():
+        raise ExtenderError(f"resource quantity {q!r} must be a finite non-negative number")
+    return float(val)
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    namespace: str
+    name: str
+    uid: str
+    job: dict[str, Any]
+
+
+def _obj(d: Any, what: str) -> dict[str, Any]:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ExtenderError(f"{what} must be an object, not {type(d).__name__}")
+    return d
+
+
+def pod_to_job(pod: Any) -> PodRequest:
+    """Turn a v1.Pod into the job dict the engine scores: summed container requests
+    (limits where a request is missing), GPUs from ``nvidia.com/gpu``, and the model
+    from the ``dlshare.io/model`` annotation."""
+    pod = _obj(pod, "Pod")
+    if not pod:
+        raise ExtenderError("ExtenderArgs has no Pod")
+    meta = _obj(pod.get("metadata"), "Pod.metadata")
+    spec = _obj(pod.get("spec"), "Pod.spec")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise ExtenderError("Pod.metadata.name is missing")
+    ns = meta.get("namespace") or "default"
+    if not isinstance(ns, str):
+        raise ExtenderError("Pod.metadata.namespace must be a string")
+    cpus = mem = gpus = 0.0
+    containers = spec.get("containers") or []
+    if not isinstance(containers, list):
+        raise ExtenderError("Pod.spec.containers must be a list")
+    for i, c in enumerate(containers):
+        res = _obj(_obj(c, f"container {i}").get("resources"), f"container {i} resources")
+        req = _obj(res.get("requests"), "requests")
+        lim = _obj(res.get("limits"), "limits")
+        cpus += parse_quantity(req.get("cpu", lim.get("cpu", 0)))
+        mem += parse_quantity(req.get("memory", lim.get("memory", 0)))
+        for g in GPU_RESOURCES:
+            gpus += parse_quantity(lim.get(g, req.get(g, 0)))
+    ann = _obj(meta.get("annotations"), "Pod.metadata.annotations")
+
+    def annotation(key: str, kind: type, default: Any) -> Any:
+        raw = ann.get(ANNOTATION_PREFIX + key)
+        if raw is None:
+            return default
+        try:
+            return kind(raw)
+        except (TypeError, ValueError):
+            raise ExtenderError(f"annotation {ANNOTATION_PREFIX}{key}={raw!r} is not {kind.__name__}") from None
+
+    uid = meta.get("uid") or ""
+    job = {
+        "id": f"k8s.{ns}.{name}"[:128],
+        "spec": {"name": f"{ns}/{name}", "kind": annotation("kind", str, "training"),
+                 "model": annotation("model", str, None), "batch_size": annotation("batch-size", int, 1),
+                 "gpus": int(round(gpus)), "cpus": cpus or DEFAULT_CPUS, "memory_bytes": int(mem) or DEFAULT_MEMORY,
+                 "priority": annotation("priority", int, 0), "command": ["(kubernetes pod)"]},
+        "state": "queued", "attained_service": 0.0, "submitted_at": 0.0, "allocation": None,
+    }
+    return PodRequest(namespace=ns, name=name, uid=str(uid), job=job)
+
+
+def candidate_names(args: dict[str, Any]) -> tuple[list[str], bool]:
+    """Node names from ``NodeNames`` or ``Nodes.items[].metadata.name``; True if sent as names."""
+    names = args.get("NodeNames")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ExtenderError("NodeNames must be a list of strings")
+        return list(names), True
+    nodes = _obj(args.get("Nodes"), "Nodes")
+    items = nodes.get("items") or []
+    if not isinstance(items, list):
+        raise ExtenderError("Nodes.items must be a list")
+    out = []
+    for i, item in enumerate(items):
+        name = _obj(_obj(item, f"Nodes.items[{i}]").get("metadata"), "metadata").get("name")
+        if not isinstance(name, str) or not name:
+            raise ExtenderError(f"Nodes.items[{i}].metadata.name is missing")
+        out.append(name)
+    return out, False
+
+
+def filter_result(args: dict[str, Any], feasible: list[str], failed: dict[str, str], as_names: bool) -> dict[str, Any]:
+    """ExtenderFilterResult, echoing the candidates in the form they came."""
+    result: dict[str, Any] = {"Nodes": None, "NodeNames": None, "FailedNodes": failed,
+                              "FailedAndUnresolvableNodes": {}, "Error": ""}
+    if as_names:
+        result["NodeNames"] = feasible
+    else:
+        keep = set(feasible)
+        nodes = dict(args.get("Nodes") or {})
+        nodes["items"] = [it for it in nodes.get("items") or [] if it["metadata"]["name"] in keep]
+        result["Nodes"] = nodes
+    return result
+
+
+def scale_scores(scores: dict[str, float], names: list[str]) -> list[dict[str, Any]]:
+    """Engine scores in [0, 1] -> HostPriorityList with integers in 0..MaxExtenderPriority."""
+    out = []
+    for n in names:
+        s = scores.get(n, 0.0)
+        s = 0.0 if s != s else min(1.0, max(0.0, s))
+        out.append({"Host": n, "Score": int(round(s * MAX_EXTENDER_PRIORITY))})
+    return out
+
+
+def evaluate(service, job: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str], dict[str, float]]:
+    """Feasible nodes, a reason per infeasible one, and scores in [0, 1], from the same
+    core (its filters, score plugins and weights) the live loop uses."""
+    from scheduler.service import cpu_jobs
+    from scheduler.service.live import core_job
+    from scheduler.service.store import JobRow
+
+    failed: dict[str, str] = {}
+    online = []
+    for n in names:
+        view = service.nodes.get(n)
+        if view is None:
+            failed[n] = "no dlshare node daemon reports from this node"
+        elif view.status != "online":
+            failed[n] = "the dlshare node daemon on this node is offline"
+        else:
+            online.append(view)
+    spec = job["spec"]
+    scores: dict[str, float] = {}
+    if spec["gpus"] > 0:
+        row = JobRow(id=job["id"], spec=spec, state="queued", submitted_at=max(0.0, service.core.now))
+        best: dict[str, float] = {}
+        for cand, total in service.core.candidates(core_job(row, service.core.now), [v.id for v in online]):
+            best[cand.node.node.id] = max(best.get(cand.node.node.id, float("-inf")), total)
+        top = max(best.values(), default=0.0)
+        for v in online:
+            if v.id in best:
+                scores[v.id] = best[v.id] / top if top > 0 else 1.0
+            else:
+                ns = service.core.nodes.get(v.id)
+                free = ns.free_gpus if ns is not None else 0
+                failed[v.id] = (f"profile {service.profile}: no placement for {spec['gpus']} GPU(s) "
+                                f"({free} of {len(v.gpus)} GPUs free; filters or CPU/memory refused the rest)")
+    else:
+        for v in online:
+            if cpu_jobs.admit([{**job, "submitted_at": 0.0}], [v]):
+                scores[v.id] = max(0.0, v.cpu_count - v.cpus_allocated) / max(1, v.cpu_count)
+            else:
+                cc, cm = cpu_jobs.committed(v)
+                failed[v.id] = (f"needs {spec['cpus']:g} cores and {spec['memory_bytes']} bytes; "
+                                f"{v.cpu_count - cc:g} cores and {v.memory_total_bytes - cm} bytes uncommitted")
+    return [n for n in names if n in scores], failed, scores
+
+
+def add_routes(app: FastAPI, service, auth: list) -> None:
+    """Mount the three extender verbs; ``service`` is the SchedulerService."""
+    pods: dict[tuple[str, str], PodRequest] = {}
+
+    def remember(pod: PodRequest) -> None:
+        pods[(pod.namespace, pod.name)] = pod
+        while len(pods) > 10_000:
+            pods.pop(next(iter(pods)))
+
+    from scheduler.service.api import BAD_BODY, known_query
+
+    errors = {**BAD_BODY, 401: {"description": "missing or wrong bearer token"},
+              422: {"description": "the body lacks a field kube-scheduler always sends (`detail` says which)"}}
+
+    @app.post("/k8s/filter", dependencies=[*auth, known_query()], tags=["kubernetes"], responses=errors,
+              summary="ExtenderArgs -> ExtenderFilterResult (Go field names)")
+    async def k8s_filter(body: ExtenderArgs) -> Any:
+        args = body.model_dump()
+        try:
+            pod = pod_to_job(args.get("Pod"))
+            names, as_names = candidate_names(args)
+        except ExtenderError as exc:
+            return JSONResponse({"Nodes": None, "NodeNames": None, "FailedNodes": {},
+                                 "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
+        remember(pod)
+        ok, failed, _ = evaluate(service, pod.job, names)
+        return filter_result(args, ok, failed, as_names)
+
+    @app.post("/k8s/prioritize", dependencies=[*auth, known_query()], tags=["kubernetes"],
+              responses={**errors, 400: {"description": "unreadable body, or ExtenderArgs kube-scheduler would not send "
+                                                        "(`Error` says which)"}},
+              summary="ExtenderArgs -> HostPriorityList [{Host, Score 0..10}]")
+    async def k8s_prioritize(body: ExtenderArgs) -> Any:
+        args = body.model_dump()
+        try:
+            pod = pod_to_job(args.get("Pod"))
+            names, _ = candidate_names(args)
+        except ExtenderError as exc:
+            # HostPriorityList has no error field; kube-scheduler treats a non-200 as the extender's error.
+            return JSONResponse({"Error": str(exc)}, status_code=400)
+        remember(pod)
+        _, _, scores = evaluate(service, pod.job, names)
+        return scale_scores(scores, names)
+
+    @app.post("/k8s/bind", dependencies=[*auth, known_query()], tags=["kubernetes"], responses=errors,
+              summary="ExtenderBindingArgs -> ExtenderBindingResult")
+    async def k8s_bind(body: ExtenderBindingArgs) -> Any:
+        args = body.model_dump()
+        pod_name, ns, node = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
+        for key, v in (("PodName", pod_name), ("PodNamespace", ns), ("Node", node)):
+            if not isinstance(v, str) or not v:
+                return {"Error": f"ExtenderBindingArgs.{key} must be a non-empty string"}
+        n = service.nodes.get(node)
+        if n is None or n.status != "online":
+            return {"Error": f"node {node} has no online dlshare node daemon"}
+        binder = service.k8s_binder
+        if binder is not None:
+            err = await binder(ns, pod_name, str(args.get("PodUID") or ""), node)
+            if err:
+                return {"Error": err}
+        pod = pods.get((ns, pod_name))
+        spec = pod.job["spec"] if pod else {"cpus": 0.0, "memory_bytes": 0}
+        service.store.log_event("k8s_bind", node=node, data={"pod": f"{ns}/{pod_name}", "uid": args.get("PodUID"),
+                                                              "cpus": spec["cpus"], "memory_bytes": spec["memory_bytes"]})
+        # Held until the pod shows in the node's measured usage; kubelet, not dlshare, runs it.
+        n.allocations[f"k8s.{ns}.{pod_name}"[:128]] = {"node": node, "gpus": [], "cpus": float(spec["cpus"]),
+                                                       "memory_bytes": int(spec["memory_bytes"]), "cpuset": None,
+                                                       "kind": "cpu", "k8s": True,
+                                                       "bound_at": service.clock()}
+        return {"Error": ""}

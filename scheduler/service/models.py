@@ -1,0 +1,207 @@
+"""The HTTP API's request and response models (pydantic).
+
+A submission is validated completely here, before anything is stored: a spec
+that fails any rule gets a 422 naming the field and the rule, and nothing of it
+reaches the queue.  Unknown fields are refused too, so that a misspelt
+``memory_byte`` is an error rather than a silent default.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+JobState = Literal["queued", "running", "preempted", "done", "failed", "cancelled"]
+TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
+JobKind = Literal["training", "data_prep", "inference", "other"]
+
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_ARGV = 256
+MAX_ARG_CHARS = 4096
+MAX_GPUS = 64
+MAX_CPUS = 1024.0
+MAX_MEMORY_BYTES = 1 << 50  # 1 PiB: anything larger is a unit mistake
+
+def _integral(v: Any) -> Any:
+    # JSON Schema calls 2.0 an integer; strict pydantic would not.  Booleans stay refused.
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+JobId = Annotated[str, Field(pattern=_ID_PATTERN, description="1-128 characters of A-Z a-z 0-9 _ . -")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
+
+
+_Feature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class GraphFeatures(_Strict):
+    """Computation-graph features (``torch.fx`` on CPU), as the utilisation predictor takes them."""
+
+    flops: _Feature | None = None
+    params: _Feature | None = None
+    activation_bytes: _Feature | None = None
+    conv_frac: _Feature | None = None
+    linear_frac: _Feature | None = None
+    attn_frac: _Feature | None = None
+    norm_frac: _Feature | None = None
+    layers: _Feature | None = None
+
+
+class JobSpec(_Strict):
+    """What a launcher submits.  ``model`` and/or ``graph_features`` describe the
+    network, for the utilisation and interference predictors (a GPU job with
+    neither is scheduled on the predictors' uninformed prior until its measured
+    utilisation teaches them); ``command`` is the argv the node daemon starts
+    under the job's allocation."""
+
+    id: JobId | None = Field(None, description="optional client-chosen id; resubmitting the same spec is idempotent")
+    name: str | None = Field(None, max_length=200, description="free-form label shown on the status page")
+    kind: JobKind = Field("training", description="training, data_prep (CPU/memory only), inference or other")
+    model: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$",
+                              description="model name, e.g. resnet50")
+    graph_features: GraphFeatures | None = Field(None, description="computation-graph features from torch.fx")
+    batch_size: Int = Field(1, ge=1, le=1 << 20)
+    gpus: Int = Field(0, ge=0, le=MAX_GPUS)
+    cpus: float = Field(1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False, description="CPU cores requested")
+    memory_bytes: Int = Field(1 << 30, ge=1 << 20, le=MAX_MEMORY_BYTES, description="host memory requested")
+    priority: Int = Field(0, ge=-1000, le=1000, description="higher runs first among equals")
+    command: list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
+        ..., min_length=1, max_length=MAX_ARGV, description="argv to run on the node, e.g. [\"python\", \"train.py\"]")
+    env: dict[Annotated[str, Field(pattern=_ENV_NAME.pattern)],
+              Annotated[str, Field(max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
+        default_factory=dict, max_length=128, json_schema_extra={"additionalProperties": False})
+    cwd: str | None = Field(None, min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^/[^\x00]*$",
+                            description="absolute working directory on the node")
+
+    @field_validator("command")
+    @classmethod
+    def _no_nul_in_argv(cls, argv: list[str]) -> list[str]:
+        for i, a in enumerate(argv):
+            if "\x00" in a:
+                raise ValueError(f"command[{i}] contains a NUL byte, which no argv can carry")
+        return argv
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for k, v in env.items():
+            if not _ENV_NAME.match(k):
+                raise ValueError(f"environment name {k!r} must match [A-Za-z_][A-Za-z0-9_]*")
+            if "\x00" in v:
+                raise ValueError(f"environment value of {k} contains a NUL byte")
+        return env
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, cwd: str | None) -> str | None:
+        if cwd is not None and ("\x00" in cwd or not cwd.startswith("/")):
+            raise ValueError("cwd must be an absolute path without NUL bytes")
+        return cwd
+
+
+class Allocation(BaseModel):
+    node: str
+    gpus: list[int] = Field(default_factory=list)
+    cpus: float
+    cpuset: str | None = None
+    memory_bytes: int
+
+
+class Job(BaseModel):
+    id: str
+    spec: JobSpec
+    state: JobState
+    reason: str | None = Field(None, description="why the job is in its state (placement failure, exit code, ...)")
+    allocation: Allocation | None = None
+    submitted_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    attained_service: float = Field(0.0, description="GPU-seconds (CPU-seconds for CPU-only jobs) received, for LAS")
+    attempts: int = Field(0, description="how many times the job was placed")
+
+
+class JobList(BaseModel):
+    jobs: list[Job]
+    total: int
+
+
+class JobEvent(BaseModel):
+    seq: int
+    id: str
+    ts: float
+    kind: str
+    job: str | None = None
+    node: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class JobEvents(BaseModel):
+    job: str
+    events: list[JobEvent]
+
+
+class GpuView(BaseModel):
+    index: int
+    name: str = ""
+    util_percent: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    jobs: list[str] = Field(default_factory=list)
+
+
+class NodeView(BaseModel):
+    id: str
+    status: Literal["online", "offline", "unknown"]
+    last_seen: float | None = None
+    cpu_count: int = 0
+    cpu_percent: float | None = None
+    cpus_allocated: float = 0.0
+    memory_total_bytes: int = 0
+    memory_available_bytes: int = 0
+    memory_allocated_bytes: int = 0
+    reserved_unused_bytes: int = 0
+    lendable_bytes: int = 0
+    lent_bytes: int = 0
+    gpus: list[GpuView] = Field(default_factory=list)
+    gpu_reason: str | None = None
+    jobs: list[str] = Field(default_factory=list)
+
+
+class AggregationView(BaseModel):
+    """The shared aggregation servers' load, from their telemetry (``dlshare/v1/agg/+/telemetry``)."""
+
+    servers: int = 0
+    addresses: list[str] = Field(default_factory=list)
+    jobs: int = 0
+    pool_cores: float = Field(0.0, description="CPU cores the elastic pools hold now")
+    busy_cores: float = Field(0.0, description="cores' worth of reduction work being demanded")
+    bytes_in_per_s: float = 0.0
+
+
+class ClusterView(BaseModel):
+    ts: float
+    nodes: list[NodeView]
+    jobs_by_state: dict[str, int]
+    gpus_total: int
+    gpus_allocated: int
+    cpus_total: float
+    cpus_allocated: float
+    memory_lent_bytes: int
+    memory_lendable_bytes: int
+    aggregation: AggregationView
+    profile: str
+
+
+class ErrorBody(BaseModel):
+    detail: str

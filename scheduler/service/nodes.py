@@ -1,0 +1,109 @@
+"""The service's view of each node, built from its telemetry (pure: no I/O).
+
+:class:`NodeView` holds the last telemetry figures the scheduler cares about
+and the allocations the service made there.  :func:`apply_telemetry` folds one
+validated telemetry payload in; :func:`core_node` turns a view into the core's
+``scheduler.model.Node``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.model import GiB, Node
+
+
+@dataclass
+class GpuView:
+    index: int
+    name: str = ""
+    util_percent: float | None = None
+    memory_util_percent: float | None = None  # NVML's memory-bandwidth utilisation
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    simulated: bool = False
+
+
+@dataclass
+class NodeView:
+    id: str
+    status: str = "unknown"  # online | offline | unknown
+    last_seen: float | None = None
+    cpu_count: int = 0
+    cpu_percent: float | None = None
+    memory_total_bytes: int = 0
+    memory_available_bytes: int = 0
+    reserved_unused_bytes: int = 0
+    promised_bytes: int = 0
+    lendable_bytes: int = 0
+    lent_bytes: int = 0
+    gpus: list[GpuView] = field(default_factory=list)
+    gpu_reason: str | None = None
+    job_usage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # job id -> {"node", "gpus": [...], "cpus", "memory_bytes", "cpuset"}: what the service allocated here
+    allocations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    missing: dict[str, int] = field(default_factory=dict)  # job -> telemetry reports in a row without it
+    reported: tuple | None = None  # resources last reported to the core
+    reported_at: float = 0.0
+
+    @property
+    def cpus_allocated(self) -> float:
+        return float(sum(a.get("cpus") or 0.0 for a in self.allocations.values()))
+
+    @property
+    def memory_allocated_bytes(self) -> int:
+        return int(sum(a.get("memory_bytes") or 0 for a in self.allocations.values()))
+
+    def gpu_jobs(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {g.index: [] for g in self.gpus}
+        for job, a in self.allocations.items():
+            for g in a.get("gpus") or []:
+                out.setdefault(g, []).append(job)
+        return out
+
+
+def _int(v: Any) -> int:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else 0
+
+
+def apply_telemetry(node: NodeView, t: dict[str, Any], now: float) -> None:
+    """Fold a telemetry payload (already checked by ``messages.parse_telemetry``) into ``node``."""
+    node.last_seen = now
+    node.status = "online"
+    cpu, mem, gpus = t["cpu"], t["memory"], t["gpus"]
+    node.cpu_count = _int(cpu.get("count"))
+    p = cpu.get("percent")
+    node.cpu_percent = float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
+    node.memory_total_bytes = _int(mem["total_bytes"])
+    node.memory_available_bytes = _int(mem["available_bytes"])
+    node.reserved_unused_bytes = _int(mem.get("reserved_unused_bytes"))
+    node.promised_bytes = _int(mem.get("promised_bytes"))
+    node.gpus = []
+    for i, g in enumerate(gpus.get("devices") or []):
+        if not isinstance(g, dict):
+            continue
+        u, mu = g.get("util_percent"), g.get("memory_util_percent")
+        node.gpus.append(GpuView(
+            index=_int(g.get("index", i)), name=str(g.get("name", ""))[:100],
+            util_percent=float(u) if isinstance(u, (int, float)) and not isinstance(u, bool) else None,
+            memory_util_percent=float(mu) if isinstance(mu, (int, float)) and not isinstance(mu, bool) else None,
+            memory_used_bytes=_int(g.get("memory_used_bytes")) or None,
+            memory_total_bytes=_int(g.get("memory_total_bytes")) or None,
+            simulated=bool(gpus.get("simulated"))))
+    node.gpu_reason = gpus.get("reason") if isinstance(gpus.get("reason"), str) else None
+    donor = t.get("donor")
+    if isinstance(donor, dict):
+        node.lendable_bytes = _int(donor.get("lendable_bytes", donor.get("free_bytes")))
+        node.lent_bytes = _int(donor.get("lent_bytes", donor.get("used_bytes")))
+    jobs = t.get("jobs")
+    node.job_usage = {k: v for k, v in jobs.items() if isinstance(v, dict)} if isinstance(jobs, dict) else {}
+
+
+def core_node(node: NodeView, cpu_job_cpus: float = 0.0, cpu_job_memory: int = 0) -> Node:
+    """The core's Node for this view.  CPU-only jobs (which the core does not place)
+    are subtracted from the cores and memory it may hand out."""
+    gmem = next((g.memory_total_bytes for g in node.gpus if g.memory_total_bytes), None)
+    return Node(id=node.id, gpus=len(node.gpus), cores=max(0, int(node.cpu_count - cpu_job_cpus)),
+                memory_bytes=max(0, node.memory_total_bytes - cpu_job_memory),
+                lendable_bytes=max(0, node.lendable_bytes), gpu_memory_bytes=gmem or 32 * GiB)

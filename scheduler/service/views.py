@@ -1,0 +1,55 @@
+"""The cluster as the API shows it: nodes, GPUs and who is on them, CPU and memory allocations,
+lent memory and the aggregation servers' load (pure: built from the service's state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def cluster_view(svc: Any) -> dict[str, Any]:
+    """``GET /v1/cluster``; the status page and the tour read it too."""
+    now = svc.clock()
+    nodes = []
+    for n in sorted(svc.nodes.values(), key=lambda n: n.id):
+        gj = n.gpu_jobs()
+        nodes.append({
+            "id": n.id, "status": n.status if n.status in ("online", "offline") else "unknown",
+            "last_seen": n.last_seen, "cpu_count": n.cpu_count, "cpu_percent": n.cpu_percent,
+            "cpus_allocated": n.cpus_allocated, "memory_total_bytes": n.memory_total_bytes,
+            "memory_available_bytes": n.memory_available_bytes, "memory_allocated_bytes": n.memory_allocated_bytes,
+            "reserved_unused_bytes": n.reserved_unused_bytes, "lendable_bytes": n.lendable_bytes,
+            "lent_bytes": n.lent_bytes,
+            "gpus": [{"index": g.index, "name": g.name, "util_percent": g.util_percent,
+                      "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
+                      "jobs": gj.get(g.index, [])} for g in n.gpus],
+            "gpu_reason": n.gpu_reason, "jobs": sorted(n.allocations)})
+    agg = [a for a in svc.aggregation.values() if now - a.get("_seen", 0) < 60 and isinstance(a.get("pool", {}), dict)]
+    online = [n for n in nodes if n["status"] == "online"]
+    return {
+        "ts": now, "nodes": nodes, "jobs_by_state": svc.store.count_by_state(),
+        "gpus_total": sum(len(n["gpus"]) for n in online),
+        "gpus_allocated": sum(1 for n in online for g in n["gpus"] if g["jobs"]),
+        "cpus_total": float(sum(n["cpu_count"] for n in online)),
+        "cpus_allocated": float(sum(n["cpus_allocated"] for n in online)),
+        "memory_lent_bytes": sum(n["lent_bytes"] for n in online),
+        "memory_lendable_bytes": sum(n["lendable_bytes"] for n in online),
+        "aggregation": {
+            "servers": len(agg),
+            "addresses": sorted(str(a.get("address", "")) for a in agg),
+            "jobs": int(sum(_num(a.get("jobs")) for a in agg)),
+            "pool_cores": float(sum(_num((a.get("pool") or {}).get("size")) for a in agg)),
+            "busy_cores": float(sum(_num((a.get("pool") or {}).get("demand_cores")) for a in agg)),
+            "bytes_in_per_s": float(sum(_num(a.get("bytes_in_per_s")) for a in agg)),
+        },
+        "profile": svc.profile,
+    }
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool):
+        return 0.0
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, (list, dict)):
+        return float(len(v))
+    return 0.0

@@ -1,0 +1,194 @@
+"""Helpers for the scheduler-service tests: a test engine, a fake node that speaks the
+node-daemon MQTT contract over a real broker, a service process (imported by the tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import importlib.util
+
+
+
+def _root_conftest():
+    # tests/conftest.py is not importable as a module (tests/ is no package): load its helpers by path.
+    path = Path(__file__).resolve().parents[2] / "conftest.py"
+    spec = importlib.util.spec_from_file_location("dlshare_root_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_rc = _root_conftest()
+ROOT, free_port, stop_proc, wait_port = _rc.ROOT, _rc.free_port, _rc.stop_proc, _rc.wait_port
+
+TOKEN = "test-token-0123456789"
+
+
+class SchedProc:
+    """``python -m nodesvc.cli sched`` as a real process on a free port."""
+
+    def __init__(self, tmp: Path, broker_url: str, profile: str = "dlshare", db: Path | None = None) -> None:
+        self.port = free_port()
+        self.db = db or tmp / "sched.db"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.broker_url = broker_url
+        self.profile = profile
+        self.tmp = tmp
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, extra_env: dict[str, str] | None = None) -> "SchedProc":
+        # Uninformed predictors (3 s less to start); the tour test runs the trained ones.
+        env = {**os.environ, "DLSHARE_SCHED_TICK_S": "0.5", "DLSHARE_SCHED_COMMAND_TIMEOUT_S": "3",
+               "DLSHARE_SCHED_NODE_TIMEOUT_S": "6", "DLSHARE_SCHED_PREDICTORS": "default", **(extra_env or {})}
+        self.log = open(self.tmp / f"sched-{self.port}.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{self.port}", "--db", str(self.db),
+             "--token", TOKEN, "--broker", self.broker_url, "--profile", self.profile],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_port(self.port, timeout=30, proc=self.proc)
+        return self
+
+    def client(self):
+        from scheduler.client import SchedulerClient
+
+        return SchedulerClient(self.url, TOKEN)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_proc(self.proc)
+            self.proc = None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+
+class FakeNode:
+    """A node that speaks the daemon's MQTT contract (telemetry, retained state with a Last
+    Will, allocate/release/run/stop with replies, job_exit events) over a real broker.
+    ``run`` does not start a process: the test ends jobs with :meth:`finish`."""
+
+    def __init__(self, broker_url: str, node_id: str, cpus: int = 8, memory: int = 32 << 30,
+                 interval: float = 0.3, gpus: int = 0) -> None:
+        self.url, self.id, self.cpus, self.memory, self.interval = broker_url, node_id, cpus, memory, interval
+        self.gpus = gpus
+        self.commands: list[dict[str, Any]] = []
+        self.drop_ops: set[str] = set()  # ops received but neither applied nor answered (a lost reply)
+        self.replies: dict[str, bytes] = {}  # the daemon's reply cache: a repeated id gets the same answer
+        self.running: dict[str, dict[str, Any]] = {}
+        self.allocations: dict[str, dict[str, Any]] = {}
+        self._stop = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.bus = None
+
+    async def start(self) -> "FakeNode":
+        from nodesvc import messages
+        from nodesvc.bus import Bus
+
+        self.bus = Bus(self.url, f"fake-{self.id}", subscriptions=[(messages.node_topic(self.id, "cmd"), 1)],
+                       handler=self._on_cmd, on_connect=self._online,
+                       will=(messages.node_topic(self.id, "state"), messages.encode({"status": "offline"}), 1, True))
+        self.task = asyncio.create_task(self._run())
+        await asyncio.wait_for(self.bus.connected.wait(), 10)
+        return self
+
+    async def _online(self, bus) -> None:
+        from nodesvc import messages
+
+        await bus.publish(messages.node_topic(self.id, "state"), messages.encode({"status": "online"}), 1, True)
+
+    async def _run(self) -> None:
+        from nodesvc import messages
+
+        runner = asyncio.create_task(self.bus.run(self._stop))
+        try:
+            while not self._stop.is_set():
+                t = {"node": self.id, "ts": 0.0, "cpu": {"count": self.cpus, "percent": 10.0},
+                     "memory": {"total_bytes": self.memory, "available_bytes": self.memory // 2,
+                                "reserved_unused_bytes": 1 << 30},
+                     "gpus": {"devices": [{"index": i, "name": "fake", "util_percent": 50.0 if self._on_gpu(i) else 0.0,
+                                           "memory_used_bytes": 0, "memory_total_bytes": 32 << 30}
+                                          for i in range(self.gpus)],
+                              "reason": None if self.gpus else "no NVIDIA driver (fake node)"},
+                     "rdma": {"devices": []},
+                     "jobs": {j: {"pids": [1], "cpu_percent": 50.0, "rss_bytes": 1 << 20, "state": "running"}
+                              for j in self.running},
+                     "donor": {"lendable_bytes": 4 << 30, "lent_bytes": 1 << 30}}
+                await self.bus.publish(messages.node_topic(self.id, "telemetry"), messages.encode(t))
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self.interval)
+                except TimeoutError:
+                    pass
+        finally:
+            self._stop.set()
+            await runner
+
+    def _on_gpu(self, i: int) -> bool:
+        return any(i in (a.get("gpus") or []) for a in self.running.values())
+
+    async def _on_cmd(self, topic: str, payload: bytes) -> None:
+        from nodesvc import messages
+
+        cmd = messages.parse_command(payload)
+        self.commands.append({"id": cmd.id, "op": cmd.op, "args": cmd.args})
+        if cmd.op in self.drop_ops:
+            return
+        if cmd.id in self.replies:
+            await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
+            return
+        if cmd.op == "allocate":
+            self.allocations[cmd.args["job"]] = cmd.args
+        elif cmd.op == "release":
+            self.allocations.pop(cmd.args["job"], None)
+        elif cmd.op == "run":
+            self.running[cmd.args["job"]] = cmd.args
+        elif cmd.op == "stop":
+            if self.running.pop(cmd.args["job"], None) is not None:
+                await self._exit(cmd.args["job"], -15)
+        self.replies[cmd.id] = messages.reply(cmd.id, True, {"op": cmd.op})
+        await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
+
+    async def _exit(self, job: str, code: int) -> None:
+        from nodesvc import messages
+
+        await self.bus.publish(messages.node_topic(self.id, "events"),
+                               messages.encode({"event": "job_exit", "job": job, "exit_code": code}), 1)
+
+    async def finish(self, job: str, code: int = 0) -> None:
+        self.running.pop(job, None)
+        await self._exit(job, code)
+
+    async def stop(self) -> None:
+        from nodesvc import messages
+
+        if self.bus is not None and self.bus.connected.is_set():
+            await self.bus.publish(messages.node_topic(self.id, "state"), messages.encode({"status": "offline"}), 1, True)
+        self._stop.set()
+        if self.task:
+            await self.task
+
+    def ops(self, op: str) -> list[dict[str, Any]]:
+        return [c for c in self.commands if c["op"] == op]
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def until(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if pred():
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,80 @@
+"""SQLite store (WAL, idempotent decisions, token file) and the core event log codec."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import Job, JobArrived, JobFinished, JobSample, Node, NodeLost, NodeReport, Tick
+from scheduler.service.core_log import CoreLogError, decode_event, encode_event
+from scheduler.service.store import ConflictError, DecisionRow, JobStore, load_or_create_token
+
+
+def test_wal_mode_and_job_round_trip(tmp_path):
+    s = JobStore(tmp_path / "a.db")
+    assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    row, created = s.add_job("j1", {"gpus": 1, "command": ["x"]})
+    assert created and row.state == "queued"
+    assert s.add_job("j1", {"gpus": 1, "command": ["x"]})[1] is False
+    with pytest.raises(ConflictError):
+        s.add_job("j1", {"gpus": 2, "command": ["x"]})
+    s.update_job("j1", event="placed", node="n1", state="running", allocation={"node": "n1", "cpus": 1.0})
+    s.close()
+    s2 = JobStore(tmp_path / "a.db")
+    j = s2.get_job("j1")
+    assert j.state == "running" and j.allocation == {"node": "n1", "cpus": 1.0}
+    assert [e["kind"] for e in s2.events(job="j1")] == ["submitted", "placed"]
+    with pytest.raises(ValueError, match="unknown job fields"):
+        s2.update_job("j1", colour="red")
+
+
+def test_decisions_are_idempotent_by_id(store):
+    d = DecisionRow(id="ev-1/place/j1", kind="place", job="j1", node="n1", data={"gpus": [0]})
+    assert store.record_batch(1, [("ev-1", '{"type":"Tick","id":"ev-1","now":1.0}')], [d]) == [True]
+    assert store.record_batch(1, [("ev-1", '{"type":"Tick","id":"ev-1","now":1.0}')], [d]) == [False]
+    assert store.record_decision(d) is False
+    store.set_decision_state(d.id, "acked", {"pid": 7})
+    assert store.decision(d.id).state == "acked" and store.decision(d.id).reply == {"pid": 7}
+    assert store.pending_decisions() == []
+    assert [b for b, _ in store.core_batches()] == [1]
+
+
+def test_token_generated_once_with_mode_0600(tmp_path):
+    db = str(tmp_path / "x" / "s.db")
+    t1 = load_or_create_token(db)
+    assert len(t1) >= 32 and load_or_create_token(db) == t1
+    mode = stat.S_IMODE(os.stat(db + ".token").st_mode)
+    assert mode == 0o600
+    assert load_or_create_token(db, "configured") == "configured"
+
+
+EVENTS = [
+    JobArrived("e1", 1.0, Job("j", "resnet50", batch_size=32, gpus=2, cpus=1.5, memory_bytes=1 << 30,
+                              features={"flops": 1e9})),
+    JobFinished("e2", 2.0, "j", failed=True, reason="exit 3"),
+    NodeReport("e3", 3.0, Node("n", gpus=4, cores=16, memory_bytes=64 << 30, lendable_bytes=5),
+               gpu_util=(1.0, 2.0), cpu_percent=3.0, memory_available_bytes=7, jobs={"j": JobSample(sm_percent=40.0)}),
+    NodeLost("e4", 4.0, "n"),
+    Tick("e5", 5.0),
+]
+
+
+@pytest.mark.parametrize("ev", EVENTS, ids=lambda e: type(e).__name__)
+def test_core_events_round_trip(ev):
+    assert decode_event(encode_event(ev)) == ev
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200) | st.builds(lambda d: __import__("json").dumps(d),
+                                          st.dictionaries(st.sampled_from(["type", "id", "now", "job", "node"]),
+                                                          st.none() | st.text(max_size=5) | st.integers() |
+                                                          st.sampled_from(["Tick", "JobArrived", "NodeReport"]))))
+def test_fuzz_decode_raises_only_core_log_error(text):
+    try:
+        decode_event(text)
+    except CoreLogError:
+        pass
