@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ def parse_broker_url(url: str) -> BrokerAddress:
 
 
 MessageHandler = Callable[[str, bytes], Awaitable[None]]
+
+
+def _no_delay(client: aiomqtt.Client) -> None:
+    """Turn Nagle off: paho leaves it on, and a small command then waits ~40-90 ms for a delayed ACK."""
+    try:
+        client._client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (AttributeError, OSError):
+        pass  # a paho without socket(); latency, not correctness
 
 
 class Bus:
@@ -117,6 +126,7 @@ class Bus:
                     timeout=5,
                 ) as client:
                     self.client = client
+                    _no_delay(client)
                     for filt, qos in self.subscriptions:
                         await client.subscribe(filt, qos=qos)
                     self.connected.set()

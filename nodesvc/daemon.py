@@ -316,7 +316,10 @@ class NodeDaemon:
                 log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
             except OSError as exc:
                 log.error("cannot serve metrics on %s:%d: %s", host, port, exc)
-        ctx = NodeContext(self.node_id, self.cfg, self.bus.publish)
+        ctx = NodeContext(self.node_id, self.cfg, self.bus.publish,
+                          promised_bytes=lambda: int((self.last or {}).get("memory", {}).get("promised_bytes", 0)),
+                          reserved_unused_bytes=lambda: int(
+                              (self.last or {}).get("memory", {}).get("reserved_unused_bytes", 0)))
         for ext in self.extensions:
             await ext.start(ctx)
         try:

@@ -25,6 +25,9 @@ class NodeContext:
     cfg: dict[str, dict[str, Any]]
     # publish(topic, payload_bytes, qos=0, retain=False) -> bool (False while disconnected)
     publish: Callable[..., Awaitable[bool]]
+    # What local jobs were promised (their allocations' memory) and reserved but do not use.
+    promised_bytes: Callable[[], int] | None = None
+    reserved_unused_bytes: Callable[[], int] | None = None
 
 
 class NodeExtension(Protocol):

@@ -182,7 +182,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         Path(st.state_dir).mkdir(parents=True, exist_ok=True)
         conf = Path(st.state_dir) / "mosquitto.conf"
         conf.write_text("".join(f"listener {a.rpartition(':')[2]} {a.rpartition(':')[0]}\n" for a in listen.split(","))
-                        + "allow_anonymous true\npersistence false\n")
+                        + "allow_anonymous true\npersistence false\nset_tcp_nodelay true\n")
         p = st.spawn("broker", [], raw=[exe, "-c", str(conf)])
     elif u["broker"] == "amqtt":
         p = st.spawn("broker", ["broker", "--listen", listen, *common])

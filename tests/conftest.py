@@ -61,7 +61,8 @@ class BrokerProc:
     def start(self) -> "BrokerProc":
         if self.kind == "mosquitto":
             conf = self.tmp / f"mosquitto-{self.port}.conf"
-            conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+            conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+                            "set_tcp_nodelay true\n")
             exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
             cmd = [exe, "-c", str(conf)]
         else:
@@ -75,6 +76,7 @@ class BrokerProc:
         if self.proc:
             stop_proc(self.proc)
             self.proc = None
+            self.log.close()
 
 
 def _mosquitto_available() -> bool:
