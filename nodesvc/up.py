@@ -104,6 +104,7 @@ class Stack:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     net: HostNet | None = None
     node_addrs: dict[str, str] = field(default_factory=dict)
+    lending: bool = False  # the node daemons lend memory (remote memory is installed)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
               prefix: list[str] = (), raw: list[str] | None = None) -> subprocess.Popen:
@@ -189,7 +190,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
     else:
         raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
     _wait_port(host, port, p)
-    lend = _has("nodesvc.donor")
+    lend = st.lending = _has("nodesvc.donor")
     for nid in node_ids:
         addr = st.net.addrs[nid] if st.net else "127.0.0.1"
         broker = f"mqtt://{st.net.gateway}:{port}" if st.net else st.broker_url

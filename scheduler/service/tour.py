@@ -7,7 +7,8 @@ own loop with ``asyncio.run``).  ``st`` is the running stack, read for:
 - ``st.broker_url``: the MQTT broker (remote-memory jobs find donors through it), and
   ``st.net.gateway`` when the nodes live in network namespaces (jobs reach the broker there);
 - ``st.node_ids``: the node daemons that should be online;
-- ``st.agg_addr``: ``HOST:PORT`` of the aggregation server, or None.
+- ``st.agg_addr``: ``HOST:PORT`` of the aggregation server, or None;
+- ``st.lending``: True when the node daemons lend memory (adds the remote-memory job).
 
 ``console`` is a ``rich.console.Console``.  It returns True when every job it
 submitted ended as expected.
@@ -133,7 +134,7 @@ def tour_jobs(st: Any, tag: str) -> list[dict[str, Any]]:
                          "kind": "training", "model": "linear", "batch_size": 256, "gpus": 1, "cpus": 0.25,
                          "memory_bytes": 512 << 20, "command": py + [AGG_TRAIN], "cwd": str(ROOT),
                          "env": {**env, "RANK": str(r), "WORLD": "2", "AGG": st.agg_addr, "AGG_JOB": f"{tag}-ddp"}})
-    if _has("rdma.remote") and len(getattr(st, "node_ids", [])) >= 2:
+    if getattr(st, "lending", False) and _has("rdma.remote") and len(getattr(st, "node_ids", [])) >= 2:
         jobs.append({"id": f"{tag}-remote-cache", "name": "data preparation caching in lent memory",
                      "kind": "data_prep", "gpus": 0, "cpus": 0.25, "memory_bytes": 256 << 20,
                      "command": py + [REMOTE_CACHE], "cwd": str(ROOT),
