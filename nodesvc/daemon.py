@@ -162,8 +162,9 @@ class NodeDaemon:
             }
             donor = t.get("donor")
             if isinstance(donor, dict):
-                summary["donor"] = {k: donor.get(k) for k in ("addr", "lendable_bytes", "lent_bytes", "free_slabs",
-                                                              "total_slabs", "slab_bytes", "lent_to")}
+                summary["donor"] = {k: donor.get(k) for k in ("enabled", "addr", "provider", "lendable_bytes",
+                                                              "lent_bytes", "free_slabs", "total_slabs", "slab_bytes",
+                                                              "lent_to")}
         return messages.encode({
             "node": self.node_id, "status": "online", "version": __version__, "pid": os.getpid(),
             "started": self.started, "ts": time.time(), "metrics_port": self.metrics_port,

@@ -1,7 +1,10 @@
 """The donor side of remote memory: a node-daemon extension that lends idle DRAM as slabs.
 
-Lendable memory is MemAvailable minus a headroom minus what local jobs were
-promised.  It is carved into slabs (``donor.slab_bytes``) that consumers map
+Lendable memory is MemAvailable minus a headroom, minus what local jobs were
+promised and have not used yet (MemAvailable already excludes what they use)
+unless ``donor.lend_reserved`` is true: then that reserved-but-unused memory,
+the data-preparation over-allocation dlshare exists to lend, is lent too, and
+reclaim gives it back when a job grows into its reservation.  It is carved into slabs (``donor.slab_bytes``) that consumers map
 with the ``map`` command and give back with ``unmap``; the bytes move through
 the C slab server (rdma.native_mem.SlabServer), never through Python.  A slab's
 memory is mmapped when it is mapped and munmapped when it comes back, so a free
@@ -64,6 +67,7 @@ GIB = 1 << 30
 config.register_section("donor", {
     "slab_bytes": GIB,             # DESIGN.md: 1 GiB slabs (Infiniswap's slab size); tests use small ones
     "headroom_bytes": 2 * GIB,     # never lend the last 2 GiB of MemAvailable
+    "lend_reserved": True,         # lend memory local jobs reserved but do not use (reclaim returns it)
     "listen": "127.0.0.1",         # address of the C slab server
     "port": 0,                     # 0: any free port
     "advertise": "",               # host consumers connect to (default: listen)
@@ -138,6 +142,7 @@ class DonorExtension:
         if self.slab_bytes <= 0 or self.slab_bytes % 4096:
             raise config.ConfigError("donor.slab_bytes must be a positive multiple of 4096")
         self.headroom = int(d["headroom_bytes"])
+        self.lend_reserved = bool(d["lend_reserved"])
         self.max_slabs = int(d["max_slabs"])
         self.pressure = pressure
         self.clock = clock
@@ -218,7 +223,8 @@ class DonorExtension:
 
     def lendable_bytes(self) -> int:
         avail, _ = self.pressure()
-        return max(0, avail - self.headroom - self._ctx_bytes("promised_bytes"))
+        kept = 0 if self.lend_reserved else self._ctx_bytes("reserved_unused_bytes")
+        return max(0, avail - self.headroom - kept)
 
     def _slabs_available(self, lendable: int) -> int:
         if self.clock() < self.paused_until:

@@ -130,10 +130,16 @@ class ControlPlane:
                 fut.set_result(body)
         elif leaf == "state":
             online = body.get("status") == "online"
+            summary = body.get("summary")
+            # The retained state carries the donor section too: every donor is known as soon
+            # as we subscribe, without waiting for each node's next telemetry.
+            from_state = donor_view(node, summary.get("donor"), online) if isinstance(summary, dict) else None
             with self._changed:
                 was = self._online.get(node)
                 self._online[node] = online
-                if node in self._donors:
+                if from_state is not None and online:
+                    self._donors[node] = from_state
+                elif node in self._donors:
                     d = self._donors[node]
                     self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, d.free_slabs, online, d.provider)
                 self._changed.notify_all()

@@ -84,6 +84,7 @@ REMOTE_CACHE = """
 import os, time, numpy as np
 from rdma import RemoteMemory
 with RemoteMemory(os.environ["BROKER"], replicas=int(os.environ["REPLICAS"])) as rm:
+    print(f"replicas={rm.replicas}, donors seen: {sorted(rm.control.donors())}", flush=True)
     buf = rm.alloc(64 << 20)
     data = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
     buf.write(0, data)

@@ -41,10 +41,10 @@ class Fake:
 async def donor():
     fake = Fake()
     cfg = config.load(env={}, flags={"donor": {"slab_bytes": MIB, "headroom_bytes": 256 * MIB, "max_slabs": 8,
-                                               "reclaim_deadline_s": 1.0}})
+                                               "reclaim_deadline_s": 1.0, "lend_reserved": False}})
     ext = DonorExtension(cfg, pressure=fake.pressure, clock=fake.clock)
     ctx = NodeContext("n1", cfg, fake.publish)
-    ctx.promised_bytes = lambda: 128 * MIB  # what the daemon will offer
+    ctx.reserved_unused_bytes = lambda: 128 * MIB  # promised to local jobs, not used yet
     await ext.start(ctx)
     ext._task.cancel()  # the test drives sampling itself
     yield ext, fake
@@ -75,9 +75,26 @@ async def test_map_write_read_unmap(donor):
     assert ext.telemetry()["lent_bytes"] == 0
 
 
+async def test_lend_reserved_lends_what_jobs_reserved_but_do_not_use():
+    fake = Fake()
+    cfg = config.load(env={}, flags={"donor": {"slab_bytes": MIB, "headroom_bytes": 256 * MIB, "max_slabs": 400}})
+    assert cfg["donor"]["lend_reserved"] is True  # the default: the over-allocation is what dlshare lends
+    ext = DonorExtension(cfg, pressure=fake.pressure, clock=fake.clock)
+    ctx = NodeContext("n1", cfg, fake.publish)
+    ctx.reserved_unused_bytes = lambda: 128 * MIB
+    await ext.start(ctx)
+    ext._task.cancel()
+    try:
+        fake.avail = 256 * MIB + 128 * MIB + 3 * MIB
+        assert ext.telemetry()["lendable_bytes"] == 131 * MIB
+        assert ext.telemetry()["reserved_unused_bytes"] == 128 * MIB
+    finally:
+        await ext.stop()
+
+
 async def test_lendable_accounts_headroom_and_promises(donor):
     ext, fake = donor
-    fake.avail = 256 * MIB + 128 * MIB + 3 * MIB + 100  # headroom + promised + 3 slabs
+    fake.avail = 256 * MIB + 128 * MIB + 3 * MIB + 100  # headroom + reserved-unused + 3 slabs
     tel = ext.telemetry()
     assert tel["lendable_bytes"] == 3 * MIB + 100
     assert tel["total_slabs"] == 3 and tel["free_slabs"] == 3
