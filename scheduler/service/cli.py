@@ -32,8 +32,15 @@ config.register_section("sched", {
     "command_timeout_s": 10.0,
     "node_timeout_s": 30.0,
     "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
-    "k8s_open": False,
-    "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
+    "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
+    "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed
+    # /k8s/bind (kube-scheduler's bindVerb): post the pod's v1.Binding to the API server, then record it.
+    # false: only record (the pods stay Pending unless something else binds them).
+    "k8s_bind": False,
+    "k8s_api": "",  # API server URL; empty: in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    "k8s_token_file": "/var/run/secrets/kubernetes.io/serviceaccount/token",  # re-read per bind; empty: no token
+    "k8s_ca_file": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",  # empty: the system CAs
+    "k8s_timeout_s": 4.0,  # per Binding request; keep below the extender's httpTimeout (5s)
 })
 
 
@@ -74,8 +81,14 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from scheduler.service.live import SchedulerService
     from scheduler.service.store import JobStore, load_or_create_token
 
+    from scheduler.service.k8s import BinderConfigError, binder_from_config
+
     s = cfg["sched"]
     host, port = split_hostport(s["listen"], 7800)
+    try:
+        binder = binder_from_config(s)
+    except BinderConfigError as exc:
+        raise config.ConfigError(str(exc)) from None
     store = JobStore(s["db"], synchronous=s["synchronous"])
     token = load_or_create_token(s["db"], s["token"])
     try:
@@ -86,6 +99,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
     service = SchedulerService(store, core=core, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
+    service.k8s_binder = binder
     app = create_app(service, token, k8s_open=s["k8s_open"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            lifespan="off"))
@@ -103,6 +117,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         await asyncio.sleep(0.02)
     if task.done():
         await service.stop()
+        if binder is not None:
+            await binder.aclose()
         task.result()
         raise RuntimeError(f"scheduler API could not listen on {host}:{port}")
     log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s)", host, port, service.profile,
@@ -113,6 +129,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     server.should_exit = True
     await task
     await service.stop()
+    if binder is not None:
+        await binder.aclose()
     store.close()
 
 
