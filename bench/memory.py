@@ -38,6 +38,7 @@ import numpy as np
 import psutil
 
 from bench import report
+from nodesvc.procs import free_port, wait_port
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -54,25 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
 
 
 # --- small process helpers ---------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {port}")
-
 
 def _stop(proc: subprocess.Popen, timeout: float = 3.0) -> None:
     if proc.poll() is None:
@@ -152,10 +134,10 @@ class RedisBaseline:
         exe = shutil.which("redis-server")
         if not exe:
             raise FileNotFoundError("redis-server is not installed")
-        port = _free_port()
+        port = free_port()
         self.proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(port, self.proc)
+        wait_port(port, self.proc)
         self.r = redis.Redis(host="127.0.0.1", port=port)
         self.r.set("k", b"v" * PAGE)
         for _ in range(200):
@@ -218,7 +200,7 @@ class Cluster:
     def __init__(self, n_donors: int, slab_bytes: int, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen] = {}
-        port = _free_port()
+        port = free_port()
         self.url = f"mqtt://127.0.0.1:{port}"
         mosq = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
         if mosq:
@@ -231,7 +213,7 @@ class Cluster:
             cmd = [sys.executable, "-m", "nodesvc.cli", "broker", "--listen", f"127.0.0.1:{port}"]
             self.broker_kind = "amqtt"
         self.broker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-        _wait_port(port, self.broker)
+        wait_port(port, self.broker)
         for i in range(n_donors):
             node = f"bench-donor{i}"
             env = dict(os.environ, DLSHARE_NODE_LEND="1", DLSHARE_NODE_ENFORCE="0", DLSHARE_NODE_INTERVAL="1.0",

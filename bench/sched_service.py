@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
+from nodesvc.procs import free_port, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
@@ -48,25 +48,6 @@ def add_arguments(parser, seen: set[str]) -> None:
             seen.add(flag)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on port {port}")
-
-
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -78,7 +59,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _start_broker(tmp: Path) -> tuple[subprocess.Popen, str, str]:
-    port = _free_port()
+    port = free_port()
     exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
     if exe:
         conf = tmp / "mosquitto.conf"
@@ -88,7 +69,7 @@ def _start_broker(tmp: Path) -> tuple[subprocess.Popen, str, str]:
     else:
         cmd, kind = [sys.executable, "-m", "nodesvc.cli", "broker", "--listen", f"127.0.0.1:{port}"], "amqtt"
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_port(port, p)
+    wait_port(port, p)
     return p, f"mqtt://127.0.0.1:{port}", kind
 
 
@@ -208,7 +189,7 @@ def _service_run(args, synchronous: str, tmp: Path) -> dict[str, Any]:
 
     broker, burl, bkind = _start_broker(tmp)
     nodes = SimulatedNodes(burl, args.nodes, args.gpus_per_node, args.job_s)
-    port = _free_port()
+    port = free_port()
     db = tmp / f"sched-{synchronous}.db"
     env = {**os.environ, "DLSHARE_SCHED_SYNCHRONOUS": synchronous, "DLSHARE_SCHED_TICK_S": "0.5"}
     log = open(tmp / f"sched-{synchronous}.log", "ab")
@@ -218,7 +199,7 @@ def _service_run(args, synchronous: str, tmp: Path) -> dict[str, Any]:
                             "--db", str(db), "--token", TOKEN, "--broker", burl, "--profile", "dlshare",
                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_port(port, svc)
+        wait_port(port, svc)
         nodes.start()
         url = f"http://127.0.0.1:{port}"
         c = SchedulerClient(url, TOKEN, timeout=30)

@@ -57,7 +57,6 @@ from nodesvc.reclaim import (
     SlabAccessed,
     SlabLent,
     SlabReturned,
-    Tick,
 )
 
 log = logging.getLogger("dlshare.donor")

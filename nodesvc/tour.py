@@ -83,7 +83,7 @@ async def enforcement_demo(st, console) -> bool:
             ok &= u["cpu_percent"] < 70
         await nc.call(node, "stop", job="tour-busy")
         await nc.call(node, "release", job="tour-busy")
-        console.print(f"\n[bold]2. Memory limit[/bold]: a job that touches 256 MiB under a 64 MiB limit")
+        console.print("\n[bold]2. Memory limit[/bold]: a job that touches 256 MiB under a 64 MiB limit")
         while not nc.events.empty():
             nc.events.get_nowait()
         await nc.call(node, "run", job="tour-hog", argv=[sys.executable, "-c", HOG.format(n=256 << 20)],

@@ -25,6 +25,7 @@ from pathlib import Path
 from nodesvc import config, netns
 from nodesvc.broker import split_hostport
 from nodesvc.netns import HostNet
+from nodesvc.procs import wait_port
 
 log = logging.getLogger("dlshare.up")
 
@@ -78,19 +79,6 @@ def _pick(host: str, port: int) -> int:
         free = s.getsockname()[1]
     log.warning("port %d on %s is in use; using %d instead", port, host, free)
     return free
-
-
-def _wait_port(host: str, port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[3] if len(proc.args) > 3 else proc.args} exited with {proc.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
 
 
 @dataclass
@@ -189,7 +177,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         p = st.spawn("broker", ["broker", "--listen", listen, *common])
     else:
         raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
-    _wait_port(host, port, p)
+    wait_port(port, p, timeout=30, host=host)
     lend = st.lending = _has("nodesvc.donor")
     for nid in node_ids:
         addr = st.net.addrs[nid] if st.net else "127.0.0.1"
@@ -210,7 +198,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
             ahost = st.net.gateway  # reachable from every node's namespace and from here
         aport = _pick(ahost, aport)
         p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--broker", st.broker_url, *common])
-        _wait_port(ahost, aport, p)
+        wait_port(aport, p, timeout=30, host=ahost)
         st.agg_addr = f"{ahost}:{aport}"
     if _has("scheduler.service.cli"):
         shost, sport = split_hostport(u["sched_listen"], 7800)
@@ -218,7 +206,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         token = os.environ.get("DLSHARE_SCHED_TOKEN") or os.urandom(16).hex()
         p = st.spawn("sched", ["sched", "--listen", f"{shost}:{sport}", "--broker", st.broker_url,
                                "--db", str(Path(st.state_dir) / "sched.db"), "--token", token, *common])
-        _wait_port(shost, sport, p)
+        wait_port(sport, p, timeout=30, host=shost)
         st.sched_url, st.sched_token = f"http://{shost}:{sport}", token
 
 

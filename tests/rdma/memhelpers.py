@@ -13,15 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from nodesvc.procs import stop_proc  # noqa: E402,F401
 
-def stop_proc(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        try:
-            proc.send_signal(sig)
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 SLAB = 1 << 20  # tests use 1 MiB slabs
 
