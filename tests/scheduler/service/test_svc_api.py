@@ -100,3 +100,16 @@ def test_cluster_view_has_the_parts(api):
     view = c.get("/v1/cluster", headers=auth()).json()
     assert set(view) >= {"nodes", "jobs_by_state", "gpus_total", "memory_lent_bytes", "aggregation", "profile"}
     assert view["profile"] == "dlshare"
+
+
+@pytest.mark.parametrize("params,words", [
+    ({"offset": "-1"}, "offset"),
+    ({"limit": "0"}, "limit"),
+    ({"state": "sleeping"}, "state"),
+    ({"nosuch": "1"}, "nosuch"),
+])
+def test_bad_query_parameters_get_a_precise_422(api, params, words):
+    c, _ = api
+    r = c.get("/v1/jobs", params=params, headers=auth())
+    assert r.status_code == 422, (params, r.status_code, r.text)
+    assert words in r.text

@@ -19,6 +19,17 @@ _service.on_telemetry({"schema": 1, "node": "n1", "ts": 0.0, "cpu": {"count": 4}
 _service.submit({"id": "secret-job-7f3a", "model": "m", "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30, "command": ["x"]})
 app = create_app(_service, TOKEN)
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+_SPEC = app.openapi()
+
+
+def _known_query(path: str, method: str) -> set[str]:
+    op = _SPEC["paths"].get(path, {}).get(method.lower(), {})
+    return {p["name"] for p in op.get("parameters", []) if p.get("in") == "query"}
+
+
+def _sent_query_keys(query) -> set[str]:
+    # What reaches the wire: a key whose value is None or an empty list is not serialised at all.
+    return {k for k, v in (query or {}).items() if v is not None and v != []}
 
 
 @schema.parametrize()
@@ -34,6 +45,12 @@ def test_api_conforms_to_its_spec(case):
     if meta is not None and meta.generation.mode.is_negative and negative <= {"header"}:
         # No operation takes header parameters: a negative case that mutates only headers mutates the
         # bearer scheme, which the valid token below replaces (wrong tokens: the next test).
+        excluded.append(schemathesis.checks.negative_data_rejection)
+    elif (meta is not None and meta.generation.mode.is_negative and negative <= {"query", "header"}
+          and _sent_query_keys(case.query) <= _known_query(case.path, case.method)):
+        # An "additional property" mutation whose extra key has an empty value vanishes when the query is
+        # serialised, and the request that goes out is valid (seen: GET /v1/jobs?offset=664&state=...).
+        # Value-level query errors are covered by test_svc_api's explicit 422 tests.
         excluded.append(schemathesis.checks.negative_data_rejection)
     case.call_and_validate(headers={"Authorization": f"Bearer {TOKEN}"}, excluded_checks=excluded)
 
