@@ -210,14 +210,7 @@ class CgroupV2:
         return _cleanup(self.base)
 
     def oom_kills(self, job: str) -> int:
-        f = self.path(job) / "memory.events"
-        if not f.exists():
-            return 0
-        for line in _read(f).splitlines():
-            k, _, v = line.partition(" ")
-            if k == "oom_kill":
-                return int(v)
-        return 0
+        return _oom_kill_count(self.path(job) / "memory.events")
 
     def release(self, job: str) -> None:
         g = self.path(job)
@@ -326,14 +319,7 @@ class CgroupV1:
 
     def oom_kills(self, job: str) -> int:
         b = self.bases.get("memory")
-        f = b / job / "memory.oom_control" if b else None
-        if not f or not f.exists():
-            return 0
-        for line in _read(f).splitlines():
-            k, _, v = line.partition(" ")
-            if k == "oom_kill":
-                return int(v)
-        return 0
+        return _oom_kill_count(b / job / "memory.oom_control") if b else 0
 
     def release(self, job: str) -> None:
         for c, b in self.bases.items():
@@ -367,6 +353,17 @@ class NoCgroups:
 
     def release(self, job: str) -> None:
         return None
+
+
+def _oom_kill_count(f: Path) -> int:
+    """The ``oom_kill`` line of v2 ``memory.events`` or v1 ``memory.oom_control`` (0 when absent)."""
+    if not f.exists():
+        return 0
+    for line in _read(f).splitlines():
+        k, _, v = line.partition(" ")
+        if k == "oom_kill":
+            return int(v)
+    return 0
 
 
 def _empty_and_remove(g: Path, target_procs: Path, kernel_file: str) -> None:
