@@ -154,8 +154,15 @@ def _layout_diff(have: dict[int, tuple[int, int]], new: tuple) -> str:
 class AggregationCore:
     """All jobs of one server.  Not thread-safe: the shell serialises calls."""
 
-    def __init__(self, server_id: str, round_timeout_s: float, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> None:
+    def __init__(self, server_id: str, round_timeout_s: float, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+                 min_chunk_charge: int = 4096, unit_charge_per_rank: int = 8) -> None:
+        """``max_job_bytes`` bounds what one job may pin.  Each pushed chunk is charged at least
+        ``min_chunk_charge`` bytes and each open unit ``unit_charge_per_rank * world`` more, for its
+        bookkeeping: otherwise a job with a large world pushing tiny chunks would pin gigabytes of
+        Python objects while its payload count stayed near zero."""
         self.server_id = server_id
+        self.min_chunk_charge = min_chunk_charge
+        self.unit_charge_per_rank = unit_charge_per_rank
         self.round_timeout_s = round_timeout_s
         self.max_job_bytes = max_job_bytes
         self.jobs: dict[str, JobState] = {}
@@ -250,13 +257,14 @@ class AggregationCore:
                 msg = (f"layout mismatch in job {job.name} round {h.round}: rank {rank} pushed key {h.key} "
                        f"as {h.numel} {DType(h.dtype).label} elements; the registered layout has {exp}")
                 return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
-        if job.held_bytes + h.nbytes > self.max_job_bytes:
-            msg = (f"job {job.name} holds {job.held_bytes} bytes of unfinished reductions on server "
-                   f"{self.server_id}; another {h.nbytes} would pass its limit of {self.max_job_bytes} "
-                   f"(agg.max_job_bytes): are its ranks pushing different rounds?")
-            return [Release((ev.buf,))] + self._fail_round(job, h.round, "over_limit", msg)
         unit_id = h.unit
         unit = job.units.get(unit_id)
+        charge = self._chunk_charge(h) + (self._unit_charge(job) if unit is None else 0)
+        if job.held_bytes + charge > self.max_job_bytes:
+            msg = (f"job {job.name} holds {job.held_bytes} bytes of unfinished reductions on server "
+                   f"{self.server_id}; another {charge} would pass its limit of {self.max_job_bytes} "
+                   f"(agg.max_job_bytes): are its ranks pushing different rounds?")
+            return [Release((ev.buf,))] + self._fail_round(job, h.round, "over_limit", msg)
         if unit is None:
             if job.drain_from is not None and h.round >= job.drain_from:
                 return [Release((ev.buf,)), Send(ev.conn, self._redirect(job, h.key, h.chunk, h.round))]
@@ -275,17 +283,23 @@ class AggregationCore:
         unit.bufs[rank] = ev.buf
         unit.arrived += 1
         job.bytes_in += h.nbytes
-        job.held_bytes += h.nbytes
+        job.held_bytes += charge
         if unit.arrived < job.world:
             return []
         del job.units[unit_id]
-        job.held_bytes -= h.nbytes * job.world
+        job.held_bytes -= self._chunk_charge(h) * job.world + self._unit_charge(job)
         job.rounds_done += 1
         conns = tuple(job.conns.get(r) for r in range(job.world))
         f = unit.first
         result = f.with_(mtype=MsgType.RESULT, rank=0)
         divisor = float(job.world) if f.op == Op.MEAN else 1.0
         return [Reduce(job.name, DType(f.dtype), tuple(unit.bufs), divisor, result, conns, f.nbytes)]
+
+    def _chunk_charge(self, h: Header) -> int:
+        return max(h.nbytes, self.min_chunk_charge)
+
+    def _unit_charge(self, job: JobState) -> int:
+        return self.unit_charge_per_rank * job.world
 
     # --- faults ---
 
@@ -297,7 +311,7 @@ class AggregationCore:
         for uid in [u for u in job.units if u[0] == rnd]:
             unit = job.units.pop(uid)
             bufs = tuple(b for b in unit.bufs if b is not None)
-            job.held_bytes -= unit.first.nbytes * len(bufs)
+            job.held_bytes -= self._chunk_charge(unit.first) * len(bufs) + self._unit_charge(job)
             if bufs:
                 out.append(Release(bufs))
         for conn in job.conns.values():

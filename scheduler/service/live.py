@@ -227,10 +227,12 @@ class SchedulerService(CpuJobsShell):
         if rec is not None and rec.job.state.active:
             self.post(JobCancelled(_eid(), self.now(), job_id, "cancelled by user"))
         if a:
-            node = self.nodes.get(a["node"])
-            if node is not None:
-                node.allocations.pop(job_id, None)
-            self._spawn(self._stop_and_release(job_id, a["node"], f"{job_id}/cancel"))
+            nodes = list(dict.fromkeys([a["node"], *(sh["node"] for sh in a.get("shards") or [])]))
+            for n in nodes:  # every node of a job spread over several
+                view = self.nodes.get(n)
+                if view is not None:
+                    view.allocations.pop(job_id, None)
+                self._spawn(self._stop_and_release(job_id, n, f"{job_id}/cancel" + (f"/{n}" if n != a["node"] else "")))
         self.wake()
         return self.store.get_job(job_id)
 
@@ -272,7 +274,8 @@ class SchedulerService(CpuJobsShell):
             for d in resend:
                 if isinstance(d, Place):
                     rec, row = self.core.records.get(d.job), self.store.get_job(d.job)
-                    if (rec is not None and rec.shards == d.shards and row is not None and row.state == "queued"):
+                    if (rec is not None and rec.shards == d.shards and row is not None
+                            and row.state in ("queued", "preempted")):
                         # Logged, then the service died before the job's row said so: finish that step.
                         allocs = {(d.job, n): Allocate(d.cause, d.job, n, a.cpus, a.memory_bytes)
                                   for n, a in rec.allocation.items()}
@@ -526,6 +529,7 @@ class SchedulerService(CpuJobsShell):
         self.store.update_job(d.job, event="placed", node=d.node,
                               event_data={"gpus": list(d.gpus), "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"],
                                           "colocated_with": list(d.colocated_with), "resumed": d.resumed,
+                                          "nodes": [s.node for s in d.shards],
                                           "decision": self._decision_id(d)},
                               state="running", allocation=alloc, started_at=self.clock(), attempts=row.attempts + 1,
                               reason=("co-located with " + ", ".join(d.colocated_with)) if d.colocated_with else None)
@@ -545,11 +549,11 @@ class SchedulerService(CpuJobsShell):
             if isinstance(d, Place):
                 await self._start_gpu_job(d, did, replay)
             elif isinstance(d, Preempt):
-                row = self.store.get_job(d.job)
-                node = next((e["node"] for e in self.store.events(job=d.job)[::-1] if e["kind"] == "placed"), None)
-                if node:
-                    await self._stop_and_release(d.job, node, did)
-                del row
+                placed = next((e for e in self.store.events(job=d.job)[::-1] if e["kind"] == "placed"), None)
+                # A job spread over several nodes is stopped on every one of them.
+                nodes = (placed["data"].get("nodes") or [placed["node"]]) if placed else []
+                for node in dict.fromkeys(n for n in nodes if n):
+                    await self._stop_and_release(d.job, node, f"{did}/{node}" if len(nodes) > 1 else did)
             elif isinstance(d, Allocate):
                 await self.command(d.node, "allocate", {"job": d.job, "cpus": max(0.01, d.cpus),
                                                         "memory_bytes": max(1 << 20, d.memory_bytes)}, f"{did}/allocate")

@@ -202,7 +202,8 @@ def test_registered_layout_is_checked_at_registration_and_on_every_push():
 
 
 def test_a_job_cannot_pin_more_than_its_byte_limit():
-    core = AggregationCore("s", 5.0, max_job_bytes=48)
+    # exact payload accounting here; the charge floors have their own test below
+    core = AggregationCore("s", 5.0, max_job_bytes=48, min_chunk_charge=0, unit_charge_per_rank=0)
     conns, hd = job(core, "j", 2)
     push(core, conns[0], 0, 2, 0, handle=hd)  # 16 bytes a chunk
     push(core, conns[0], 0, 2, 1, handle=hd)
@@ -217,3 +218,19 @@ def test_a_job_cannot_pin_more_than_its_byte_limit():
     assert core.jobs["j"].held_bytes == 48  # round 4 held nothing; rounds 1-3 still wait
     core.handle(ConnectionLost(9, conns[1], 1.0))
     assert core.jobs["j"].held_bytes == 0
+
+
+def test_tiny_chunks_of_a_huge_world_are_charged_for_their_bookkeeping():
+    core = AggregationCore("s", 5.0, max_job_bytes=1 << 20)  # default charges: 4 KiB a chunk, 8 B a rank
+    conns, hd = job(core, "big", 4096)
+    accepted = 0
+    for rnd in range(1000):
+        d = push(core, conns[0], 0, 4096, rnd, handle=hd)  # one rank pushing 16-byte chunks
+        if msgs(d):
+            break
+        accepted += 1
+    # each open unit costs 4096 + 8 * 4096 bytes, so 1 MiB allows 28 of them, not a thousand
+    assert accepted == (1 << 20) // (4096 + 8 * 4096)
+    assert {b["code"] for _, _, b in msgs(d)} == {"over_limit"}
+    core.handle(ConnectionLost(9, conns[0], 1.0))
+    assert core.jobs.get("big") is None or core.jobs["big"].held_bytes == 0

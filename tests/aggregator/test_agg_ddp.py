@@ -77,8 +77,7 @@ def test_ddp_four_ranks_within_1e6_relative_on_two_servers(agg_servers, tmp_path
     for res in results[1:]:
         for p, q in zip(results[0]["hook"], res["hook"]):
             assert torch.equal(p, q)  # every rank holds the same parameters
-    assert all(s.core.jobs == {} or s.bytes_in > 0 for s in servers)
-    assert sum(s.bytes_in for s in servers) > 0
+    assert all(s.bytes_in > 0 for s in servers)  # the keys really were split across both servers
 
 
 def _initial() -> list[torch.Tensor]:
