@@ -320,7 +320,8 @@ class NodeDaemon:
         ctx = NodeContext(self.node_id, self.cfg, self.bus.publish,
                           promised_bytes=lambda: int((self.last or {}).get("memory", {}).get("promised_bytes", 0)),
                           reserved_unused_bytes=lambda: int(
-                              (self.last or {}).get("memory", {}).get("reserved_unused_bytes", 0)))
+                              (self.last or {}).get("memory", {}).get("reserved_unused_bytes", 0)),
+                          connected=self.bus.connected.is_set)
         for ext in self.extensions:
             await ext.start(ctx)
         try:

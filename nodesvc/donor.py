@@ -148,6 +148,7 @@ class DonorExtension:
         self.core = ReclaimCore(self.headroom, float(d["psi_threshold"]), float(d["reclaim_deadline_s"]))
         self.lease_book = LeaseBook()
         self.leases: dict[int, Lease] = {}
+        self._cut_off = False
         self.stats = DonorStats()
         self.server = None
         self.ctx: NodeContext | None = None
@@ -223,7 +224,19 @@ class DonorExtension:
     def lendable_bytes(self) -> int:
         avail, _ = self.pressure()
         kept = 0 if self.lend_reserved else self._ctx_bytes("reserved_unused_bytes")
-        return max(0, avail - self.headroom - kept)
+        return max(0, avail - self.headroom - kept - self.lent_untouched_bytes())
+
+    def lent_untouched_bytes(self) -> int:
+        """Lent memory not written yet.  Slabs are mapped lazily (MAP_NORESERVE), so their pages
+        leave MemAvailable only as consumers write them: without this, two consumers could be
+        promised the same free memory.  Bytes written count once even if rewritten, so this may
+        undercount slightly; reclaim (PSI, MemAvailable under the headroom) covers the rest."""
+        untouched = 0
+        for slab, lease in list(self.leases.items()):
+            st = self.server.slab_stats(slab) if self.server is not None else None
+            written = st.bytes_written if st else 0
+            untouched += max(0, lease.nbytes - written)
+        return untouched
 
     def _slabs_available(self, lendable: int) -> int:
         if self.clock() < self.paused_until:
@@ -405,7 +418,19 @@ class DonorExtension:
                     mono_now_ns = monotonic_ns()
                 age = (mono_now_ns - st.last_access_ns) / 1e9
                 out += self.core.handle(SlabAccessed(self._sid("access"), now, slab, now - age))
+                lease = self.leases.get(slab)
+                if lease is not None:
+                    self.lease_book.touch(lease.consumer, now - age)
         out += self.core.handle(PressureSample(self._sid("pressure"), now, avail, psi))
+        # Renewals travel over the broker: while this donor cannot reach it, no lease may expire,
+        # and once it is back every consumer gets a full lease to renew in.
+        connected = self.ctx is None or self.ctx.connected is None or self.ctx.connected()
+        if not connected:
+            self._cut_off = True
+            return out
+        if self._cut_off:
+            self._cut_off = False
+            self.lease_book.grace(now)
         for consumer in self.lease_book.expired(now):
             for slab in sorted(s for s, x in self.leases.items() if x.consumer == consumer):
                 out.append(ForceUnmap(slab, consumer, "consumer lease expired", self._sid("lease")))

@@ -28,6 +28,8 @@ class NodeContext:
     # What local jobs were promised (their allocations' memory) and reserved but do not use.
     promised_bytes: Callable[[], int] | None = None
     reserved_unused_bytes: Callable[[], int] | None = None
+    # True while the daemon is connected to the broker.
+    connected: Callable[[], bool] | None = None
 
 
 class NodeExtension(Protocol):

@@ -179,16 +179,32 @@ class LeaseBook:
     without unmapping.  Times come from the caller's clock."""
 
     expiry: dict[str, float] = field(default_factory=dict)
+    ttl: dict[str, float] = field(default_factory=dict)
 
     def renew(self, consumer: str, t: float, ttl_s: float) -> None:
         self.expiry[consumer] = max(self.expiry.get(consumer, float("-inf")), t + ttl_s)
+        self.ttl[consumer] = ttl_s
+
+    def touch(self, consumer: str, t: float) -> None:
+        """Data-plane use at time ``t`` renews too: a consumer reading and writing its slabs is alive,
+        even if its renewals (over MQTT) do not get through."""
+        if consumer in self.expiry:
+            self.expiry[consumer] = max(self.expiry[consumer], t + self.ttl[consumer])
+
+    def grace(self, t: float) -> None:
+        """Every consumer gets a full lease from ``t``: after the donor was cut off from the
+        broker, nobody's renewals could arrive, so none may expire for that."""
+        for c in self.expiry:
+            self.expiry[c] = max(self.expiry[c], t + self.ttl[c])
 
     def expired(self, t: float) -> list[str]:
         """Consumers whose lease ran out (they are forgotten)."""
         gone = sorted(c for c, until in self.expiry.items() if t >= until)
         for c in gone:
             del self.expiry[c]
+            self.ttl.pop(c, None)
         return gone
 
     def forget(self, consumer: str) -> None:
         self.expiry.pop(consumer, None)
+        self.ttl.pop(consumer, None)

@@ -162,10 +162,34 @@ class Endpoint:
         self.host, self.port, self.provider = host, port, provider
         self.timeout_ms = timeout_ms
         self.broken = False
-        self._crc_out = ffi.new("uint32_t *")
         self._tokens: dict[bytes, object] = {}  # token -> its C copy, for the small-read path
+        # Calls in flight: close() never frees the C endpoint under a thread that is using it;
+        # the last such thread does, once close() was asked for.
+        self._mu = threading.Lock()
+        self._users = 0
+        self._closing = False
+
+    def _acquire(self, what: str):
+        with self._mu:
+            if self._ep is None or self._closing:
+                raise RemoteMemoryError(wire.E_CLOSED, what)
+            self._users += 1
+            return self._ep
+
+    def _release(self) -> None:
+        with self._mu:
+            self._users -= 1
+            if self._closing and self._users == 0 and self._ep is not None:
+                lib.dls_ep_close(self._ep)
+                self._ep = None
+
+    @staticmethod
+    def _check_token(token: bytes) -> None:
+        if not isinstance(token, (bytes, bytearray)) or len(token) != 16:
+            raise ValueError("a slab token is exactly 16 bytes")
 
     def _batch(self, slab: int, token: bytes, offs: np.ndarray, lens: np.ndarray, buf, crc, crcs):
+        self._check_token(token)
         b = ffi.new("dls_batch *")
         b.slab = slab
         tok = ffi.from_buffer(token)
@@ -180,16 +204,22 @@ class Endpoint:
         return b, (tok,)
 
     def _call(self, fn, slab, token, offsets, lengths, buf, crc, crcs, what):
-        if self._ep is None:
-            raise RemoteMemoryError(wire.E_CLOSED, what)
         offs = np.ascontiguousarray(offsets, dtype=np.uint64)
         lens = np.ascontiguousarray(lengths, dtype=np.uint32)
         if offs.shape != lens.shape or offs.ndim != 1:
             raise ValueError("offsets and lengths must be 1-D and of the same length")
         if crc and crcs is None:
             crcs = np.zeros(len(offs), dtype=np.uint32)
+        if crcs is not None and not (isinstance(crcs, np.ndarray) and crcs.dtype == np.uint32
+                                     and crcs.flags.c_contiguous and crcs.flags.writeable
+                                     and crcs.size >= len(offs)):
+            raise ValueError("crcs must be a writable C-contiguous uint32 array with one entry per segment")
         b, keep = self._batch(slab, token, offs, lens, buf, crc, crcs)
-        rc = fn(self._ep, b)
+        ep = self._acquire(what)
+        try:
+            rc = fn(ep, b)
+        finally:
+            self._release()
         if rc < 0 and rc not in (wire.E_ARG,):
             self.broken = True
         if rc:
@@ -217,8 +247,7 @@ class Endpoint:
                  local_crc: bool = False) -> int:
         """One segment into ``out`` with the least Python in the way; returns its CRC-32C
         (0 without ``crc``).  ``out`` must hold at least ``n`` bytes."""
-        if self._ep is None:
-            raise RemoteMemoryError(wire.E_CLOSED, "read")
+        self._check_token(token)
         buf = ffi.from_buffer("uint8_t[]", out, require_writable=True)
         if len(buf) < n:
             raise ValueError(f"out holds {len(buf)} bytes, {n} asked")
@@ -227,9 +256,13 @@ class Endpoint:
             if len(self._tokens) > 4096:
                 self._tokens.clear()
             tok = self._tokens[token] = ffi.new("uint8_t[16]", token)
-        crc_out = self._crc_out
+        crc_out = ffi.new("uint32_t *")  # per call: C writes it after releasing the endpoint's lock
         flags = wire.F_CRC if crc else (LOCAL_CRC if local_crc else 0)
-        rc = lib.dls_ep_read1(self._ep, slab, tok, offset, n, buf, flags, crc_out, self.timeout_ms)
+        ep = self._acquire("read")
+        try:
+            rc = lib.dls_ep_read1(ep, slab, tok, offset, n, buf, flags, crc_out, self.timeout_ms)
+        finally:
+            self._release()
         if rc:
             if rc < 0 and rc != wire.E_ARG:
                 self.broken = True
@@ -251,18 +284,26 @@ class Endpoint:
         return self._call(lib.dls_ep_write, slab, token, offsets, lengths, buf, crc, crcs, f"write slab {slab}")
 
     def ping(self) -> None:
-        if self._ep is None:
-            raise RemoteMemoryError(wire.E_CLOSED, "ping")
-        rc = lib.dls_ep_ping(self._ep, self.timeout_ms)
+        ep = self._acquire("ping")
+        try:
+            rc = lib.dls_ep_ping(ep, self.timeout_ms)
+        finally:
+            self._release()
         if rc:
             if rc < 0:
                 self.broken = True
             raise RemoteMemoryError(rc, "ping")
 
     def close(self) -> None:
-        if self._ep is not None:
-            lib.dls_ep_close(self._ep)
-            self._ep = None
+        """Close now if no call is in flight, else as soon as the last one returns."""
+        mu = getattr(self, "_mu", None)
+        if mu is None:  # __init__ failed before the lock existed
+            return
+        with mu:
+            self._closing = True
+            if self._users == 0 and self._ep is not None:
+                lib.dls_ep_close(self._ep)
+                self._ep = None
 
     def __enter__(self) -> "Endpoint":
         return self

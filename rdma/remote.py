@@ -34,6 +34,14 @@ log = logging.getLogger("dlshare.rdma")
 COPY_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short enough not to stall writers
 
 
+def _replica(node: str, res: dict, slab: dict) -> Replica:
+    """A replica from a donor's map reply; a token must be 16 bytes (it is read as such in C)."""
+    token = bytes.fromhex(slab["token"])
+    if len(token) != 16:
+        raise ValueError(f"token of {len(token)} bytes")
+    return Replica(node, str(res["addr"]), int(slab["slab"]), token, int(res["slab_bytes"]))
+
+
 class RemoteMemory:
     """Replicated remote memory from the donors on ``broker``.
 
@@ -125,8 +133,11 @@ class RemoteMemory:
                 granted[n] = []
                 continue
             self.control.note_mapped(n, k)
-            granted[n] = [Replica(n, str(res["addr"]), int(x["slab"]), bytes.fromhex(x["token"]),
-                                  int(res["slab_bytes"])) for x in res["slabs"]]
+            try:
+                granted[n] = [_replica(n, res, x) for x in res["slabs"]]
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("donor %s sent a malformed map reply (%s); not using it", n, exc)
+                granted[n] = []
         extents: list[Extent] = []
         page = 0
         try:
@@ -186,8 +197,11 @@ class RemoteMemory:
                 failed.add(node)
                 continue
             self.control.note_mapped(node)
-            return Replica(node, str(res["addr"]), int(res["slab"]), bytes.fromhex(res["token"]),
-                           int(res["slab_bytes"]))
+            try:
+                return _replica(node, res, res)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("donor %s sent a malformed map reply (%s); not using it", node, exc)
+                failed.add(node)
 
     def _unmap(self, rep: Replica, wait: bool = True) -> None:
         args = {"slab": rep.slab, "token": rep.token.hex()}

@@ -361,3 +361,77 @@ def test_connection_flood_is_capped_and_served_clients_carry_on():
     finally:
         srv.stop()
         reg.release()
+
+
+def test_closing_an_endpoint_under_concurrent_readers_is_safe(served):
+    """close() while other threads are inside C calls on the same endpoint must not free it under them."""
+    import threading
+
+    srv, regions, tokens = served
+    for _ in range(5):
+        ep = Endpoint("127.0.0.1", srv.port)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def reader():
+            out = np.empty(16 * PAGE, dtype=np.uint8)
+            offs, lens = pages(16)
+            while not stop.is_set():
+                try:
+                    ep.read(1, tokens[1], offs, lens, out)
+                except RemoteMemoryError as exc:
+                    if exc.code != wire.E_CLOSED:
+                        errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for t in threads:
+            t.start()
+        ep.close()  # the process would die here (SIGSEGV) if C memory were freed under the readers
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not errors and ep._ep is None  # the last reader out closed it
+
+
+def test_single_page_crcs_do_not_leak_between_threads(served):
+    """read_one's CRC is per call: 4 threads reading different pages each get their own page's CRC."""
+    import threading
+
+    from rdma import crc32c
+
+    srv, regions, tokens = served
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, 256, 8 * PAGE, dtype=np.uint8)
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        ep.write(1, tokens[1], *pages(8), data)
+        want = [crc32c(data[i * PAGE:(i + 1) * PAGE]) for i in range(8)]
+        wrong: list[tuple[int, int]] = []
+
+        def worker(i):
+            out = np.empty(PAGE, dtype=np.uint8)
+            for _ in range(1500):
+                got = ep.read_one(1, tokens[1], i * PAGE, PAGE, out, local_crc=True)
+                if got != want[i]:
+                    wrong.append((i, got))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert wrong == []
+
+
+def test_buffers_handed_to_c_are_checked(served):
+    srv, regions, tokens = served
+    out = np.empty(4 * PAGE, dtype=np.uint8)
+    with Endpoint("127.0.0.1", srv.port) as ep:
+        with pytest.raises(ValueError, match="crcs"):
+            ep.read(1, tokens[1], *pages(4), out, crc=True, crcs=np.zeros(1, np.uint32))  # too short
+        with pytest.raises(ValueError, match="crcs"):
+            ep.read(1, tokens[1], *pages(4), out, crc=True, crcs=np.zeros(4, np.int64))  # wrong dtype
+        with pytest.raises(ValueError, match="16 bytes"):
+            ep.read(1, tokens[1][:8], *pages(4), out)
+        with pytest.raises(ValueError, match="16 bytes"):
+            ep.read_one(1, b"short", 0, PAGE, out)

@@ -106,6 +106,21 @@ async def test_lendable_accounts_headroom_and_promises(donor):
     assert ext.stats.refused_maps == 1
 
 
+async def test_lent_but_unwritten_memory_is_not_offered_twice(donor):
+    ext, fake = donor
+    fake.avail = 256 * MIB + 128 * MIB + 4 * MIB  # headroom + reserved-unused + 4 slabs
+    assert ext.telemetry()["free_slabs"] == 4
+    res = await ext.cmd_map({"consumer": "c1", "count": 2})
+    # MemAvailable has not moved (nothing written yet), but those 2 slabs are spoken for
+    assert ext.telemetry()["free_slabs"] == 2
+    host, _, port = res["addr"].rpartition(":")
+    s0 = res["slabs"][0]
+    with Endpoint(host, int(port)) as ep:
+        ep.write(s0["slab"], bytes.fromhex(s0["token"]), [0], [MIB], bytes(MIB))
+    fake.avail -= MIB  # the written slab's pages now count against MemAvailable instead
+    assert ext.lent_untouched_bytes() == MIB and ext.telemetry()["free_slabs"] == 2
+
+
 async def test_max_slabs_caps_lending(donor):
     ext, _ = donor
     for _ in range(8):
@@ -210,6 +225,41 @@ async def test_a_consumer_that_stops_renewing_loses_its_slabs(donor):
     assert all(e["reason"] == "consumer lease expired" for e in revoked)
     with pytest.raises(messages.PayloadError):
         await ext.cmd_renew({"consumer": "lives", "lease_s": 0})
+
+
+async def test_no_lease_expires_while_the_donor_is_cut_off_from_the_broker(donor):
+    ext, fake = donor
+    online = {"up": True}
+    ext.ctx.connected = lambda: online["up"]
+    a = await ext.cmd_map({"consumer": "c", "lease_s": 5.0})
+    online["up"] = False  # broker restart: the consumer's renewals cannot arrive
+    fake.t += 60.0
+    await ext._execute(ext.sample())
+    assert a["slab"] in ext.leases  # both copies of a consumer's data would otherwise vanish at once
+    online["up"] = True
+    fake.t += 1.0
+    await ext._execute(ext.sample())
+    assert a["slab"] in ext.leases  # back: a full lease from now to renew in
+    fake.t += 4.5
+    await ext._execute(ext.sample())
+    assert a["slab"] in ext.leases
+    fake.t += 1.0  # and a consumer that still stays silent does lose its slab
+    await ext._execute(ext.sample())
+    assert a["slab"] not in ext.leases
+
+
+def test_lease_book_touch_and_grace():
+    from nodesvc.reclaim import LeaseBook
+
+    lb = LeaseBook()
+    lb.renew("c", 0.0, 10.0)
+    lb.touch("c", 8.0)  # data-plane use renews
+    assert lb.expired(15.0) == [] and lb.expired(18.0) == ["c"]
+    lb.renew("d", 0.0, 10.0)
+    lb.grace(30.0)
+    assert lb.expired(35.0) == [] and lb.expired(40.0) == ["d"]
+    lb.touch("nobody", 1.0)  # no lease, nothing to renew
+    assert "nobody" not in lb.expiry
 
 
 _FUZZ_MAPS: list[int] = []
