@@ -19,6 +19,7 @@ import itertools
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -100,11 +101,25 @@ class _Conn:
                 pass
 
 
+def _guard_peer(sock: socket.socket, send_timeout_s: float) -> None:
+    """A peer that stops reading must not pin the server: a send that blocks this long fails,
+    which closes the connection and fails its rounds (its queued results are then released).
+    TCP keepalive finds peers whose host died without a reset."""
+    sec = int(send_timeout_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", sec, int((send_timeout_s - sec) * 1_000_000)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+
+
 class AggregationServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, server_id: str = "agg0", min_cores: int = 1,
                  max_cores: int = 4, round_timeout_s: float = 30.0, tick_s: float = 0.1,
                  shrink_after_s: float = 1.0, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> None:
         self.server_id = server_id
+        self.send_timeout_s = max(1.0, round_timeout_s)
         self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes)
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
@@ -206,6 +221,7 @@ class AggregationServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+            _guard_peer(sock, self.send_timeout_s)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             self._conns.add(conn)
             threading.Thread(target=conn.sender, name=f"{self.server_id}-send", daemon=True).start()

@@ -156,3 +156,26 @@ def test_sigterm_stops_the_server_cleanly():
         assert p.wait(timeout=10) == 0
     finally:
         _kill(p)
+
+
+def test_a_peer_that_stops_reading_cannot_block_the_server_forever():
+    """The server's sockets carry a send timeout: the C send path gives up on a peer that never reads."""
+    import socket
+    import time as _time
+
+    from aggregator.server import _guard_peer
+    from aggregator.sockio import send_all
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(lst.getsockname())  # connected, and never reads
+    srv, _ = lst.accept()
+    _guard_peer(srv, 0.5)
+    payload = bytes(1 << 20)
+    t0 = _time.monotonic()
+    with pytest.raises(OSError):
+        for _ in range(10_000):  # fills both socket buffers, then the send must time out
+            send_all(srv, b"H" * 48, payload)
+    assert _time.monotonic() - t0 < 10
+    assert srv.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    for s in (srv, peer, lst):
+        s.close()
