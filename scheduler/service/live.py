@@ -126,10 +126,18 @@ class SchedulerService(CpuJobsShell):
                 replayed.append((self._decision_id(d), d))
             n_batches += 1
         rows, _ = self.store.list_jobs(states=["queued", "running", "preempted"], limit=1 << 30)
+        states = self.store.decision_states()
+        self._cpu_resend: list[tuple[str, str, dict, int]] = []
         for j in rows:
             if j.state == "running" and j.allocation:
                 node = self.nodes.setdefault(j.allocation["node"], NodeView(id=j.allocation["node"]))
-                node.allocations[j.id] = {**j.allocation, "acked": True}
+                acked = True
+                if int(j.spec.get("gpus", 0)) == 0 and states.get(f"{j.id}/cpu-place/{j.attempts}") != "acked":
+                    # A CPU job whose `run` was never acknowledged before the crash: send it again (same
+                    # command id, so a node that did start it answers from its reply cache).
+                    acked = False
+                    self._cpu_resend.append((j.id, j.allocation["node"], j.allocation, j.attempts))
+                node.allocations[j.id] = {**j.allocation, "acked": acked}
             if int(j.spec.get("gpus", 0)) > 0 and j.id not in self.core.records:
                 self.post(JobArrived(_eid(), self.now(), core_job(j, self.now())))
             elif int(j.spec.get("gpus", 0)) == 0 and j.state == "queued":
@@ -139,7 +147,6 @@ class SchedulerService(CpuJobsShell):
             row = self.store.get_job(jid)
             if row is not None and row.state in TERMINAL and rec.job.state.active:
                 self.post(JobCancelled(_eid(), self.now(), jid, row.reason or row.state))
-        states = self.store.decision_states()
         self._resend = [d for did, d in replayed if states.get(did) in ("pending", "sent")]
         if n_batches:
             log.info("replayed %d logged batches; %d decisions still to carry out, %d active jobs",
@@ -286,6 +293,10 @@ class SchedulerService(CpuJobsShell):
                             a["acked"] = False
                 log.info("re-sending decision %s (never acknowledged before the restart)", self._decision_id(d))
                 self._spawn(self._carry_out(d, replay=True))
+        cpu_resend, self._cpu_resend = getattr(self, "_cpu_resend", []), []
+        for job, node, alloc, attempt in cpu_resend:
+            log.info("re-sending the start of CPU job %s (never acknowledged before the restart)", job)
+            self._spawn(self._start_cpu_job(job, node, alloc, attempt))
         self.wake()
 
     async def on_message(self, topic: str, payload: bytes) -> None:

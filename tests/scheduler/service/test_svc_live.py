@@ -102,6 +102,31 @@ async def test_restart_replays_the_log_and_sends_nothing_twice(mosquitto, tmp_pa
         await n1.stop()
 
 
+async def test_a_cpu_job_whose_start_was_in_flight_at_a_crash_is_started_after_restart(mosquitto, tmp_path):
+    n1 = await FakeNode(mosquitto.url, "n1", cpus=8, gpus=0).start()
+    n1.drop_ops = {"run"}  # the node gets the command, but the service dies before any reply
+    db = tmp_path / "s.db"
+    svc = await _service(db, mosquitto.url)
+    try:
+        await until(lambda: "n1" in svc.nodes and svc.nodes["n1"].status == "online", what="n1 online")
+        job = svc.submit(dict(CPU_JOB))[0].id
+        await until(lambda: n1.ops("run"), what="the run command reached the node")
+    finally:
+        await svc.stop()  # before the command's timeout: its decision stays unacknowledged
+        svc.store.close()
+    assert job not in n1.running
+    n1.drop_ops = set()
+    svc2 = await _service(db, mosquitto.url)
+    try:
+        await until(lambda: job in n1.running, what="the unacknowledged start is sent again")
+        await asyncio.sleep(2.0)  # several telemetry reports: the job must not be taken for vanished
+        assert svc2.store.get_job(job).state == "running"
+        assert len({c["id"] for c in n1.commands if c["op"] == "run"}) == 1  # the same command id, re-sent
+    finally:
+        await svc2.stop()
+        await n1.stop()
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
