@@ -49,6 +49,11 @@ typedef struct conn {
     size_t outlen, outoff, outcap;
     int closing;   /* close once the output is flushed */
     int want_out;  /* registered for EPOLLOUT */
+    int authed;    /* some request on it carried a valid token */
+    int prechecked; /* the incomplete WRITE at in[0] passed its early checks */
+    uint64_t discard;       /* payload bytes of a refused WRITE still to drop unread */
+    uint64_t last_rx_ns;    /* when bytes last arrived (or the connection opened) */
+    uint64_t partial_since; /* when the incomplete frame now pending began; 0: none */
     struct conn *prev, *next;
 } conn;
 
@@ -58,6 +63,7 @@ typedef struct worker {
     pthread_t th;
     int started;
     conn *conns;
+    uint64_t next_sweep_ns;
 } worker;
 
 struct dls_server {
@@ -66,6 +72,8 @@ struct dls_server {
     pthread_rwlock_t lock;
     slab **slabs;
     uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out, refused;
+    uint64_t idle_ns, frame_ns, sweep_ns; /* 0: that timeout is off */
+    uint64_t timed_out;
 };
 
 static char LISTEN_TAG, STOP_TAG;
@@ -119,7 +127,10 @@ static int serve(dls_server *s, conn *c, const dls_req_view *v) {
     slab *sl = v->slab < DLS_MAX_SLAB_ID ? s->slabs[v->slab] : NULL;
     if (!sl) status = DLS_E_NOSLAB;
     else if (!dls_token_equal(sl->token, v->token)) status = DLS_E_TOKEN;
-    else status = dls_wire_check_bounds(v, sl->size);
+    else {
+        c->authed = 1;
+        status = dls_wire_check_bounds(v, sl->size);
+    }
     if (status == DLS_OK && v->op == DLS_OP_WRITE && (v->flags & DLS_F_CRC)) {
         const uint8_t *p = v->payload;
         for (uint32_t i = 0; i < v->nseg; i++) {
@@ -233,18 +244,61 @@ static int serve(dls_server *s, conn *c, const dls_req_view *v) {
     return 0;
 }
 
+/* The checks of a WRITE whose header and descriptors are in but whose payload
+ * is not, made before any room is reserved for that payload: the flags, then
+ * what serve() checks first (slab, token, bounds).  The same status serve()
+ * would give, except a checksum mismatch, which needs the payload. */
+static int precheck_write(dls_server *s, conn *c, const dls_req_view *v) {
+    if (v->flags & ~DLS_F_KNOWN) return DLS_E_FLAGS;
+    int status;
+    pthread_rwlock_rdlock(&s->lock);
+    slab *sl = v->slab < DLS_MAX_SLAB_ID ? s->slabs[v->slab] : NULL;
+    if (!sl) status = DLS_E_NOSLAB;
+    else if (!dls_token_equal(sl->token, v->token)) status = DLS_E_TOKEN;
+    else {
+        c->authed = 1;
+        status = dls_wire_check_bounds(v, sl->size);
+    }
+    pthread_rwlock_unlock(&s->lock);
+    return status;
+}
+
 /* Parse and serve the complete frames buffered on c.  Returns 1 when it
  * stopped at the output high-water mark with input left to parse. */
 static int process_input(dls_server *s, conn *c) {
     size_t off = 0;
-    int more = 0;
-    while (!c->closing && off < c->inlen && c->outlen - c->outoff < OUT_HIGH_WATER) {
+    int more = 0, done = 0; /* done: some frame was completed */
+    if (c->discard) { /* the payload of a refused WRITE: drop it unbuffered */
+        size_t d = c->discard < c->inlen ? (size_t)c->discard : c->inlen;
+        off = d;
+        c->discard -= d;
+        done = c->discard == 0;
+    }
+    while (!c->closing && !c->discard && off < c->inlen && c->outlen - c->outoff < OUT_HIGH_WATER) {
         dls_req_view v;
         int rc = dls_wire_parse_req(c->in + off, c->inlen - off, &v);
         if (rc == DLS_NEED_MORE) {
+            if (v.segs && v.op == DLS_OP_WRITE && !c->prechecked) {
+                /* Header and descriptors are in, the payload is not: refuse now
+                 * rather than buffer up to DLS_MAX_REQ_FRAME for a stranger. */
+                int st = precheck_write(s, c, &v);
+                if (st != DLS_OK) {
+                    ADD(&s->requests, 1);
+                    ADD(&s->errors, 1);
+                    if (st == DLS_E_FLAGS) ADD(&s->bad_frames, 1);
+                    uint8_t fl = st == DLS_E_FLAGS ? 0 : (uint8_t)(v.flags & DLS_F_CRC);
+                    if (respond_status(c, v.op, fl, (uint8_t)st, v.req_id)) c->closing = 1;
+                    c->discard = v.frame_len - (c->inlen - off);
+                    off = c->inlen;
+                    break;
+                }
+                c->prechecked = 1;
+            }
             if (reserve(&c->in, &c->incap, (size_t)v.frame_len)) c->closing = 1;
             break;
         }
+        c->prechecked = 0;
+        done = 1;
         ADD(&s->requests, 1);
         if (rc != DLS_OK) {
             ADD(&s->bad_frames, 1);
@@ -269,6 +323,9 @@ static int process_input(dls_server *s, conn *c) {
         memmove(c->in, c->in + off, c->inlen - off);
         c->inlen -= off;
     }
+    /* the frame timeout runs from when the frame now pending began */
+    if (!c->inlen && !c->discard) c->partial_since = 0;
+    else if (done || !c->partial_since) c->partial_since = dls_monotonic_ns();
     return more;
 }
 
@@ -343,6 +400,7 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
             return;
         }
         c->inlen += (size_t)n;
+        c->last_rx_ns = dls_monotonic_ns();
         did_recv = 1;
         ADD(&s->bytes_in, (uint64_t)n);
     }
@@ -367,6 +425,7 @@ static void accept_all(worker *w) {
             continue;
         }
         c->fd = fd;
+        c->last_rx_ns = dls_monotonic_ns();
         struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = c};
         if (epoll_ctl(w->epfd, EPOLL_CTL_ADD, fd, &ev)) {
             free(c->in);
@@ -382,11 +441,45 @@ static void accept_all(worker *w) {
     }
 }
 
+/* Close this worker's connections that hold a place without using it:
+ * - an incomplete frame (or the payload of a refused WRITE) pending for more
+ *   than frame_ns, unless the server is the one waiting (output queued);
+ * - no bytes for idle_ns on a connection that never carried a valid token.
+ *   Connections that did are kept however long they idle, since consumers keep
+ *   them open between bursts and treat a dropped one as a failed donor. */
+static void sweep(worker *w, uint64_t now) {
+    dls_server *s = w->s;
+    conn *c = w->conns;
+    while (c) {
+        conn *next = c->next;
+        int out_queued = c->outlen > c->outoff;
+        int stale = 0;
+        if (s->frame_ns && c->partial_since && !out_queued && now - c->partial_since > s->frame_ns) stale = 1;
+        if (s->idle_ns && !c->authed && now - c->last_rx_ns > s->idle_ns) stale = 1;
+        if (stale) {
+            ADD(&s->timed_out, 1);
+            conn_close(w, c);
+        }
+        c = next;
+    }
+}
+
 static void *worker_main(void *arg) {
     worker *w = arg;
+    dls_server *s = w->s;
     struct epoll_event evs[64];
+    if (s->sweep_ns) w->next_sweep_ns = dls_monotonic_ns() + s->sweep_ns;
     for (;;) {
-        int n = epoll_wait(w->epfd, evs, 64, -1);
+        int timeout = -1;
+        if (s->sweep_ns) {
+            uint64_t now = dls_monotonic_ns();
+            if (now >= w->next_sweep_ns) {
+                sweep(w, now);
+                w->next_sweep_ns = now + s->sweep_ns;
+            }
+            timeout = (int)((w->next_sweep_ns - now + 999999) / 1000000);
+        }
+        int n = epoll_wait(w->epfd, evs, 64, timeout);
         if (n < 0) {
             if (errno == EINTR) continue;
             break;
@@ -408,6 +501,12 @@ static void set_err(char *err, size_t len, const char *what, int e) {
 }
 
 dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len) {
+    return dls_server_start_ex(host, port, nthreads, max_conns, DLS_IDLE_TIMEOUT_MS, DLS_FRAME_TIMEOUT_MS, err,
+                               err_len);
+}
+
+dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int64_t idle_timeout_ms,
+                                int64_t frame_timeout_ms, char *err, size_t err_len) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     dls_server *s = calloc(1, sizeof *s);
@@ -416,6 +515,17 @@ dls_server *dls_server_start(const char *host, int port, int nthreads, int max_c
     s->workers = calloc((size_t)nthreads, sizeof(worker));
     s->lfd = -1;
     s->max_conns = max_conns > 0 ? max_conns : DLS_MAX_CONNECTIONS;
+    s->idle_ns = idle_timeout_ms > 0 ? (uint64_t)idle_timeout_ms * 1000000ull : 0;
+    s->frame_ns = frame_timeout_ms > 0 ? (uint64_t)frame_timeout_ms * 1000000ull : 0;
+    if (s->idle_ns || s->frame_ns) {
+        /* sweep often enough to close a connection within ~1/4 of its timeout */
+        uint64_t t = s->idle_ns && s->frame_ns ? (s->idle_ns < s->frame_ns ? s->idle_ns : s->frame_ns)
+                                               : (s->idle_ns ? s->idle_ns : s->frame_ns);
+        t /= 4;
+        if (t < 5000000ull) t = 5000000ull;
+        if (t > 1000000000ull) t = 1000000000ull;
+        s->sweep_ns = t;
+    }
     if (!s->slabs || !s->workers) goto fail;
     pthread_rwlockattr_t attr;
     pthread_rwlockattr_init(&attr);
@@ -557,3 +667,5 @@ void dls_server_get_counters(dls_server *s, dls_server_counters *o) {
     o->bytes_out = LOAD(&s->bytes_out);
     o->refused = LOAD(&s->refused);
 }
+
+uint64_t dls_server_timed_out(dls_server *s) { return LOAD(&s->timed_out); }

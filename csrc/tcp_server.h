@@ -9,6 +9,8 @@
 
 #define DLS_MAX_SLAB_ID 65536
 #define DLS_MAX_CONNECTIONS 4096 /* per server; more are closed on accept */
+#define DLS_IDLE_TIMEOUT_MS 60000  /* default: no bytes for this long, never authenticated */
+#define DLS_FRAME_TIMEOUT_MS 10000 /* default: an incomplete frame pending this long */
 
 typedef struct dls_server dls_server;
 
@@ -25,6 +27,20 @@ typedef struct dls_server_counters {
 /* Listen on host:port (port 0 picks a free one) with `nthreads` workers, closing
  * connections beyond `max_conns` on accept (0: DLS_MAX_CONNECTIONS). */
 dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len);
+/* The same, with the timeouts that free places held by idle or stalled peers
+ * (<= 0 turns one off; dls_server_start uses the defaults above):
+ * - idle_timeout_ms: a connection that never sent a request with a valid token
+ *   and has received no bytes for this long is closed.  Connections that did
+ *   are never closed for idling (consumers keep theirs open between bursts);
+ * - frame_timeout_ms: a connection with an incomplete request pending for this
+ *   long (its first byte arrived that long ago) is closed, whoever it is,
+ *   unless it is the server that waits, with responses still unsent.
+ * A WRITE is checked (flags, slab, token, bounds) as soon as its header and
+ * descriptors are in; a refused one gets its error status and its payload is
+ * dropped as it arrives, unbuffered, so a peer without a valid token never
+ * makes the server hold more than a small fixed buffer. */
+dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int64_t idle_timeout_ms,
+                                int64_t frame_timeout_ms, char *err, size_t err_len);
 int dls_server_port(const dls_server *s);
 void dls_server_stop(dls_server *s);
 /* Serve [base, base+size) as slab `id` under `token` (16 bytes).  0, or an error status. */
@@ -34,5 +50,7 @@ int dls_server_add_slab(dls_server *s, uint32_t id, void *base, uint64_t size, c
 int dls_server_remove_slab(dls_server *s, uint32_t id);
 int dls_server_slab_stats(dls_server *s, uint32_t id, dls_slab_stats *out);
 void dls_server_get_counters(dls_server *s, dls_server_counters *out);
+/* Connections closed by the idle or frame timeout. */
+uint64_t dls_server_timed_out(dls_server *s);
 uint64_t dls_monotonic_ns(void);
 #endif

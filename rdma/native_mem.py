@@ -94,9 +94,18 @@ class SlabStats:
 class SlabServer:
     """The C slab server (epoll worker threads); slabs are added and removed from Python."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 2, max_connections: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 2, max_connections: int = 0,
+                 idle_timeout_s: float | None = 60.0, frame_timeout_s: float | None = 10.0) -> None:
+        """``idle_timeout_s``: close a connection that never sent a request with a valid
+        token and has sent no bytes for this long.  ``frame_timeout_s``: close any
+        connection whose incomplete request has been pending this long.  0 or None
+        turns one off; the C server checks them on a sweep every quarter timeout."""
+        def ms(t: float | None) -> int:
+            return 0 if not t or t <= 0 else max(1, int(round(float(t) * 1000)))
+
         err = ffi.new("char[256]")
-        self._s = lib.dls_server_start(host.encode(), int(port), int(threads), int(max_connections), err, 256)
+        self._s = lib.dls_server_start_ex(host.encode(), int(port), int(threads), int(max_connections),
+                                          ms(idle_timeout_s), ms(frame_timeout_s), err, 256)
         if self._s == ffi.NULL:
             raise OSError(f"slab server on {host}:{port}: {ffi.string(err).decode()}")
         self.host = host
