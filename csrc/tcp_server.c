@@ -118,19 +118,25 @@ static int respond_status(conn *c, uint8_t op, uint8_t flags, uint8_t status, ui
     return 0;
 }
 
+/* The slab, token and bounds check every data request passes, in this order.
+ * The caller holds s->lock for reading; *out is the slab (NULL when absent).
+ * A valid token marks the connection authenticated (idle timeout exempt). */
+static int check_access(dls_server *s, conn *c, const dls_req_view *v, slab **out) {
+    slab *sl = v->slab < DLS_MAX_SLAB_ID ? s->slabs[v->slab] : NULL;
+    *out = sl;
+    if (!sl) return DLS_E_NOSLAB;
+    if (!dls_token_equal(sl->token, v->token)) return DLS_E_TOKEN;
+    c->authed = 1;
+    return dls_wire_check_bounds(v, sl->size);
+}
+
 /* Serve one well-formed request; appends its response.  -1 on out of memory. */
 static int serve(dls_server *s, conn *c, const dls_req_view *v) {
     uint8_t flags = (uint8_t)(v->flags & DLS_F_CRC);
     if (v->op == DLS_OP_PING) return respond_status(c, v->op, flags, DLS_OK, v->req_id);
-    int status = DLS_OK;
     pthread_rwlock_rdlock(&s->lock);
-    slab *sl = v->slab < DLS_MAX_SLAB_ID ? s->slabs[v->slab] : NULL;
-    if (!sl) status = DLS_E_NOSLAB;
-    else if (!dls_token_equal(sl->token, v->token)) status = DLS_E_TOKEN;
-    else {
-        c->authed = 1;
-        status = dls_wire_check_bounds(v, sl->size);
-    }
+    slab *sl;
+    int status = check_access(s, c, v, &sl);
     if (status == DLS_OK && v->op == DLS_OP_WRITE && (v->flags & DLS_F_CRC)) {
         const uint8_t *p = v->payload;
         for (uint32_t i = 0; i < v->nseg; i++) {
@@ -250,15 +256,9 @@ static int serve(dls_server *s, conn *c, const dls_req_view *v) {
  * would give, except a checksum mismatch, which needs the payload. */
 static int precheck_write(dls_server *s, conn *c, const dls_req_view *v) {
     if (v->flags & ~DLS_F_KNOWN) return DLS_E_FLAGS;
-    int status;
+    slab *sl;
     pthread_rwlock_rdlock(&s->lock);
-    slab *sl = v->slab < DLS_MAX_SLAB_ID ? s->slabs[v->slab] : NULL;
-    if (!sl) status = DLS_E_NOSLAB;
-    else if (!dls_token_equal(sl->token, v->token)) status = DLS_E_TOKEN;
-    else {
-        c->authed = 1;
-        status = dls_wire_check_bounds(v, sl->size);
-    }
+    int status = check_access(s, c, v, &sl);
     pthread_rwlock_unlock(&s->lock);
     return status;
 }

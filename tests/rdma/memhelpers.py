@@ -75,3 +75,14 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
 
 def dump(obj) -> str:
     return json.dumps(obj, indent=1, default=str)
+
+
+def recv_exact(s, n: int) -> bytes:
+    """Exactly n bytes from socket s (ConnectionError if it closes first)."""
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from rdma import wire
+from memhelpers import recv_exact
 from rdma.native_mem import Endpoint, Region, RemoteMemoryError, SlabServer, provider_available, random_token
 
 PAGE = 4096
@@ -106,19 +107,9 @@ def test_write_with_corrupted_checksum_is_refused(served):
     req = wire.Request(wire.OP_WRITE, 5, 1, tokens[1], (wire.Segment(0, 64, 12345),), payload, wire.F_CRC)
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
         s.sendall(wire.encode_request(req))
-        status, hdr = wire.parse_response_header(_recv_exact(s, wire.RESP_HDR.size))
+        status, hdr = wire.parse_response_header(recv_exact(s, wire.RESP_HDR.size))
     assert status == wire.OK and hdr.status == wire.E_CRC and hdr.req_id == 5
     assert regions[1].view()[:64].tobytes() != payload
-
-
-def _recv_exact(s, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
 
 
 def test_garbage_and_truncated_frames_do_not_hurt_valid_clients(served):
@@ -194,7 +185,7 @@ def test_bad_header_gets_error_response_then_close(served):
     frame[4] = 7  # version
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
         s.sendall(bytes(frame))
-        status, hdr = wire.parse_response_header(_recv_exact(s, wire.RESP_HDR.size))
+        status, hdr = wire.parse_response_header(recv_exact(s, wire.RESP_HDR.size))
         assert status == wire.OK and hdr.status == wire.E_VERSION
         s.settimeout(5)
         assert s.recv(10) == b""  # and the server hangs up: the stream cannot be trusted
@@ -316,9 +307,9 @@ def test_responses_queue_correctly_when_the_reader_is_slow(served):
         time.sleep(0.3)  # let the server hit a full socket
         s.settimeout(10)
         for i, segs in reqs:
-            status, hdr = wire.parse_response_header(_recv_exact(s, wire.RESP_HDR.size))
+            status, hdr = wire.parse_response_header(recv_exact(s, wire.RESP_HDR.size))
             assert status == wire.OK and hdr.status == wire.OK and hdr.req_id == i
-            body = _recv_exact(s, hdr.body_len)
+            body = recv_exact(s, hdr.body_len)
             crcs = np.frombuffer(body[: 4 * len(segs)], dtype="<u4")
             data = body[4 * len(segs):]
             pos = 0

@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from rdma import wire
+from memhelpers import recv_exact
 from rdma.native import lib
 from rdma.native_mem import Endpoint, Region, SlabServer, random_token
 
@@ -28,16 +29,6 @@ def quick():
     reg.release()
 
 
-def _recv_exact(s, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
-
-
 def _closed_within(s, seconds):
     """True when the server hangs up on s within `seconds`."""
     s.settimeout(seconds)
@@ -51,9 +42,9 @@ def _closed_within(s, seconds):
 
 def _response(s, timeout=5.0):
     s.settimeout(timeout)
-    status, hdr = wire.parse_response_header(_recv_exact(s, wire.RESP_HDR.size))
+    status, hdr = wire.parse_response_header(recv_exact(s, wire.RESP_HDR.size))
     assert status == wire.OK
-    _recv_exact(s, hdr.body_len)
+    recv_exact(s, hdr.body_len)
     return hdr
 
 
@@ -168,7 +159,6 @@ def test_unauthenticated_writes_do_not_grow_server_memory():
     conns = []
     try:
         frame = wire.encode_request(wire.Request(wire.OP_WRITE, 7, 1, random_token(), segs, payload))
-        head = len(frame) - len(payload)
         view = memoryview(frame)
         rss0 = proc.memory_info().rss
         for k in range(4):
