@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+import uuid
+from typing import TYPE_CHECKING, Any
 
 from scheduler.events import (
     Event, JobArrived, JobCancelled, JobFinished, JobSample, NodeLost, NodeReport, PlacementFailed, Tick,
 )
 from scheduler.model import Job, Node
+
+if TYPE_CHECKING:
+    from scheduler.service.store import JobRow
 
 _TYPES: dict[str, type] = {c.__name__: c for c in (
     JobArrived, JobFinished, JobCancelled, PlacementFailed, Tick, NodeReport, NodeLost)}
@@ -65,3 +69,17 @@ def decode_event(text: str) -> Event:
         return cls(**body)
     except (TypeError, ValueError, KeyError) as exc:
         raise CoreLogError(f"core event {kind} does not fit its type: {exc}") from None
+
+
+def new_event_id() -> str:
+    """A fresh id for an event the service makes up (every core event carries one)."""
+    return f"ev-{uuid.uuid4().hex[:16]}"
+
+
+def core_job(row: "JobRow", now: float) -> Job:
+    """The core's view of an accepted job row."""
+    s = row.spec
+    return Job(id=row.id, model=s.get("model") or s.get("name") or "unknown", batch_size=int(s.get("batch_size") or 0),
+               gpus=int(s["gpus"]), cpus=float(s.get("cpus") or 0.0), memory_bytes=int(s.get("memory_bytes") or 0),
+               priority=int(s.get("priority") or 0), arrival=max(0.0, row.submitted_at),
+               attained_service=float(row.attained_service), features=s.get("graph_features"))

@@ -218,7 +218,7 @@ def evaluate(service, job: dict[str, Any], names: list[str]) -> tuple[list[str],
     """Feasible nodes, a reason per infeasible one, and scores in [0, 1], from the same
     core (its filters, score plugins and weights) the live loop uses."""
     from scheduler.service import cpu_jobs
-    from scheduler.service.live import core_job
+    from scheduler.service.core_log import core_job
     from scheduler.service.store import JobRow
 
     failed: dict[str, str] = {}

@@ -31,36 +31,27 @@ from typing import Any
 from nodesvc import messages
 from nodesvc.messages import PayloadError
 from scheduler import (
-    Allocate, Job, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, Place,
+    Allocate, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, Place,
     PlacementFailed, Preempt, Reject, SchedulerError, SchedulerState, Tick, Wakeup,
 )
 from scheduler.service import cpu_jobs
 from scheduler.service.cpu_shell import CpuJobsShell
-from scheduler.service.core_log import CoreLogError, decode_event, encode_event
+from scheduler.service.core_log import core_job, encode_event
+from scheduler.service.core_log import new_event_id as _eid
+from scheduler.service.recovery import RecoveryShell
 from scheduler.service.commands import CommandFailed, NodeCommands
 from scheduler.service.nodes import NodeView, apply_telemetry, core_node
+from scheduler.service.models import TERMINAL_STATES
 from scheduler.service.store import ConflictError, DecisionRow, JobRow, JobStore
 from scheduler.service.views import cluster_view
 
 log = logging.getLogger("dlshare.sched.live")
 
-TERMINAL = frozenset({"done", "failed", "cancelled"})
+TERMINAL = TERMINAL_STATES
 VANISHED_AFTER = 3  # telemetry reports in a row without a job we started before it counts as gone
 
 
-def _eid() -> str:
-    return f"ev-{uuid.uuid4().hex[:16]}"
-
-
-def core_job(row: JobRow, now: float) -> Job:
-    s = row.spec
-    return Job(id=row.id, model=s.get("model") or s.get("name") or "unknown", batch_size=int(s.get("batch_size") or 0),
-               gpus=int(s["gpus"]), cpus=float(s.get("cpus") or 0.0), memory_bytes=int(s.get("memory_bytes") or 0),
-               priority=int(s.get("priority") or 0), arrival=max(0.0, row.submitted_at),
-               attained_service=float(row.attained_service), features=s.get("graph_features"))
-
-
-class SchedulerService(CpuJobsShell):
+class SchedulerService(CpuJobsShell, RecoveryShell):
     def __init__(self, store: JobStore, profile: str = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
@@ -110,47 +101,6 @@ class SchedulerService(CpuJobsShell):
 
     def wake(self) -> None:
         self._wake.set()
-
-    # --- restart: replay the log, then reconcile with the jobs table -----------------------
-
-    def _replay(self) -> None:
-        n_batches = 0
-        replayed: list[tuple[str, Any]] = []
-        for _, payloads in self.store.core_batches():
-            try:
-                events = [decode_event(p) for p in payloads]
-            except CoreLogError as exc:
-                log.error("skipping an unreadable logged batch: %s", exc)
-                continue
-            for d in self._handle(events):
-                replayed.append((self._decision_id(d), d))
-            n_batches += 1
-        rows, _ = self.store.list_jobs(states=["queued", "running", "preempted"], limit=1 << 30)
-        states = self.store.decision_states()
-        self._cpu_resend: list[tuple[str, str, dict, int]] = []
-        for j in rows:
-            if j.state == "running" and j.allocation:
-                node = self.nodes.setdefault(j.allocation["node"], NodeView(id=j.allocation["node"]))
-                acked = True
-                if int(j.spec.get("gpus", 0)) == 0 and states.get(f"{j.id}/cpu-place/{j.attempts}") != "acked":
-                    # A CPU job whose `run` was never acknowledged before the crash: send it again (same
-                    # command id, so a node that did start it answers from its reply cache).
-                    acked = False
-                    self._cpu_resend.append((j.id, j.allocation["node"], j.allocation, j.attempts))
-                node.allocations[j.id] = {**j.allocation, "acked": acked}
-            if int(j.spec.get("gpus", 0)) > 0 and j.id not in self.core.records:
-                self.post(JobArrived(_eid(), self.now(), core_job(j, self.now())))
-            elif int(j.spec.get("gpus", 0)) == 0 and j.state == "queued":
-                self._cpu_waiting[j.id] = {"id": j.id, "spec": j.spec, "submitted_at": j.submitted_at}
-        # GPU jobs ended in the table but still active in the core (a crash between the two).
-        for jid, rec in self.core.records.items():
-            row = self.store.get_job(jid)
-            if row is not None and row.state in TERMINAL and rec.job.state.active:
-                self.post(JobCancelled(_eid(), self.now(), jid, row.reason or row.state))
-        self._resend = [d for did, d in replayed if states.get(did) in ("pending", "sent")]
-        if n_batches:
-            log.info("replayed %d logged batches; %d decisions still to carry out, %d active jobs",
-                     n_batches, len(self._resend), len(rows))
 
     def _handle(self, events: list[Any]) -> list[Any]:
         """Feed the core, one event at a time where one is refused (its state is then unchanged)."""
@@ -276,27 +226,7 @@ class SchedulerService(CpuJobsShell):
     async def _on_connect(self, bus) -> None:
         await bus.publish(messages.topic("sched", self.service_id, "state"),
                           messages.encode({"status": "online", "ts": self.clock(), "profile": self.profile}), 1, True)
-        if self._resend:
-            resend, self._resend = self._resend, []
-            for d in resend:
-                if isinstance(d, Place):
-                    rec, row = self.core.records.get(d.job), self.store.get_job(d.job)
-                    if (rec is not None and rec.shards == d.shards and row is not None
-                            and row.state in ("queued", "preempted")):
-                        # Logged, then the service died before the job's row said so: finish that step.
-                        allocs = {(d.job, n): Allocate(d.cause, d.job, n, a.cpus, a.memory_bytes)
-                                  for n, a in rec.allocation.items()}
-                        self._mark_placed(d, allocs)
-                    for sh in d.shards:  # not known to run until the node answers the re-sent command
-                        a = self.nodes.get(sh.node, NodeView(id=sh.node)).allocations.get(d.job)
-                        if a is not None:
-                            a["acked"] = False
-                log.info("re-sending decision %s (never acknowledged before the restart)", self._decision_id(d))
-                self._spawn(self._carry_out(d, replay=True))
-        cpu_resend, self._cpu_resend = getattr(self, "_cpu_resend", []), []
-        for job, node, alloc, attempt in cpu_resend:
-            log.info("re-sending the start of CPU job %s (never acknowledged before the restart)", job)
-            self._spawn(self._start_cpu_job(job, node, alloc, attempt))
+        self._resume_after_restart()
         self.wake()
 
     async def on_message(self, topic: str, payload: bytes) -> None:

@@ -286,7 +286,7 @@ def _explain(console, view: dict[str, Any], ours: set[str]) -> None:
         elif len(mine) > 1:
             console.print(f"  co-located on {n['id']}: {', '.join(mine)} share its CPUs and memory "
                           f"({n['cpus_allocated']:.2f} of {n['cpu_count']} cores allocated"
-                          + (f", each training on its own GPU)" if kinds["gpu"] else ")"))
+                          + (", each training on its own GPU)" if kinds["gpu"] else ")"))
         for g in n["gpus"]:
             if len(g["jobs"]) > 1:
                 console.print(f"  GPU #{g['index']} on {n['id']} is shared by {' and '.join(g['jobs'])} "
