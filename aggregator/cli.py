@@ -9,41 +9,14 @@ broker (``--broker ''``) runs without MQTT telemetry.  Drain it by sending
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 
-from nodesvc import config
-
-config.register_section("agg", {
-    "listen": "127.0.0.1:7700",
-    "id": "agg0",
-    "min_cores": 1,
-    "max_cores": 0,  # 0: every CPU of the machine
-    "round_timeout_s": 30.0,
-    "telemetry_interval_s": 2.0,
-    "max_job_bytes": 4 << 30,  # unfinished reductions one job may hold in server memory
-})
-
-
-def resolve(cfg: dict) -> dict:
-    """Fill derived values (max_cores 0 -> CPU count) and check the section."""
-    a = dict(cfg["agg"])
-    if a["max_cores"] <= 0:
-        a["max_cores"] = max(a["min_cores"], os.cpu_count() or 1)
-    if not 1 <= a["min_cores"] <= a["max_cores"]:
-        raise config.ConfigError(f"agg.min_cores ({a['min_cores']}) must be 1..max_cores ({a['max_cores']})")
-    if a["max_job_bytes"] <= 0:
-        raise config.ConfigError("agg.max_job_bytes must be positive")
-    if a["round_timeout_s"] <= 0:
-        raise config.ConfigError("agg.round_timeout_s must be positive")
-    return {**cfg, "agg": a}
+from aggregator.server import resolve, serve  # also registers the [agg] config section
 
 
 def _run(args, cfg) -> int:
-    from aggregator.server import serve
-
     cfg = resolve(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

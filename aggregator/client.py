@@ -31,8 +31,8 @@ import numpy as np
 from aggregator.core import ALL
 from aggregator.protocol import (HEADER_SIZE, DType, MsgType, Op, ProtocolError, data_header, hello,
                                  parse_body, parse_header)
-from aggregator.server import SOCK_BUF, split_hostport
-from aggregator.sockio import recv_exact, send_all
+from aggregator.sockio import SOCK_BUF, recv_exact, send_all
+from nodesvc.bus.procs import split_hostport
 
 log = logging.getLogger("dlshare.agg.client")
 
@@ -174,7 +174,7 @@ class _ServerLink:
     def ensure(self) -> socket.socket:
         if self.sock is not None:
             return self.sock
-        host, port = split_hostport(self.addr)
+        host, port = split_hostport(self.addr, 7700)
         deadline = time.monotonic() + self.client.connect_timeout_s
         delay = 0.05
         while True:

@@ -35,7 +35,7 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nodesvc.messages import PayloadError, check_id
+from nodesvc.bus.messages import PayloadError, check_id
 
 MAGIC = b"DLAG"
 VERSION = 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import logging
 import queue
 import socket
@@ -30,18 +31,35 @@ from aggregator.core import (DEFAULT_MAX_JOB_BYTES, AggregationCore, ChunkArrive
 from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MsgType, ProtocolError, error, parse_header, parse_hello)
 from aggregator.scheduling import PoolController
-from aggregator.sockio import recv_exact, send_all
+from aggregator.sockio import SOCK_BUF, recv_exact, send_all
+from nodesvc.bus import config
+from nodesvc.bus.procs import split_hostport
 
 log = logging.getLogger("dlshare.agg")
 
-SOCK_BUF = 4 << 20  # socket buffers large enough for a whole chunk in flight
+config.register_section("agg", {
+    "listen": "127.0.0.1:7700",
+    "id": "agg0",
+    "min_cores": 1,
+    "max_cores": 0,  # 0: every CPU of the machine
+    "round_timeout_s": 30.0,
+    "telemetry_interval_s": 2.0,
+    "max_job_bytes": 4 << 30,  # unfinished reductions one job may hold in server memory
+})
 
 
-def split_hostport(text: str, default_port: int = 7700) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host:
-        host, port = text, str(default_port)
-    return host.strip("[]") or "127.0.0.1", int(port)
+def resolve(cfg: dict) -> dict:
+    """Fill derived values (max_cores 0 -> CPU count) and check the section."""
+    a = dict(cfg["agg"])
+    if a["max_cores"] <= 0:
+        a["max_cores"] = max(a["min_cores"], os.cpu_count() or 1)
+    if not 1 <= a["min_cores"] <= a["max_cores"]:
+        raise config.ConfigError(f"agg.min_cores ({a['min_cores']}) must be 1..max_cores ({a['max_cores']})")
+    if a["max_job_bytes"] <= 0:
+        raise config.ConfigError("agg.max_job_bytes must be positive")
+    if a["round_timeout_s"] <= 0:
+        raise config.ConfigError("agg.round_timeout_s must be positive")
+    return {**cfg, "agg": a}
 
 
 class _Conn:
@@ -324,8 +342,8 @@ class AggregationServer:
 
 
 async def _telemetry(server: AggregationServer, broker: str, interval: float, stop: asyncio.Event) -> None:
-    from nodesvc import messages
-    from nodesvc.bus import Bus
+    from nodesvc.bus import messages
+    from nodesvc.bus.mqtt import Bus
 
     sid = server.server_id
     state_t = messages.topic("agg", sid, "state")
@@ -396,11 +414,9 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
     max_job_bytes;
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
-    from aggregator.cli import resolve
-
     cfg = resolve(cfg)
     a = cfg["agg"]
-    host, port = split_hostport(a["listen"])
+    host, port = split_hostport(a["listen"], 7700)
     server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"],
                                max_job_bytes=a["max_job_bytes"]).start()
     broker = cfg.get("dlshare", {}).get("broker", "")

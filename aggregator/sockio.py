@@ -14,6 +14,8 @@ import socket
 
 from rdma.native import ffi, lib
 
+SOCK_BUF = 4 << 20  # socket buffers large enough for a whole chunk in flight
+
 
 def recv_exact(sock: socket.socket, view) -> bool:
     """Fill ``view`` (a writable bytes-like object) from ``sock``; False on EOF before the first byte."""

@@ -38,7 +38,7 @@ import numpy as np
 import psutil
 
 from bench import report
-from nodesvc.procs import free_port, wait_port
+from nodesvc.bus.procs import free_port, wait_port
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -17,6 +17,8 @@ from typing import Any
 
 import psutil
 
+from nodesvc.cli.output import markdown_table  # noqa: F401  (every bench prints one)
+
 
 def machine() -> dict[str, Any]:
     freq = psutil.cpu_freq()
@@ -66,16 +68,6 @@ def _default(o: Any) -> Any:
     if hasattr(o, "tolist"):
         return o.tolist()
     raise TypeError(type(o).__name__)
-
-
-def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
-    if not rows:
-        return "(no rows)\n"
-    cols = columns or list(rows[0])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
 
 
 def target_rows(checks: list[tuple[str, float | None, str, float | None]]) -> list[dict[str, Any]]:

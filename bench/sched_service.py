@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from nodesvc.procs import free_port, wait_port
+from nodesvc.bus.procs import free_port, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
@@ -120,8 +120,8 @@ async def _nodes(broker: str, n: int, gpus: int, job_s: float, stop_ev, ready, r
 
 
 async def _node(broker: str, nid: str, gpus: int, job_s: float, stop: asyncio.Event, runs) -> None:
-    from nodesvc import messages
-    from nodesvc.bus import Bus
+    from nodesvc.bus import messages
+    from nodesvc.bus.mqtt import Bus
 
     running: dict[str, float] = {}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodesvc.cgroups import Allocation, parse_cpuset
-from nodesvc.messages import Command, PayloadError, arg, check_id
+from nodesvc.bus.messages import Command, PayloadError, arg, check_id
 
 MAX_ARGV = 256
 MAX_ARG_LEN = 4096

@@ -10,24 +10,19 @@ synchronous :meth:`call` is what RemoteMemory uses.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import socket
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from nodesvc import messages
-from nodesvc.bus import Bus
+from nodesvc.bus import messages
+from nodesvc.bus.mqtt import Bus
+from nodesvc.bus.rpc import CommandError, Correlator
 from rdma.placement import DonorView
 
 log = logging.getLogger("dlshare.rdma.control")
-
-
-class CommandError(RuntimeError):
-    """A donor answered a command with an error."""
 
 
 def donor_view(node: str, donor: Any, online: bool = True) -> DonorView | None:
@@ -50,20 +45,6 @@ def donor_view(node: str, donor: Any, online: bool = True) -> DonorView | None:
     return DonorView(node, addr, slab_bytes, free, online, provider if isinstance(provider, str) else "tcp")
 
 
-def set_no_delay(bus: Bus) -> None:
-    """Turn Nagle off on the bus socket: paho-mqtt leaves it on, and a command and its
-    reply are small writes that otherwise each wait out a delayed ACK (~40 ms a hop)."""
-    try:
-        sock = bus.client._client.socket()  # type: ignore[union-attr]
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (AttributeError, OSError) as exc:  # a different client library: keep going
-        log.debug("cannot set TCP_NODELAY on the bus socket: %s", exc)
-
-
-async def _no_delay(bus: Bus) -> None:
-    set_no_delay(bus)
-
-
 class ControlPlane:
     def __init__(self, broker: str, consumer_id: str,
                  on_offline: Callable[[str], None] | None = None,
@@ -76,8 +57,7 @@ class ControlPlane:
         self.on_event = on_event
         self._donors: dict[str, DonorView] = {}
         self._online: dict[str, bool] = {}
-        self._pending: dict[str, asyncio.Future] = {}
-        self._ids = itertools.count(1)
+        self.rpc = Correlator(f"{self.consumer_id}-rdma")
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._loop = asyncio.new_event_loop()
@@ -102,7 +82,7 @@ class ControlPlane:
                 (f"{messages.PREFIX}/node/+/events", 1), (f"{messages.PREFIX}/node/+/reply", 1)]
         # several consumers may share an id (one per node): the MQTT client id must not
         self.bus = Bus(self.broker, f"dlshare-rdma-{self.consumer_id}-{uuid.uuid4().hex[:8]}", subs,
-                       self._on_message, on_connect=_no_delay)
+                       self._on_message)
         task = asyncio.create_task(self.bus.run(self._stop))
         try:
             await asyncio.wait_for(self.bus.connected.wait(), timeout=20)
@@ -125,9 +105,7 @@ class ControlPlane:
             log.debug("ignoring bad payload on %s: %s", topic, exc)
             return
         if leaf == "reply":
-            fut = self._pending.pop(str(body.get("id")), None)
-            if fut is not None and not fut.done():
-                fut.set_result(body)
+            self.rpc.resolve(body)
         elif leaf == "state":
             online = body.get("status") == "online"
             summary = body.get("summary")
@@ -185,32 +163,19 @@ class ControlPlane:
                 self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, d.free_slabs, False, d.provider)
 
     async def _call(self, node: str, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-        cid = f"{self.consumer_id}-{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        fut = self._loop.create_future()
-        self._pending[cid] = fut
-        try:
-            if not await self.bus.publish(messages.node_topic(node, "cmd"), messages.command(op, cid, **args), qos=1):
-                raise ConnectionError("broker not connected")
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._pending.pop(cid, None)
+        return await self.rpc.call(self.bus.publish, node, op, args, timeout=timeout)
 
     def call(self, node: str, op: str, args: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        reply = asyncio.run_coroutine_threadsafe(self._call(node, op, args, timeout), self._loop).result(timeout + 5)
-        if not reply.get("ok"):
-            raise CommandError(f"{node} {op}: {reply.get('error')}")
-        return reply.get("result") or {}
+        """Send a command and wait for its result; raises a :class:`~nodesvc.bus.rpc.CommandError`."""
+        return asyncio.run_coroutine_threadsafe(self._call(node, op, args, timeout), self._loop).result(timeout + 5)
 
     def call_many(self, calls: list[tuple[str, str, dict[str, Any]]], timeout: float = 10.0) -> list[Any]:
-        """Send several commands at once; each result is the reply's result or a CommandError/TimeoutError."""
+        """Send several commands at once; each result is the reply's result or the CommandError it raised."""
         async def one(node, op, args):
             try:
-                reply = await self._call(node, op, args, timeout)
-            except (TimeoutError, ConnectionError) as exc:
+                return await self._call(node, op, args, timeout)
+            except CommandError as exc:
                 return exc
-            if not reply.get("ok"):
-                return CommandError(f"{node} {op}: {reply.get('error')}")
-            return reply.get("result") or {}
 
         async def gather():
             return await asyncio.gather(*(one(*c) for c in calls))
@@ -219,9 +184,9 @@ class ControlPlane:
 
     def call_nowait(self, node: str, op: str, args: dict[str, Any]) -> None:
         """Fire a command without waiting for its reply (best effort, e.g. unmap on free)."""
-        cid = f"{self.consumer_id}-{uuid.uuid4().hex[:8]}-{next(self._ids)}"
-        asyncio.run_coroutine_threadsafe(
-            self.bus.publish(messages.node_topic(node, "cmd"), messages.command(op, cid, **args), qos=1), self._loop)
+        payload = messages.command(op, self.rpc.next_id(), **args)
+        asyncio.run_coroutine_threadsafe(self.bus.publish(messages.node_topic(node, "cmd"), payload, qos=1),
+                                         self._loop)
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from rdma.buffer import EVICTING, LIVE, LOST, REBUILDING, DataLostError, Extent, RemoteBuffer, Replica
-from rdma.control import CommandError, ControlPlane
+from nodesvc.bus.rpc import CommandError
+from rdma.control import ControlPlane
 from rdma.native_mem import Endpoint, RemoteMemoryError
 from rdma.placement import DonorView, NoDonorError, choose_one, place_replicas
 

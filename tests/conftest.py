@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nodesvc.procs import free_port, stop_proc, wait_port  # noqa: F401  (re-exported for tests)
+from nodesvc.bus.procs import free_port, stop_proc, wait_port  # noqa: F401  (re-exported for tests)
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

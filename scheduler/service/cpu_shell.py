@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.service import cpu_jobs
-from scheduler.service.commands import CommandFailed
+from nodesvc.bus.rpc import CommandError
 from scheduler.service.store import DecisionRow, JobRow
 
 
@@ -62,7 +62,7 @@ class CpuJobsShell:
                 self.nodes[node].allocations[job]["acked"] = True
             self.decision_latency_s.append(self.clock() - row.submitted_at)
             self.store.log_event("started", job=job, node=node, data={"decision": did})
-        except CommandFailed as exc:
+        except CommandError as exc:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             if node in self.nodes:
                 self.nodes[node].allocations.pop(job, None)

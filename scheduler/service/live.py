@@ -28,8 +28,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from nodesvc import messages
-from nodesvc.messages import PayloadError
+from nodesvc.bus import messages
+from nodesvc.bus.messages import PayloadError
+from nodesvc.bus.rpc import CommandError, CommandNotSent, Correlator
 from scheduler import (
     Allocate, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, Place,
     PlacementFailed, Preempt, Reject, SchedulerError, SchedulerState, Tick, Wakeup,
@@ -39,7 +40,6 @@ from scheduler.service.cpu_shell import CpuJobsShell
 from scheduler.service.core_log import core_job, encode_event
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.recovery import RecoveryShell
-from scheduler.service.commands import CommandFailed, NodeCommands
 from scheduler.service.nodes import NodeView, apply_telemetry, core_node
 from scheduler.service.models import TERMINAL_STATES
 from scheduler.service.store import ConflictError, DecisionRow, JobRow, JobStore
@@ -74,7 +74,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
         self.k8s_hold_s = 120.0
         self._wake = asyncio.Event()
         self._events: list[Any] = []
-        self.commands = NodeCommands(command_timeout_s)
+        self.commands = Correlator("sched", command_timeout_s)
         self._tasks: list[asyncio.Task] = []
         self._bg: set[asyncio.Task] = set()
         self._batch = store.last_batch()
@@ -197,7 +197,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
 
     async def start(self) -> None:
         if self.broker_url:
-            from nodesvc.bus import Bus
+            from nodesvc.bus.mqtt import Bus
 
             self.bus = Bus(
                 self.broker_url, f"dlshare-sched-{self.service_id}-{uuid.uuid4().hex[:6]}",
@@ -357,8 +357,10 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
     # --- commands ---------------------------------------------------------------------------
 
     async def command(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
-        """Send one command (QoS 1) and wait for its reply; raises CommandFailed."""
-        return await self.commands.call(self.bus, node, op, args, cmd_id)
+        """Send one command (QoS 1) and wait for its reply; raises CommandError."""
+        if self.bus is None:
+            raise CommandNotSent("no broker configured")
+        return await self.commands.call(self.bus.publish, node, op, args, cmd_id)
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -368,13 +370,13 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
     async def _release(self, job_id: str, node: str) -> None:
         try:
             await self.command(node, "release", {"job": job_id}, f"{job_id}/release/{uuid.uuid4().hex[:8]}")
-        except CommandFailed as exc:
+        except CommandError as exc:
             log.info("release of %s on %s: %s", job_id, node, exc)
 
     async def _stop_and_release(self, job_id: str, node: str, cmd_base: str) -> None:
         try:
             await self.command(node, "stop", {"job": job_id}, f"{cmd_base}/stop")
-        except CommandFailed as exc:
+        except CommandError as exc:
             log.warning("stop of %s on %s: %s", job_id, node, exc)
         await self._release(job_id, node)
 
@@ -499,7 +501,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                 await self.command(d.node, "allocate", {"job": d.job, "cpus": max(0.01, d.cpus),
                                                         "memory_bytes": max(1 << 20, d.memory_bytes)}, f"{did}/allocate")
             self.store.set_decision_state(did, "acked")
-        except CommandFailed as exc:
+        except CommandError as exc:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             log.warning("decision %s failed: %s", did, exc)
             if isinstance(d, Place):
@@ -597,4 +599,4 @@ def _decision_data(d: Any) -> dict[str, Any]:
     return {"reason": getattr(d, "reason", "")}
 
 
-__all__ = ["SchedulerService", "CommandFailed", "ConflictError", "core_job"]
+__all__ = ["SchedulerService", "CommandError", "ConflictError", "core_job"]

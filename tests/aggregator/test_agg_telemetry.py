@@ -16,7 +16,7 @@ from aggregator import Client
 from aggregator.cli import resolve
 from aggregator.server import serve
 from aggtest import free_port, run_ranks
-from nodesvc import config, messages
+from nodesvc.bus import config, messages
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,9 +4,9 @@ import tomllib
 
 import pytest
 
-from nodesvc import config
+from nodesvc.bus import config
 from nodesvc.cli import main
-import nodesvc.node_cmd  # noqa: F401  (registers the [node] section)
+import nodesvc.cli.node  # noqa: F401  (registers the [node] section)
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

@@ -12,9 +12,9 @@ import urllib.request
 import aiomqtt
 import pytest
 
-from nodesvc import messages
-from nodesvc.bus import parse_broker_url
-from nodesvc.client import CommandError, NodeClient
+from nodesvc.bus import messages
+from nodesvc.bus.mqtt import parse_broker_url
+from nodesvc.bus.rpc import CommandError, NodeClient
 from tests.conftest import ROOT, stop_proc
 
 
@@ -202,7 +202,7 @@ async def test_flood_of_random_payloads_never_kills_the_daemon(mosquitto, tmp_pa
 def test_sd_notify_sends_ready_to_systemd_socket(tmp_path, monkeypatch):
     import socket as so
 
-    from nodesvc.daemon import sd_notify
+    from nodesvc.daemon.node import sd_notify
 
     path = str(tmp_path / "notify.sock")
     s = so.socket(so.AF_UNIX, so.SOCK_DGRAM)

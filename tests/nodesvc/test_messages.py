@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodesvc import messages
-from nodesvc.messages import PayloadError
+from nodesvc.bus import messages
+from nodesvc.bus.messages import PayloadError
 from nodesvc.node_core import AllocateSpec, ReplyCache, RunSpec, StopSpec, parse_op
 
 json_values = st.recursive(

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodesvc import status, telemetry
+from nodesvc.cli import status
+from nodesvc import telemetry
 from nodesvc.gpu import GpuProbe, SimulatedNvml
 from tests.conftest import ROOT, free_port, stop_proc
 

@@ -13,19 +13,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from nodesvc.procs import stop_proc  # noqa: E402,F401
+from nodesvc.bus.procs import stop_proc  # noqa: E402,F401
 
 
 SLAB = 1 << 20  # tests use 1 MiB slabs
 
 
 class DonorProc:
-    """A donor node as a separate process (``python -m nodesvc.donor``)."""
+    """A donor node as a separate process (``python -m nodesvc.daemon.donor_shell``)."""
 
     def __init__(self, node: str, broker: str, tmp: Path, slab_bytes: int = SLAB, max_slabs: int = 64,
                  deadline_s: float = 2.0, shell: str = "daemon") -> None:
         """``shell``: "daemon" runs the real node daemon (``dlshare node`` with lend = true);
-        "donor" the donor-only shell (``python -m nodesvc.donor``)."""
+        "donor" the donor-only shell (``python -m nodesvc.daemon.donor_shell``)."""
         self.node = node
         self.log_path = tmp / f"donor-{node}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1",
@@ -36,7 +36,7 @@ class DonorProc:
             env.update(DLSHARE_NODE_LEND="1", DLSHARE_NODE_ENFORCE="0", DLSHARE_NODE_INTERVAL="0.3",
                        DLSHARE_NODE_METRICS_LISTEN="127.0.0.1:-1", DLSHARE_NODE_STATE_DIR=str(tmp / f"state-{node}"))
         else:
-            cmd = [sys.executable, "-m", "nodesvc.donor", "--broker", broker, "--node-id", node, "--interval", "0.3"]
+            cmd = [sys.executable, "-m", "nodesvc.daemon.donor_shell", "--broker", broker, "--node-id", node, "--interval", "0.3"]
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nodesvc import config, messages
-from nodesvc.donor import DonorExtension, read_pressure
+from nodesvc.bus import config, messages
+from nodesvc.daemon.donor import DonorExtension, read_pressure
 from nodesvc.extension import NodeContext
 from rdma import wire
 from rdma.native_mem import Endpoint, RemoteMemoryError

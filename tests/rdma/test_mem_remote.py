@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from memhelpers import SLAB, dump, wait_for
-from nodesvc import messages
+from nodesvc.bus import messages
 from rdma import RemoteMemory
 from rdma.buffer import LIVE
-from rdma.control import CommandError, ControlPlane
+from nodesvc.bus.rpc import CommandError
+from rdma.control import ControlPlane
 
 PAGE = 4096
 

@@ -90,8 +90,8 @@ class FakeNode:
         self.bus = None
 
     async def start(self) -> "FakeNode":
-        from nodesvc import messages
-        from nodesvc.bus import Bus
+        from nodesvc.bus import messages
+        from nodesvc.bus.mqtt import Bus
 
         self.bus = Bus(self.url, f"fake-{self.id}", subscriptions=[(messages.node_topic(self.id, "cmd"), 1)],
                        handler=self._on_cmd, on_connect=self._online,
@@ -101,12 +101,12 @@ class FakeNode:
         return self
 
     async def _online(self, bus) -> None:
-        from nodesvc import messages
+        from nodesvc.bus import messages
 
         await bus.publish(messages.node_topic(self.id, "state"), messages.encode({"status": "online"}), 1, True)
 
     async def _run(self) -> None:
-        from nodesvc import messages
+        from nodesvc.bus import messages
 
         runner = asyncio.create_task(self.bus.run(self._stop))
         try:
@@ -135,7 +135,7 @@ class FakeNode:
         return any(i in (a.get("gpus") or []) for a in self.running.values())
 
     async def _on_cmd(self, topic: str, payload: bytes) -> None:
-        from nodesvc import messages
+        from nodesvc.bus import messages
 
         cmd = messages.parse_command(payload)
         self.commands.append({"id": cmd.id, "op": cmd.op, "args": cmd.args})
@@ -157,7 +157,7 @@ class FakeNode:
         await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
 
     async def _exit(self, job: str, code: int) -> None:
-        from nodesvc import messages
+        from nodesvc.bus import messages
 
         await self.bus.publish(messages.node_topic(self.id, "events"),
                                messages.encode({"event": "job_exit", "job": job, "exit_code": code}), 1)
@@ -167,7 +167,7 @@ class FakeNode:
         await self._exit(job, code)
 
     async def stop(self) -> None:
-        from nodesvc import messages
+        from nodesvc.bus import messages
 
         if self.bus is not None and self.bus.connected.is_set():
             await self.bus.publish(messages.node_topic(self.id, "state"), messages.encode({"status": "offline"}), 1, True)

@@ -44,8 +44,8 @@ def test_daemonset_runs_dlshare_node_with_real_flags():
     toml = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["dlshare.toml"]
     import tomllib
 
-    from nodesvc import config
-    import nodesvc.node_cmd  # noqa: F401 - registers [node]
+    from nodesvc.bus import config
+    import nodesvc.cli.node  # noqa: F401 - registers [node]
     parsed = tomllib.loads(toml)
     for sec, keys in parsed.items():
         for k in keys:

@@ -21,12 +21,12 @@ from fastapi.testclient import TestClient
 from svc_helpers import TOKEN, auth, free_port
 from test_svc_k8s import pod, telemetry
 
-from nodesvc import config
+from nodesvc.bus import config
 from scheduler.service import k8s
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
 
-import scheduler.service.cli  # noqa: F401 - registers [sched]
+import scheduler.cli.service  # noqa: F401 - registers [sched]
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 UID = "6f1c0c8e-1f7e-4b63-9c55-0d3c1a0d7b11"  # test_svc_k8s.pod()'s metadata.uid

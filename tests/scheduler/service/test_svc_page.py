@@ -10,8 +10,8 @@ import shutil
 import pytest
 from svc_helpers import TOKEN, FakeNode, SchedProc, until
 
-from nodesvc import messages
-from nodesvc.bus import Bus
+from nodesvc.bus import messages
+from nodesvc.bus.mqtt import Bus
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Flags for a closed network, as root (see the machine notes): no sandbox, no background traffic.

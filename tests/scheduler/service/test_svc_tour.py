@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from rich.console import Console
 from svc_helpers import ROOT, TOKEN, SchedProc, stop_proc
 
-from scheduler.service.tour import run_tour
+from scheduler.cli.tour import run_tour
 
 
 def _node(url: str, nid: str, tmp) -> subprocess.Popen:

@@ -15,20 +15,21 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nodesvc import __version__, config, logs
+from nodesvc import __version__
+from nodesvc.bus import config, logs
 
 log = logging.getLogger("dlshare.cli")
 
 # Modules that contribute subcommands.  A module that is not installed (an
 # optional part) is skipped; an error inside one that exists is not hidden.
 COMMAND_MODULES = [
-    "nodesvc.node_cmd",
-    "nodesvc.broker",
-    "nodesvc.status",
-    "nodesvc.up",
+    "nodesvc.cli.node",
+    "nodesvc.cli.broker",
+    "nodesvc.cli.status",
+    "nodesvc.cli.up",
     "aggregator.cli",
-    "scheduler.cli",
-    "scheduler.service.cli",
+    "scheduler.cli.sim",
+    "scheduler.cli.service",
     "bench.cli",
 ]
 

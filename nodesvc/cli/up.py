@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodesvc import config, netns
-from nodesvc.broker import split_hostport
+from nodesvc.bus import config
+from nodesvc import netns
+from nodesvc.bus.procs import split_hostport
 from nodesvc.netns import HostNet
-from nodesvc.procs import wait_port
+from nodesvc.bus.procs import wait_port
 
 log = logging.getLogger("dlshare.up")
 
@@ -178,7 +179,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
     else:
         raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
     wait_port(port, p, timeout=30, host=host)
-    lend = st.lending = _has("nodesvc.donor")
+    lend = st.lending = _has("nodesvc.daemon.donor")
     for nid in node_ids:
         addr = st.net.addrs[nid] if st.net else "127.0.0.1"
         broker = f"mqtt://{st.net.gateway}:{port}" if st.net else st.broker_url
@@ -200,7 +201,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--broker", st.broker_url, *common])
         wait_port(aport, p, timeout=30, host=ahost)
         st.agg_addr = f"{ahost}:{aport}"
-    if _has("scheduler.service.cli"):
+    if _has("scheduler.cli.service"):
         shost, sport = split_hostport(u["sched_listen"], 7800)
         sport = _pick(shost, sport)
         token = os.environ.get("DLSHARE_SCHED_TOKEN") or os.urandom(16).hex()
@@ -240,13 +241,13 @@ def _run(args, cfg) -> int:
     try:
         with console.status("starting the dlshare stack..."):
             st = start(cfg, cfg["dlshare"]["log_json"])
-            from nodesvc.tour import wait_nodes
+            from nodesvc.cli.tour import wait_nodes
 
             asyncio.run(wait_nodes(st.broker_url, st.node_ids, timeout=30))
         console.print("[bold]dlshare is up[/bold]")
         console.print(describe(st))
         if args.tour:
-            from nodesvc.tour import run_tour
+            from nodesvc.cli.tour import run_tour
 
             ok = asyncio.run(run_tour(st, console))
             return 0 if ok else 1

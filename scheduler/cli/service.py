@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nodesvc import config
+from nodesvc.bus import config
 
 log = logging.getLogger("dlshare.sched")
 
@@ -47,7 +47,7 @@ config.register_section("sched", {
 def _url(cfg: dict[str, dict[str, Any]]) -> str:
     if cfg["sched"]["url"]:
         return cfg["sched"]["url"]
-    from nodesvc.broker import split_hostport
+    from nodesvc.bus.procs import split_hostport
 
     host, port = split_hostport(cfg["sched"]["listen"], 7800)
     if host in ("0.0.0.0", "::", ""):
@@ -75,7 +75,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     """Run the service until ``stop`` is set or SIGINT/SIGTERM."""
     import uvicorn
 
-    from nodesvc.broker import split_hostport
+    from nodesvc.bus.procs import split_hostport
     from scheduler import SchedulerState
     from scheduler.service.api import create_app
     from scheduler.service.live import SchedulerService

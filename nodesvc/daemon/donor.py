@@ -28,7 +28,7 @@ and unmaps when they ack (``unmap``) or when the deadline passes
 (``{"event": "revoked", ...}``).
 
 Run standalone for tests and development with
-``python -m nodesvc.donor --broker URL --node-id ID`` (see nodesvc/donor_shell.py).
+``python -m nodesvc.daemon.donor_shell --broker URL --node-id ID``.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Any
 
 import psutil
 
-from nodesvc import config, messages
+from nodesvc.bus import config, messages
 from nodesvc.extension import NodeContext
-from nodesvc.messages import PayloadError
+from nodesvc.bus.messages import PayloadError
 from nodesvc.reclaim import (
     ForceUnmap,
     LeaseBook,
@@ -447,12 +447,3 @@ class DonorExtension:
                 log.exception("reclaim round failed")
             await asyncio.sleep(interval)
 
-
-def main(argv: list[str] | None = None) -> int:
-    from nodesvc.donor_shell import main as shell_main
-
-    return shell_main(argv)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -35,7 +35,7 @@ def _sim(args, cfg) -> int:
             print(f"dlshare sim: {exc}", file=sys.stderr)
             return 2
         results.append(r.metrics())
-    from bench.report import markdown_table
+    from nodesvc.cli.output import markdown_table
 
     print(markdown_table(results, ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h",
                                    "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",

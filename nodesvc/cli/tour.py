@@ -17,9 +17,10 @@ from typing import Any
 
 import aiomqtt
 
-from nodesvc import messages, status
-from nodesvc.bus import parse_broker_url
-from nodesvc.client import CommandError, NodeClient
+from nodesvc.bus import messages
+from nodesvc.cli import status
+from nodesvc.bus.mqtt import parse_broker_url
+from nodesvc.bus.rpc import CommandError, NodeClient
 
 
 async def wait_nodes(broker: str, node_ids: list[str], timeout: float = 30.0) -> dict[str, Any]:
@@ -113,9 +114,9 @@ async def run_tour(st, console) -> bool:
     status.render(status.summarize(await status.gather(st.broker_url)), console)
     ok = await enforcement_demo(st, console)
     try:
-        svc = importlib.import_module("scheduler.service.tour")
+        svc = importlib.import_module("scheduler.cli.tour")
     except ModuleNotFoundError as exc:
-        if exc.name is None or not "scheduler.service.tour".startswith(exc.name):
+        if exc.name is None or not "scheduler.cli.tour".startswith(exc.name):
             raise
         svc = None
     if svc is not None and st.sched_url:

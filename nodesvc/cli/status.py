@@ -14,8 +14,8 @@ from typing import Any
 
 import aiomqtt
 
-from nodesvc import messages
-from nodesvc.bus import parse_broker_url
+from nodesvc.bus import messages
+from nodesvc.bus.mqtt import parse_broker_url
 
 
 def _gib(n: Any) -> str:

@@ -16,12 +16,13 @@ import socket
 import time
 from typing import Any
 
-from nodesvc import __version__, cgroups, messages, telemetry
-from nodesvc.bus import Bus
+from nodesvc import __version__, cgroups, telemetry
+from nodesvc.bus import messages
+from nodesvc.bus.mqtt import Bus
 from nodesvc.extension import NodeContext
 from nodesvc.gpu import GpuProbe, SimulatedNvml
-from nodesvc.jobs import JobTable
-from nodesvc.metrics import NodeMetrics
+from nodesvc.daemon.jobs import JobTable
+from nodesvc.daemon.metrics import NodeMetrics
 from nodesvc.node_core import BUILTIN_OPS, AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op
 
 log = logging.getLogger("dlshare.node")
@@ -88,7 +89,7 @@ class NodeDaemon:
         self.metrics_port: int | None = None
         self.extensions: list[Any] = []
         if n["lend"]:
-            from nodesvc.donor import DonorExtension
+            from nodesvc.daemon.donor import DonorExtension
 
             self.extensions.append(DonorExtension(cfg))
         self.bus = Bus(

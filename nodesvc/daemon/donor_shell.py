@@ -1,6 +1,6 @@
 """A minimal node shell that runs only the donor extension: for tests and development.
 
-``python -m nodesvc.donor --broker URL --node-id ID [--slab-bytes N] ...`` speaks
+``python -m nodesvc.daemon.donor_shell --broker URL --node-id ID [--slab-bytes N] ...`` speaks
 the node daemon's MQTT contract (retained state with a Last Will, telemetry
 with a ``donor`` section, commands on ``.../cmd`` answered on ``.../reply``)
 for the donor's commands.  The full daemon (``dlshare node`` with
@@ -19,9 +19,9 @@ from typing import Any
 
 import psutil
 
-from nodesvc import config, messages
-from nodesvc.bus import Bus
-from nodesvc.donor import DonorExtension, read_pressure
+from nodesvc.bus import config, messages
+from nodesvc.bus.mqtt import Bus
+from nodesvc.daemon.donor import DonorExtension, read_pressure
 from nodesvc.extension import NodeContext
 
 log = logging.getLogger("dlshare.donor.shell")
@@ -68,9 +68,6 @@ async def run(node: str, broker: str, cfg: dict[str, dict[str, Any]], interval: 
         await bus.publish(messages.node_topic(node, "reply"), body, qos=1)
 
     async def on_connect(b: Bus) -> None:
-        from rdma.control import set_no_delay
-
-        set_no_delay(b)
         await b.publish(state_t, messages.encode({"status": "online", "node": node, "pid": os.getpid(),
                                                   "lend": True}), qos=1, retain=True)
 
@@ -93,7 +90,7 @@ async def run(node: str, broker: str, cfg: dict[str, dict[str, Any]], interval: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nodesvc.donor", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m nodesvc.daemon.donor_shell", description=__doc__.splitlines()[0])
     ap.add_argument("--broker", default=None)
     ap.add_argument("--node-id", required=True)
     ap.add_argument("--interval", type=float, default=1.0, help="telemetry period, seconds")
@@ -120,3 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     asyncio.run(_main())
     return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

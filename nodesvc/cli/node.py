@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 
-from nodesvc import config, messages
+from nodesvc.bus import config, messages
 
 # Optional parts of the daemon register their config sections on import, and
 # the config is loaded before the daemon starts: import them here.
-for _mod in ("nodesvc.donor",):
+for _mod in ("nodesvc.daemon.donor",):
     try:
         importlib.import_module(_mod)
     except ModuleNotFoundError as _exc:
@@ -33,7 +33,7 @@ config.register_section("node", {
 
 
 def _run(args, cfg) -> int:
-    from nodesvc.daemon import NodeDaemon
+    from nodesvc.daemon.node import NodeDaemon
 
     try:
         daemon = NodeDaemon(cfg)

@@ -1,0 +1,7 @@
+"""``python -m nodesvc.cli``: the ``dlshare`` console script."""
+
+import sys
+
+from nodesvc.cli import main
+
+sys.exit(main())

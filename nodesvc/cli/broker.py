@@ -1,0 +1,36 @@
+"""``dlshare broker``: run the embedded pure-Python MQTT broker (amqtt) for one machine."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from nodesvc.bus import config
+from nodesvc.bus.broker import serve
+from nodesvc.bus.procs import split_hostport
+
+config.register_section("broker", {"listen": "127.0.0.1:1883"})
+
+
+def _run(args, cfg) -> int:
+    addrs = [split_hostport(a, 1883) for a in cfg["broker"]["listen"].split(",") if a.strip()]
+    if not addrs:
+        raise config.ConfigError("broker.listen names no address")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(addrs, stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def register(sub) -> None:
+    from nodesvc.cli import add_command, config_flag
+
+    p = add_command(sub, "broker", _run, "run the embedded MQTT broker (amqtt) for single-machine use",
+                    sections=["broker"])
+    config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")
