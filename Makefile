@@ -10,7 +10,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux
 PYTEST_ARGS ?=
 
-.PHONY: all demo test deps sysdeps ext bench bench-quick clean
+.PHONY: all demo test lint deps sysdeps ext bench bench-quick clean
 
 all: deps
 
@@ -45,7 +45,9 @@ deps: sysdeps $(VENV)/.installed ext
 ext: | $(VENV)/.installed
 	@$(BIN)/python setup.py -q build_ext --inplace >/dev/null
 
+# lint-imports: the floors of the import graph (pyproject.toml, [tool.importlinter]); a back-arrow fails.
 test: deps
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 demo: deps
