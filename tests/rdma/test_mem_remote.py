@@ -11,7 +11,7 @@ import pytest
 from memhelpers import SLAB, dump, wait_for
 from nodesvc.bus import messages
 from rdma import RemoteMemory
-from rdma.buffer import LIVE
+from rdma.replica import LIVE
 from nodesvc.bus.rpc import CommandError
 from rdma.control import ControlPlane
 
@@ -53,12 +53,12 @@ def test_replicated_buffer_roundtrip(broker, donor_factory):
         ext = buf.extents[1]
         for rep in ext.replicas:
             got = np.empty(SLAB, np.uint8)
-            mem._endpoint(rep).read(rep.slab, rep.token, [0], [SLAB], got)
+            mem.dataplane.endpoint(rep).read(rep.slab, rep.token, [0], [SLAB], got)
             assert np.array_equal(got, data[SLAB:2 * SLAB])
         # a copy that silently holds wrong bytes is caught by the page checksums:
         # the read fails over to the good copy and the bad one is replaced
         bad = ext.readable()[0]
-        mem._endpoint(bad).write(bad.slab, bad.token, [0], [PAGE], np.zeros(PAGE, np.uint8))
+        mem.dataplane.endpoint(bad).write(bad.slab, bad.token, [0], [PAGE], np.zeros(PAGE, np.uint8))
         assert np.array_equal(buf.read(SLAB, PAGE), data[SLAB:SLAB + PAGE])
         assert bad not in ext.replicas or bad.state != LIVE
         assert mem.wait_healthy(buf, 20)
@@ -66,7 +66,7 @@ def test_replicated_buffer_roundtrip(broker, donor_factory):
         ext2 = buf.extents[2]
         live2 = [r for r in ext2.replicas if r.state == LIVE]
         bad2 = live2[(ext2.index + ext2.first_page) % len(live2)]
-        mem._endpoint(bad2).write(bad2.slab, bad2.token, [5 * PAGE], [PAGE], np.zeros(PAGE, np.uint8))
+        mem.dataplane.endpoint(bad2).write(bad2.slab, bad2.token, [5 * PAGE], [PAGE], np.zeros(PAGE, np.uint8))
         assert np.array_equal(buf.read(2 * SLAB, SLAB), data[2 * SLAB:3 * SLAB])
         assert bad2.state != LIVE
         assert mem.wait_healthy(buf, 20)
@@ -177,7 +177,7 @@ def test_kill9_donor_under_load_loses_nothing_and_rebuilds(mosquitto, donor_fact
             lo, hi = e.first_page * PAGE, (e.first_page + e.npages) * PAGE
             for rep in e.replicas:
                 got = np.empty(hi - lo, np.uint8)
-                mem._endpoint(rep).read(rep.slab, rep.token, [0], [hi - lo], got)
+                mem.dataplane.endpoint(rep).read(rep.slab, rep.token, [0], [hi - lo], got)
                 assert np.array_equal(got, load.model[lo:hi]), f"copy on {rep.node} differs"
 
 
