@@ -268,7 +268,7 @@ def our_latency(buf, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
     # the same read at the C call, for reference (one segment, no failover logic)
     ext = buf.extents[0]
     rep = ext.readable()[0]
-    ep = buf.mem._endpoint(rep)
+    ep = buf.io.endpoint(rep)  # buf.io: its RemoteMemory's DataPlane
     c_lat = np.empty(n, dtype=np.int64)
     for i, p in enumerate(rng.integers(0, ext.npages, n)):
         t = time.perf_counter_ns()

@@ -1,10 +1,12 @@
 """cffi out-of-line API-mode build of the dlshare C core.
 
-Every component of csrc/ contributes three files and edits nothing shared:
-``NAME.c`` (the code), ``NAME.h`` (its C declarations, included by the
-generated module) and ``NAME.cdef`` (the subset of those declarations that
-Python may call, in cffi's cdef syntax).  This script compiles all of them into
-one extension, ``rdma._dlshare_c``.
+Every component of csrc/ is ``NAME.c`` (the code) and ``NAME.h`` (its C
+declarations), and edits nothing shared.  A component that Python calls also
+has ``NAME.cdef`` (the subset of its declarations that Python may call, in
+cffi's cdef syntax); its header is included by the generated module.  A
+component without a ``.cdef`` is internal: other C files use it, Python never
+sees it (slab_service, the request side of tcp_server).  This script compiles
+every ``.c`` into one extension, ``rdma._dlshare_c``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ffibuilder = FFI()
 
 _cdefs = sorted(HERE.glob("*.cdef"))
-_headers = sorted(HERE.glob("*.h"))
+_headers = [HERE / f"{p.stem}.h" for p in _cdefs]  # the Python-facing components only
 _sources = sorted(HERE.glob("*.c"))
 
 ffibuilder.cdef("\n".join(p.read_text() for p in _cdefs))
@@ -26,6 +28,8 @@ ffibuilder.set_source(
     "rdma._dlshare_c",
     "\n".join(f'#include "{h.name}"' for h in _headers),
     sources=[str(s.relative_to(HERE.parent)) for s in _sources],
+    # every header: editing one rebuilds the extension
+    depends=[str(h.relative_to(HERE.parent)) for h in sorted(HERE.glob("*.h"))],
     include_dirs=[str(HERE)],
     libraries=["pthread"],
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing"],

@@ -9,28 +9,50 @@
         pages = buf.read_pages([7, 3, 900])   # batched gather, pipelined in C
         cache = SpillCache(4 << 30, remote=mem)  # key -> bytes, LRU locally, spills to mem
 
-Donors are node daemons started with ``lend = true`` (nodesvc/donor.py).  Public
-names are re-exported here on purpose; everything else is private.
+Donors are node daemons started with ``lend = true`` (nodesvc/daemon/donor.py).
+
+What this package may import (floor 1 of the floor plan; README, Development):
+its own C extension (``rdma._dlshare_c``, built from csrc/), numpy, the standard
+library, and the control-plane substrate ``nodesvc.bus`` (MQTT bus, codec, the
+command/reply correlator).  Never a shell (``nodesvc.daemon``, a server, a CLI)
+nor ``bench``; the donor side (nodesvc.daemon.donor) imports rdma, not the reverse.
+
+Inside, each module imports only modules listed before it: native, wire,
+placement and replica (none imports another); native_mem; buffer (which
+declares the ReplicaIO it needs); dataplane (which provides it); control;
+remote; spill.  ``lint-imports`` fails on a circle.
+
+The names below are the public surface, re-exported here on purpose; every other
+module and name is the package's own business and may change.
 """
 
 from rdma.native import crc32c
 
-__all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataLostError", "SpillCache"]
+__all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataLostError", "ReplicaState",
+           "SpillCache"]
+
+# Imported on first use: the consumer pulls in the MQTT stack, which the donor side
+# and the C-only tools (aggregator kernels, crc32c) do not need.
+_LAZY = {
+    "RemoteMemory": "rdma.remote",
+    "RemoteBuffer": "rdma.buffer",
+    "DataLostError": "rdma.buffer",
+    "RemoteMemoryError": "rdma.native_mem",
+    "ReplicaState": "rdma.replica",
+    "SpillCache": "rdma.spill",
+}
 
 
 def __getattr__(name: str):
-    # imported lazily: the consumer pulls in the MQTT stack, which the donor side and
-    # the C-only tools do not need
-    if name == "RemoteMemory":
-        from rdma.remote import RemoteMemory
-        return RemoteMemory
-    if name in ("RemoteBuffer", "DataLostError"):
-        from rdma import buffer
-        return getattr(buffer, name)
-    if name == "RemoteMemoryError":
-        from rdma.native_mem import RemoteMemoryError
-        return RemoteMemoryError
-    if name == "SpillCache":
-        from rdma.spill import SpillCache
-        return SpillCache
-    raise AttributeError(f"module 'rdma' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rdma' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once is enough
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

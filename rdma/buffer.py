@@ -1,75 +1,76 @@
 """RemoteBuffer: a byte range backed by replicated slabs on donors.
 
-A buffer is a run of extents; each extent is one slab on each of ``replicas``
-donors (different nodes).  Writes go to every copy under the extent's lock;
-reads use one live copy and fail over to the next at once.  With checksums on,
-the consumer keeps the CRC-32C of every page it wrote and checks each page it
-reads against it: end to end, not just on the wire.
+A buffer is a run of extents (rdma.replica); each extent is one slab on each
+of ``replicas`` donors (different nodes).  Writes go to every copy under the
+extent's lock; reads use one live copy and fail over to the next at once.
+With checksums on, the consumer keeps the CRC-32C of every page it wrote and
+checks each page it reads against it: end to end, not just on the wire.
+
+The buffer reaches its copies only through :class:`ReplicaIO`, which the
+memory that placed it provides (RemoteMemory gives a rdma.dataplane.DataPlane).
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from rdma import wire
 from rdma.native import crc32c
 from rdma.native_mem import RemoteMemoryError
+from rdma.replica import EVICTING, LIVE, Extent, Replica
 
-if TYPE_CHECKING:  # pragma: no cover
-    from rdma.remote import RemoteMemory
-
-LIVE, REBUILDING, EVICTING, LOST = "live", "rebuilding", "evicting", "lost"
 MAX_SEG = wire.MAX_SEG_BYTES
 PARALLEL_MIN = 1 << 20  # below this a batch is not worth handing to other threads
-
-
-@dataclass(eq=False)
-class Replica:
-    node: str
-    addr: str
-    slab: int
-    token: bytes
-    slab_bytes: int
-    state: str = LIVE
-
-    def describe(self) -> dict[str, Any]:
-        return {"node": self.node, "slab": self.slab, "state": self.state}
-
-
-@dataclass(eq=False)
-class Extent:
-    index: int
-    first_page: int
-    npages: int
-    replicas: list[Replica] = field(default_factory=list)
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-    def readable(self) -> list[Replica]:
-        reps = list(self.replicas)
-        return [r for r in reps if r.state == LIVE] + [r for r in reps if r.state == EVICTING]
-
-    def writable(self) -> list[Replica]:
-        return [r for r in list(self.replicas) if r.state in (LIVE, REBUILDING, EVICTING)]
-
-    def live_count(self) -> int:
-        return sum(r.state == LIVE for r in list(self.replicas))
 
 
 class DataLostError(RemoteMemoryError):
     """Every copy of some pages is gone."""
 
 
+class ReplicaIO(Protocol):
+    """What a RemoteBuffer needs from the memory that placed its copies, and all it may use.
+
+    Reads and writes raise RemoteMemoryError or ConnectionError; the buffer decides
+    what a failure means (fail over, or report the copy with :meth:`copy_failed`)."""
+
+    replicas: int  # live copies each extent should have
+
+    def read(self, rep: Replica, offs: np.ndarray, lens: np.ndarray, dst: np.ndarray,
+             checksums: bool) -> np.ndarray | None:
+        """Segments (offs, lens) of one copy, back to back into dst; their CRC-32Cs when checksums."""
+
+    def read_page(self, rep: Replica, off: int, n: int, dst: np.ndarray, checksums: bool) -> int:
+        """One segment of one copy (the small-read path); its CRC-32C when checksums."""
+
+    def write_all(self, targets: list[Replica], offs: np.ndarray, lens: np.ndarray, src: np.ndarray,
+                  checksums: bool) -> list[Any]:
+        """The same segments to every copy in targets at once; for each copy, in order, the CRC-32Cs
+        of what it was sent (None without checksums) or the exception it raised."""
+
+    def run_parallel(self, calls: list[Callable[[], None]]) -> None:
+        """Run the calls (one per extent of a large batch) at once; raise the first error."""
+
+    def copy_failed(self, buf: "RemoteBuffer", ext: Extent, rep: Replica, exc: BaseException) -> None:
+        """rep gave an I/O error or wrong bytes: it is lost; rebuild the extent elsewhere."""
+
+    def failed_over(self) -> None:
+        """A read was served by another copy after one failed."""
+
+    def release(self, buf: "RemoteBuffer") -> None:
+        """Give every slab of buf back to its donor."""
+
+
 class RemoteBuffer:
     """``nbytes`` of remote memory.  Thread-safe; see RemoteMemory.alloc."""
 
-    def __init__(self, mem: "RemoteMemory", nbytes: int, page_size: int, extents: list[Extent],
+    def __init__(self, io: ReplicaIO, nbytes: int, page_size: int, extents: list[Extent],
                  checksums: bool) -> None:
-        self.mem = mem
+        self.io = io
         self.nbytes = nbytes
         self.page = page_size
         self.extents = extents
@@ -177,14 +178,20 @@ class RemoteBuffer:
         if self.freed:
             return
         self.freed = True
-        self.mem._release_buffer(self)
+        self.io.release(self)
 
     def healthy(self) -> bool:
         """Every extent has its full number of live copies."""
-        return all(e.live_count() >= self.mem.replicas for e in self.extents)
+        return all(e.live_count() >= self.io.replicas for e in self.extents)
 
     def placement(self) -> list[list[dict[str, Any]]]:
         return [[r.describe() for r in list(e.replicas)] for e in self.extents]
+
+    def read_extent_locked(self, ext: Extent, pages: np.ndarray, dst: np.ndarray) -> None:
+        """Pages of ``ext`` (sorted indices) from a live copy into dst, failing over and checking
+        checksums as any read does.  For the repairer, which holds ``ext.lock``."""
+        offs, lens = ext.segments(pages, self.page)
+        self._read_extent(ext, pages, offs, lens, dst, locked=True)
 
     def __enter__(self) -> "RemoteBuffer":
         return self
@@ -222,24 +229,22 @@ class RemoteBuffer:
         off = (p - ext.first_page) * self.page
         for k in range(n):
             rep = reps[(p + k) % n]  # spread single-page reads over the copies
-            if rep.state != LIVE:
+            if rep.state is not LIVE:
                 continue
             try:
-                crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, off, self.page, dst,
-                                                       local_crc=self.checksums)
+                crc = self.io.read_page(rep, off, self.page, dst, self.checksums)
             except (RemoteMemoryError, ConnectionError):
                 break  # the general path below fails over and reports it
             if not self.checksums or crc == self.page_crc[p]:
                 return
             with ext.lock:  # not a write racing this read?  then this copy is bad
                 try:
-                    crc = self.mem._endpoint(rep).read_one(rep.slab, rep.token, off, self.page, dst,
-                                                           local_crc=True)
+                    crc = self.io.read_page(rep, off, self.page, dst, True)
                 except (RemoteMemoryError, ConnectionError):
                     break
                 if crc == self.page_crc[p]:
                     return
-                self.mem._replica_failed(self, ext, rep, RemoteMemoryError(
+                self.io.copy_failed(self, ext, rep, RemoteMemoryError(
                     wire.E_CRC, f"page {p} of slab {rep.slab} on {rep.node} does not match what was written"))
             break
         self._read_run(p, 1, dst[: self.page])
@@ -259,16 +264,11 @@ class RemoteBuffer:
             yield self.extents[int(ext_ids[start])], start, end
             start = end
 
-    def _segments(self, ext: Extent, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        offs = (pages - ext.first_page).astype(np.uint64) * np.uint64(self.page)
-        lens = np.full(len(pages), self.page, dtype=np.uint32)
-        return offs, lens
-
     def _gather(self, idx: np.ndarray, dst: np.ndarray, parallel: bool = True) -> None:
         jobs = []
         for ext, a, b in self._split(idx):
             pages = idx[a:b]
-            offs, lens = self._segments(ext, pages)
+            offs, lens = ext.segments(pages, self.page)
             jobs.append((self._read_extent, ext, pages, offs, lens, dst[a * self.page:b * self.page]))
         self._run(jobs, len(dst) if parallel else 0)
 
@@ -276,7 +276,7 @@ class RemoteBuffer:
         jobs = []
         for ext, a, b in self._split(idx):
             pages = idx[a:b]
-            offs, lens = self._segments(ext, pages)
+            offs, lens = ext.segments(pages, self.page)
             jobs.append((self._write_extent, ext, pages, offs, lens, src[a * self.page:b * self.page]))
         self._run(jobs, len(src) if parallel else 0)
 
@@ -287,11 +287,7 @@ class RemoteBuffer:
             for fn, *a in jobs:
                 fn(*a)
             return
-        futures = [self.mem._extent_pool.submit(fn, *a) for fn, *a in jobs]
-        errors = [f.exception() for f in futures]
-        for e in errors:
-            if e is not None:
-                raise e
+        self.io.run_parallel([functools.partial(fn, *a) for fn, *a in jobs])
 
     def _read_extent(self, ext: Extent, pages, offs, lens, dst: np.ndarray, locked: bool = False) -> None:
         tried: set[int] = set()
@@ -300,14 +296,14 @@ class RemoteBuffer:
             if not candidates:
                 raise DataLostError(wire.E_IO, f"extent {ext.index}: no live copy left "
                                                f"({[r.describe() for r in ext.replicas]})")
-            live = [r for r in candidates if r.state == LIVE]
+            live = [r for r in candidates if r.state is LIVE]
             # spread extents' reads over their live copies; a copy being evicted only as a last resort
             rep = live[(ext.index + int(pages[0])) % len(live)] if live else candidates[0]
             tried.add(id(rep))
             try:
-                crcs = self.mem._endpoint(rep).read(rep.slab, rep.token, offs, lens, dst, local_crc=self.checksums)
+                crcs = self.io.read(rep, offs, lens, dst, self.checksums)
             except (RemoteMemoryError, ConnectionError) as exc:
-                self.mem._replica_failed(self, ext, rep, exc)
+                self.io.copy_failed(self, ext, rep, exc)
                 continue
             if self.checksums and not np.array_equal(crcs, self.page_crc[pages]):
                 if not locked:
@@ -315,11 +311,11 @@ class RemoteBuffer:
                     with ext.lock:
                         return self._read_extent(ext, pages, offs, lens, dst, locked=True)
                 bad = int(np.flatnonzero(crcs != self.page_crc[pages])[0])
-                self.mem._replica_failed(self, ext, rep, RemoteMemoryError(
+                self.io.copy_failed(self, ext, rep, RemoteMemoryError(
                     wire.E_CRC, f"page {int(pages[bad])} of slab {rep.slab} on {rep.node} does not match what was written"))
                 continue
-            if tried and len(tried) > 1:
-                self.mem.stats["failover_reads"] += 1
+            if len(tried) > 1:
+                self.io.failed_over()
             return
 
     def _write_extent(self, ext: Extent, pages, offs, lens, src: np.ndarray) -> None:
@@ -327,12 +323,12 @@ class RemoteBuffer:
             targets = ext.writable()
             if not targets:
                 raise DataLostError(wire.E_IO, f"extent {ext.index}: no copy left to write")
-            results = self.mem._write_all(targets, offs, lens, src, self.checksums)
+            results = self.io.write_all(targets, offs, lens, src, self.checksums)
             wrote_durable = False
             crcs = None
             for rep, res in zip(targets, results):
                 if isinstance(res, BaseException):
-                    self.mem._replica_failed(self, ext, rep, res)
+                    self.io.copy_failed(self, ext, rep, res)
                 else:
                     if rep.state in (LIVE, EVICTING):
                         wrote_durable = True

@@ -19,28 +19,29 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from rdma.buffer import EVICTING, LIVE, LOST, REBUILDING, DataLostError, Extent, RemoteBuffer, Replica
 from nodesvc.bus.rpc import CommandError
+from rdma.buffer import DataLostError, RemoteBuffer
 from rdma.control import ControlPlane
+from rdma.dataplane import DataPlane
 from rdma.native_mem import Endpoint, RemoteMemoryError
 from rdma.placement import DonorView, NoDonorError, choose_one, place_replicas
+from rdma.replica import EVICTING, LIVE, LOST, REBUILDING, Extent, Replica, ReplicaState
 
 log = logging.getLogger("dlshare.rdma")
 
 COPY_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short enough not to stall writers
 
 
-def _replica(node: str, res: dict, slab: dict) -> Replica:
+def _replica(node: str, res: dict, slab: dict, initial: ReplicaState = LIVE) -> Replica:
     """A replica from a donor's map reply; a token must be 16 bytes (it is read as such in C)."""
     token = bytes.fromhex(slab["token"])
     if len(token) != 16:
         raise ValueError(f"token of {len(token)} bytes")
-    return Replica(node, str(res["addr"]), int(slab["slab"]), token, int(res["slab_bytes"]))
+    return Replica(node, str(res["addr"]), int(slab["slab"]), token, int(res["slab_bytes"]), initial)
 
 
 class RemoteMemory:
@@ -53,6 +54,11 @@ class RemoteMemory:
     how long one data-plane call may wait before its donor counts as lost.
     ``lease_s``: donors take this consumer's slabs back if it stops renewing for
     that long (it renews every third of it), so a consumer that dies leaks nothing.
+
+    ``stats`` counts reads served by another copy after one failed (``failover_reads``),
+    copies lost and rebuilt, evictions, bytes copied by rebuilds, donors reported
+    offline on the bus whose slab server still answered (``offline_kept``: their
+    copies are kept), and successful lease renewals (``leases_renewed``).
     """
 
     def __init__(self, broker: str, replicas: int = 2, consumer_id: str | None = None, checksums: bool = True,
@@ -69,16 +75,13 @@ class RemoteMemory:
         self.consumer_id = consumer_id or os.environ.get("DLSHARE_NODE_ID") or f"mem-{uuid.uuid4().hex[:12]}"
         self.rng = random.Random(seed)
         self.stats: dict[str, int] = {"failover_reads": 0, "replicas_lost": 0, "replicas_rebuilt": 0,
-                                      "evictions": 0, "bytes_copied": 0}
-        self._eps: dict[str, Endpoint] = {}
-        self._ep_lock = threading.Lock()
+                                      "evictions": 0, "bytes_copied": 0, "offline_kept": 0, "leases_renewed": 0}
         self._dead_nodes: set[str] = set()
-        self._state_lock = threading.Lock()
         self._buffers: "weakref.WeakSet[RemoteBuffer]" = weakref.WeakSet()
         self._repairs: "queue.Queue[tuple[RemoteBuffer, Extent] | None]" = queue.Queue()
-        self._writers = ThreadPoolExecutor(max_workers=max(2, replicas), thread_name_prefix="rdma-write")
-        # extent-level jobs of one large batch (separate from the replica writers they submit to)
-        self._extent_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rdma-extent")
+        # what the buffers see of this memory (rdma.buffer.ReplicaIO)
+        self.dataplane = DataPlane(replicas, self.io_timeout_ms, self.stats,
+                                   on_copy_failed=self._replica_failed, on_release=self._release_buffer)
         self.control = ControlPlane(broker, self.consumer_id, on_offline=self._offline_state,
                                     on_event=self._donor_event, on_online=self._online_state)
         self.control.wait_donors(replicas, discover_timeout_s)
@@ -161,7 +164,7 @@ class RemoteMemory:
         leftover = [r for v in granted.values() for r in v]
         if leftover:
             self._unmap_many(leftover)
-        buf = RemoteBuffer(self, nbytes, P, extents, self.checksums)
+        buf = RemoteBuffer(self.dataplane, nbytes, P, extents, self.checksums)
         self._buffers.add(buf)
         return buf
 
@@ -179,7 +182,7 @@ class RemoteMemory:
             if isinstance(res, BaseException):
                 log.info("unmap on %s: %s", n, res)
 
-    def _map_slab(self, exclude: set[str], min_slab_bytes: int) -> Replica:
+    def _map_slab(self, exclude: set[str], min_slab_bytes: int, initial: ReplicaState = LIVE) -> Replica:
         failed: set[str] = set()
         while True:
             donors = self.control.donors()
@@ -199,7 +202,7 @@ class RemoteMemory:
                 continue
             self.control.note_mapped(node)
             try:
-                return _replica(node, res, res)
+                return _replica(node, res, res, initial)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("donor %s sent a malformed map reply (%s); not using it", node, exc)
                 failed.add(node)
@@ -218,59 +221,28 @@ class RemoteMemory:
         reps: list[Replica] = []
         for ext in buf.extents:
             with ext.lock:
-                reps += [r for r in ext.replicas if r.state != LOST]
+                reps += [r for r in ext.replicas if r.state is not LOST]
                 for r in ext.replicas:
-                    self._mark(r, LOST)
+                    r.move(LOST)
                 ext.replicas = []
         self._unmap_many(reps)
         self._buffers.discard(buf)
 
-    # --- data path helpers -----------------------------------------------------------------
+    # --- failed copies ---------------------------------------------------------------------
 
-    def _endpoint(self, rep: Replica) -> Endpoint:
-        ep = self._eps.get(rep.addr)
-        if ep is not None and not ep.broken:
-            return ep  # the common case, without the lock
-        with self._ep_lock:
-            ep = self._eps.get(rep.addr)
-            if ep is not None and not ep.broken:
-                return ep
-            if ep is not None:
-                ep.close()
-            host, _, port = rep.addr.rpartition(":")
-            ep = Endpoint(host, int(port), timeout_ms=self.io_timeout_ms)
-            self._eps[rep.addr] = ep
-            return ep
-
-    def _write_all(self, targets: list[Replica], offs, lens, src, checksums: bool) -> list[Any]:
-        def one(rep: Replica):
-            try:
-                return self._endpoint(rep).write(rep.slab, rep.token, offs, lens, src, local_crc=checksums)
-            except (RemoteMemoryError, ConnectionError) as exc:
-                return exc
-
-        if len(targets) == 1 or len(src) < (256 << 10):
-            return [one(r) for r in targets]
-        return list(self._writers.map(one, targets))
-
-    def _mark(self, rep: Replica, state: str) -> str | None:
-        """Change a replica's state; returns the old one (None when it was already LOST).
-
-        Only a short private lock is taken, never an extent lock, so that loss
-        can be signalled from any thread, including one inside an extent lock.
-        The repair thread drops LOST replicas from their extents."""
-        with self._state_lock:
-            if rep.state == LOST:
-                return None
-            old, rep.state = rep.state, state
-            return old
+    def _lose(self, rep: Replica) -> bool:
+        """Mark a copy lost; False when it already was.  A copy still being rebuilt held
+        no data of its own, so it does not count as a lost replica."""
+        was = rep.move(LOST)
+        if was is None:
+            return False
+        if was is not REBUILDING:
+            self.stats["replicas_lost"] += 1
+        return True
 
     def _replica_failed(self, buf: RemoteBuffer, ext: Extent, rep: Replica, exc: BaseException) -> None:
-        was = self._mark(rep, LOST)
-        if was is None:
+        if not self._lose(rep):
             return
-        if was != REBUILDING:
-            self.stats["replicas_lost"] += 1
         log.warning("lost copy of extent %d on %s (slab %d): %s", ext.index, rep.node, rep.slab, exc)
         code = getattr(exc, "code", None)
         if code in (-2, -3, -6) or isinstance(exc, ConnectionError):
@@ -304,6 +276,7 @@ class RemoteMemory:
         if not self._data_plane_alive(node):
             self._donor_offline(node)
         else:
+            self.stats["offline_kept"] += 1
             log.warning("donor %s is offline on the bus but its slab server answers: keeping its copies", node)
 
     def _online_state(self, node: str) -> None:
@@ -321,12 +294,8 @@ class RemoteMemory:
             for ext in buf.extents:
                 hit = False
                 for r in list(ext.replicas):
-                    if r.node == node:
-                        was = self._mark(r, LOST)
-                        if was is not None:
-                            hit = True
-                            if was != REBUILDING:
-                                self.stats["replicas_lost"] += 1
+                    if r.node == node and self._lose(r):
+                        hit = True
                 if hit:
                     self._repairs.put((buf, ext))
 
@@ -339,17 +308,15 @@ class RemoteMemory:
                     continue
                 if event == "evict":
                     self.stats["evictions"] += 1
-                    others = [r for r in list(ext.replicas) if r is not rep and r.state == LIVE]
-                    if others or rep.state == REBUILDING:
+                    others = [r for r in list(ext.replicas) if r is not rep and r.state is LIVE]
+                    if others or rep.state is REBUILDING:
                         # another copy holds the data: hand this one back now, rebuild in the background
-                        if self._mark(rep, LOST) is not None:
+                        if rep.move(LOST) is not None:
                             self._unmap(rep, wait=False)
                     else:
-                        with self._state_lock:
-                            if rep.state == LIVE:
-                                rep.state = EVICTING  # the sole copy: move it first, then hand it back
+                        rep.move(EVICTING, only_from=LIVE)  # the sole copy: move it first, then hand it back
                 elif event == "revoked":
-                    self._mark(rep, LOST)
+                    rep.move(LOST)
                 else:
                     return
                 self._repairs.put((buf, ext))
@@ -377,25 +344,24 @@ class RemoteMemory:
         """Bring ext back to ``replicas`` live copies; True when done (or nothing to do)."""
         while not buf.freed:
             with ext.lock:
-                ext.replicas = [r for r in ext.replicas if r.state != LOST]
-                live = [r for r in ext.replicas if r.state == LIVE]
-                evicting = [r for r in ext.replicas if r.state == EVICTING]
+                ext.replicas = [r for r in ext.replicas if r.state is not LOST]
+                live = [r for r in ext.replicas if r.state is LIVE]
+                evicting = [r for r in ext.replicas if r.state is EVICTING]
                 if len(live) >= self.replicas:
                     for r in evicting:
-                        if self._mark(r, LOST) is not None:
+                        if r.move(LOST) is not None:
                             self._unmap(r, wait=False)
-                    ext.replicas = [r for r in ext.replicas if r.state != LOST]
+                    ext.replicas = [r for r in ext.replicas if r.state is not LOST]
                     return True
                 if not live and not evicting:
                     log.error("extent %d of a buffer has no copy left: its data is lost", ext.index)
                     return True
                 exclude = {r.node for r in ext.replicas} | self._dead_nodes
             try:
-                new = self._map_slab(exclude, ext.npages * buf.page)
+                new = self._map_slab(exclude, ext.npages * buf.page, initial=REBUILDING)
             except MemoryError as exc:
                 log.warning("cannot rebuild extent %d yet: %s", ext.index, exc)
                 return False
-            new.state = REBUILDING
             with ext.lock:
                 ext.replicas.append(new)  # from now on writes reach it too
             if not self._copy_into(buf, ext, new):
@@ -404,9 +370,8 @@ class RemoteMemory:
                         ext.replicas.remove(new)
                 self._unmap(new, wait=False)
                 return False
-            with ext.lock, self._state_lock:
-                if new.state == REBUILDING and new in ext.replicas:
-                    new.state = LIVE
+            with ext.lock:
+                if new in ext.replicas and new.move(LIVE, only_from=REBUILDING) is not None:
                     self.stats["replicas_rebuilt"] += 1
                     log.info("extent %d rebuilt on %s (slab %d)", ext.index, new.node, new.slab)
         return True
@@ -418,16 +383,16 @@ class RemoteMemory:
         for p in range(0, ext.npages, chunk_pages):
             n = min(chunk_pages, ext.npages - p)
             pages = np.arange(ext.first_page + p, ext.first_page + p + n, dtype=np.int64)
-            offs, lens = buf._segments(ext, pages)
+            offs, lens = ext.segments(pages, P)
             with ext.lock:  # no write may land between our read and our write of this chunk
-                if new.state != REBUILDING:
+                if new.state is not REBUILDING:
                     return False
                 try:
-                    buf._read_extent(ext, pages, offs, lens, tmp[: n * P], locked=True)
+                    buf.read_extent_locked(ext, pages, tmp[: n * P])
                 except DataLostError:
                     return False
                 try:
-                    self._endpoint(new).write(new.slab, new.token, offs, lens, tmp[: n * P])
+                    self.dataplane.write(new, offs, lens, tmp[: n * P])
                 except (RemoteMemoryError, ConnectionError) as exc:
                     log.warning("rebuild target %s failed: %s", new.node, exc)
                     return False
@@ -437,7 +402,7 @@ class RemoteMemory:
     def _renew_loop(self) -> None:
         while not self._stop_leases.wait(self.lease_s / 3):
             nodes = {r.node for b in list(self._buffers) for e in b.extents for r in list(e.replicas)
-                     if r.state != LOST} - self._dead_nodes
+                     if r.state is not LOST} - self._dead_nodes
             if not nodes:
                 continue
             try:
@@ -450,6 +415,8 @@ class RemoteMemory:
             for n, res in zip(sorted(nodes), results):
                 if isinstance(res, BaseException):
                     log.warning("renewing the lease on %s failed: %s", n, res)
+                else:
+                    self.stats["leases_renewed"] += 1
 
     def wait_healthy(self, buf: RemoteBuffer, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -471,12 +438,7 @@ class RemoteMemory:
         self._repairs.put(None)
         self._repair_thread.join(5)
         self.control.close()
-        self._writers.shutdown(wait=False)
-        self._extent_pool.shutdown(wait=False)
-        with self._ep_lock:
-            for ep in self._eps.values():
-                ep.close()
-            self._eps.clear()
+        self.dataplane.close()
 
     def __enter__(self) -> "RemoteMemory":
         return self

@@ -1,16 +1,26 @@
-"""Fixtures for remote-memory integration tests."""
+"""Fixtures for remote-memory tests: donor processes, consumers and an operator's control plane.
+
+The brokers they run on (``broker``, ``mosquitto``, ``amqtt_broker``) come from tests/conftest.py.
+Each factory stops or closes what it started at the end of the test, consumers before donors.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
-from memhelpers import DonorProc, stop_proc
+from nodesvc.bus.procs import stop_proc, wait_until
+from rdma import RemoteMemory
+from rdma.control import ControlPlane
+from tests.rdma.donors import DonorProc
 
 
 @pytest.fixture
-def donor_factory(tmp_path):
+def donor_factory(tmp_path) -> Callable[..., list[DonorProc]]:
+    """``start(broker_url, n, prefix="donor", **DonorProc options)``: n donor processes named
+    prefix0, prefix1, ... (numbered on across calls)."""
     procs: list[DonorProc] = []
 
     def start(broker_url: str, n: int, prefix: str = "donor", **kw) -> list[DonorProc]:
@@ -19,8 +29,8 @@ def donor_factory(tmp_path):
         return new
 
     yield start
-    # Signal all first, then wait.  The daemon's clean stop currently waits ~5 s on
-    # its final "offline" publish; the tests only need the processes gone.
+    # Signal all first, then wait.  The daemon's clean stop waits up to ~5 s on its
+    # final "offline" publish; the tests only need the processes gone.
     for p in procs:
         if p.proc.poll() is None:
             p.proc.terminate()
@@ -28,3 +38,36 @@ def donor_factory(tmp_path):
     for p in procs:
         stop_proc(p.proc, timeout=max(0.1, deadline - time.monotonic()))
         p.log.close()
+
+
+@pytest.fixture
+def consumer_factory(donor_factory) -> Callable[..., RemoteMemory]:
+    """``open(broker_url, donors, **RemoteMemory options)``: a RemoteMemory that already sees
+    ``donors`` donors.  Closed at the end of the test, before the donors stop."""
+    mems: list[RemoteMemory] = []
+
+    def open_(broker_url: str, donors: int, timeout: float = 20.0, **kw) -> RemoteMemory:
+        mem = RemoteMemory(broker=broker_url, **kw)
+        mems.append(mem)
+        wait_until(lambda: len(mem.donors()) >= donors, timeout, f"{donors} donors")
+        return mem
+
+    yield open_
+    for mem in mems:
+        mem.close()
+
+
+@pytest.fixture
+def control_factory() -> Callable[[str], ControlPlane]:
+    """``open(broker_url)``: an operator's control plane (consumer id ``checker``), to send
+    donors commands and read their state.  Closed at the end of the test."""
+    planes: list[ControlPlane] = []
+
+    def open_(broker_url: str) -> ControlPlane:
+        ctl = ControlPlane(broker_url, "checker")
+        planes.append(ctl)
+        return ctl
+
+    yield open_
+    for ctl in planes:
+        ctl.close()

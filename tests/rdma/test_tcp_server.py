@@ -1,4 +1,5 @@
-"""The slab server frees places held by stalled peers, and refuses a bad WRITE before buffering its payload."""
+"""The slab server (csrc/tcp_server.c, slab_service.c) frees places held by stalled peers, and refuses a
+bad WRITE before buffering its payload."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import psutil
 import pytest
 
 from rdma import wire
-from memhelpers import recv_exact
 from rdma.native import lib
 from rdma.native_mem import Endpoint, Region, SlabServer, random_token
+from tests.rdma.rawsock import closed_within, recv_exact, still_open
 
 MiB = 1 << 20
 
@@ -29,15 +30,16 @@ def quick():
     reg.release()
 
 
-def _closed_within(s, seconds):
-    """True when the server hangs up on s within `seconds`."""
-    s.settimeout(seconds)
-    try:
-        return s.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
+def _outlive_a_timeout(srv, stall: bytes = b"", rounds: int = 2) -> None:
+    """Wait, on events, until srv's timeout has passed for every connection opened before the call:
+    open a connection that sends ``stall`` (nothing: the idle timeout; a partial frame: the frame
+    timeout) and wait until the server closes it, ``rounds`` times over.  Each worker sweeps its
+    own connections, so after one round another worker may not have swept yet; after two, it has."""
+    for _ in range(rounds):
+        with socket.create_connection(("127.0.0.1", srv.port)) as canary:
+            if stall:
+                canary.sendall(stall)
+            assert closed_within(canary, 10), "the canary was never closed"
 
 
 def _response(s, timeout=5.0):
@@ -60,7 +62,7 @@ def test_partial_frame_is_closed_after_the_frame_timeout_while_valid_clients_car
         assert _response(stalled[2]).status == wire.OK
         t0 = time.monotonic()
         for s in stalled:
-            assert _closed_within(s, 5), "a stalled partial frame kept its place"
+            assert closed_within(s, 5), "a stalled partial frame kept its place"
             s.close()
         assert time.monotonic() - t0 < 3
         assert lib.dls_server_timed_out(srv._s) >= 3
@@ -82,7 +84,7 @@ def test_trickled_frame_is_closed_even_though_bytes_keep_coming(quick):
             except (BrokenPipeError, ConnectionResetError):
                 closed = True
                 break
-            if _closed_within(s, 0.05):
+            if closed_within(s, 0.05):
                 closed = True
                 break
         assert closed
@@ -92,22 +94,27 @@ def test_trickled_frame_is_closed_even_though_bytes_keep_coming(quick):
 def test_silent_unauthenticated_connection_is_closed_but_an_idle_consumer_is_not(quick):
     srv, _, tok = quick
     with Endpoint("127.0.0.1", srv.port) as ep:
-        ep.write(1, tok, [0], [3], b"xyz")  # carried a valid token
-        with socket.create_connection(("127.0.0.1", srv.port)) as silent:
-            assert _closed_within(silent, 5)
-        time.sleep(1.5)  # longer than the idle timeout
+        ep.write(1, tok, [0], [3], b"xyz")  # carried a valid token, then idles
+        _outlive_a_timeout(srv)  # silent connections opened after it are closed: it idled longer
+        assert lib.dls_server_timed_out(srv._s) >= 2
         out = np.zeros(3, np.uint8)
         ep.read(1, tok, [0], [3], out)
         assert out.tobytes() == b"xyz"
         assert srv.counters()["open_connections"] == 1
 
 
-def test_timeouts_can_be_turned_off():
+def test_timeouts_can_be_turned_off(quick):
+    """A partial frame and a silent peer: the server with timeouts (quick) closes such
+    connections opened later; the one without keeps them."""
+    on, _, _ = quick
     srv = SlabServer(idle_timeout_s=0, frame_timeout_s=None)
     try:
-        with socket.create_connection(("127.0.0.1", srv.port)) as s:
-            s.sendall(b"D")
-            assert not _closed_within(s, 0.5)
+        with socket.create_connection(("127.0.0.1", srv.port)) as partial, \
+                socket.create_connection(("127.0.0.1", srv.port)) as silent:
+            partial.sendall(b"D")
+            _outlive_a_timeout(on, stall=b"D")  # the frame timeout, twice
+            _outlive_a_timeout(on, rounds=1)    # and the idle timeout
+            assert still_open(partial) and still_open(silent)
         assert lib.dls_server_timed_out(srv._s) == 0
     finally:
         srv.stop()

@@ -1,8 +1,9 @@
-"""Pure cores of remote memory: placement and reclaim, with no network and a fake clock."""
+"""The donor's reclaim core (nodesvc.reclaim), pure: no network, a fake clock.
+
+It lives here with the rest of remote memory's donor side; its module is nodesvc's.
+"""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -19,73 +20,9 @@ from nodesvc.reclaim import (
     SlabReturned,
     Tick,
 )
-from rdma.placement import DonorView, NoDonorError, choose_one, place_replicas
 
 MIB = 1 << 20
 
-
-def donors(**free):
-    return {n: DonorView(n, f"127.0.0.1:{i + 1000}", MIB, f) for i, (n, f) in enumerate(free.items())}
-
-
-# --- placement -----------------------------------------------------------------------------
-
-def test_two_choices_prefers_more_free_slabs():
-    d = donors(a=1, b=100)
-    rng = random.Random(0)
-    assert all(choose_one(d, (), rng) == "b" for _ in range(50))
-
-
-def test_two_choices_spreads_better_than_one_choice():
-    """Filling 10 donors slab by slab: two choices keeps the fullest donor much closer to the mean."""
-    def fill(two: bool, seed: int) -> int:
-        free = {f"n{i}": 1000 for i in range(10)}
-        rng = random.Random(seed)
-        for _ in range(3000):
-            view = {n: DonorView(n, "x:1", MIB, f) for n, f in free.items()}
-            pick = choose_one(view, (), rng) if two else rng.choice(sorted(free))
-            free[pick] -= 1
-        used = [1000 - f for f in free.values()]
-        return max(used) - min(used)
-
-    two = sum(fill(True, s) for s in range(5))
-    one = sum(fill(False, s) for s in range(5))
-    assert two * 3 < one
-
-
-def test_replicas_on_distinct_online_donors():
-    d = donors(a=5, b=5, c=5)
-    d["c"] = DonorView("c", "x:1", MIB, 5, online=False)
-    for seed in range(20):
-        picks = place_replicas(d, 2, random.Random(seed))
-        assert sorted(picks) == ["a", "b"]
-    with pytest.raises(NoDonorError):
-        place_replicas(d, 3, random.Random(0))
-
-
-def test_full_or_small_donors_are_skipped():
-    d = donors(a=0, b=3)
-    d["c"] = DonorView("c", "x:1", 4096, 50)
-    assert choose_one(d, (), random.Random(1), min_slab_bytes=MIB) == "b"
-    with pytest.raises(NoDonorError):
-        choose_one(d, {"b"}, random.Random(1), min_slab_bytes=MIB)
-
-
-@settings(deadline=None)  # a loaded shared machine must not fail a property
-@given(st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 5), min_size=1), st.integers(1, 4),
-       st.integers(0, 2**32))
-def test_placement_properties(free, k, seed):
-    d = donors(**free)
-    eligible = {n for n, f in free.items() if f > 0}
-    try:
-        picks = place_replicas(d, k, random.Random(seed))
-    except NoDonorError:
-        assert len(eligible) < k
-        return
-    assert len(set(picks)) == k and set(picks) <= eligible
-
-
-# --- reclaim ---------------------------------------------------------------------------------
 
 def core(**kw):
     return ReclaimCore(headroom_bytes=kw.pop("headroom", 100 * MIB), psi_threshold=kw.pop("psi", 10.0),
@@ -208,26 +145,3 @@ def test_lease_book_expires_only_silent_consumers():
     assert book.expired(17.9) == []
     assert book.expired(18.0) == ["b"]
     assert book.expiry == {}
-
-
-@settings(deadline=None)  # a loaded shared machine must not fail a property
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=6),
-                    max_leaves=15))
-def test_donor_telemetry_parser_never_raises(report):
-    from rdma.control import donor_view
-
-    v = donor_view("n1", report)
-    if v is not None:
-        assert v.slab_bytes > 0 and v.slab_bytes % 4096 == 0 and v.free_slabs >= 0
-
-
-def test_donor_telemetry_parser_accepts_the_donor_report():
-    from rdma.control import donor_view
-
-    good = {"enabled": True, "addr": "10.0.0.2:4100", "slab_bytes": MIB, "free_slabs": 3, "provider": "tcp"}
-    assert donor_view("n1", good) == DonorView("n1", "10.0.0.2:4100", MIB, 3, True, "tcp")
-    for bad in ({**good, "enabled": False}, {**good, "addr": "nohost"}, {**good, "addr": "h:99999"},
-                {**good, "slab_bytes": 1000}, {**good, "free_slabs": -1}, {**good, "free_slabs": True},
-                {**good, "slab_bytes": float("inf")}, None, []):
-        assert donor_view("n1", bad) is None

@@ -12,9 +12,11 @@ import numpy as np
 import psutil
 import pytest
 
+from nodesvc.bus.procs import wait_until
 from rdma import wire
-from memhelpers import recv_exact
+from rdma.native import crc32c
 from rdma.native_mem import Endpoint, Region, RemoteMemoryError, SlabServer, provider_available, random_token
+from tests.rdma.rawsock import recv_exact
 
 PAGE = 4096
 
@@ -269,8 +271,6 @@ def test_tokens_are_random():
 
 def test_local_crc_is_computed_by_the_reader(served):
     srv, regions, tokens = served
-    from rdma.native import crc32c
-
     data = np.random.default_rng(9).integers(0, 256, 8 * PAGE, dtype=np.uint8)
     offs, lens = pages(8)
     with Endpoint("127.0.0.1", srv.port) as ep:
@@ -302,9 +302,8 @@ def test_responses_queue_correctly_when_the_reader_is_slow(served):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         for i, segs in reqs:
             s.sendall(wire.encode_request(wire.Request(wire.OP_READ, i, 2, tokens[2], segs, flags=wire.F_CRC)))
-        import time
-
-        time.sleep(0.3)  # let the server hit a full socket
+        # ~1 MiB per response: by the 8th the socket is full and the server queues what it cannot send
+        wait_until(lambda: srv.counters()["requests"] >= 8, 10, "the server to fill the socket")
         s.settimeout(10)
         for i, segs in reqs:
             status, hdr = wire.parse_response_header(recv_exact(s, wire.RESP_HDR.size))
@@ -313,8 +312,6 @@ def test_responses_queue_correctly_when_the_reader_is_slow(served):
             crcs = np.frombuffer(body[: 4 * len(segs)], dtype="<u4")
             data = body[4 * len(segs):]
             pos = 0
-            from rdma.native import crc32c
-
             for k, seg in enumerate(segs):
                 want = view[seg.offset:seg.offset + seg.length].tobytes()
                 assert data[pos:pos + seg.length] == want
@@ -342,9 +339,7 @@ def test_connection_flood_is_capped_and_served_clients_carry_on():
         eps[1].read(0, tok, [0], [3], out)
         assert out.tobytes() == b"abc"
         eps[3].close()
-        import time
-
-        time.sleep(0.2)
+        wait_until(lambda: srv.counters()["open_connections"] == 3, 10, "the server to see the close")
         with Endpoint("127.0.0.1", srv.port) as again:  # a freed place can be taken
             again.ping()
         for ep in eps[:3]:
@@ -356,8 +351,6 @@ def test_connection_flood_is_capped_and_served_clients_carry_on():
 
 def test_closing_an_endpoint_under_concurrent_readers_is_safe(served):
     """close() while other threads are inside C calls on the same endpoint must not free it under them."""
-    import threading
-
     srv, regions, tokens = served
     for _ in range(5):
         ep = Endpoint("127.0.0.1", srv.port)
@@ -387,10 +380,6 @@ def test_closing_an_endpoint_under_concurrent_readers_is_safe(served):
 
 def test_single_page_crcs_do_not_leak_between_threads(served):
     """read_one's CRC is per call: 4 threads reading different pages each get their own page's CRC."""
-    import threading
-
-    from rdma import crc32c
-
     srv, regions, tokens = served
     rng = np.random.default_rng(9)
     data = rng.integers(0, 256, 8 * PAGE, dtype=np.uint8)
