@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from scheduler.service import k8s, status_page
+from scheduler.service.http_checks import BAD_BODY, known_query
 from scheduler.service.live import SchedulerService
 from scheduler.service.models import ClusterView, ErrorBody, Job, JobEvents, JobList, JobSpec, JobState
 from scheduler.service.store import ConflictError
@@ -31,7 +32,6 @@ _AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
 }
 _NOT_FOUND = {404: {"model": ErrorBody, "description": "no job with this id"}}
-BAD_BODY = {400: {"model": ErrorBody, "description": "the body could not be read as UTF-8 JSON"}}
 _INVALID = {422: {"description": "the request does not validate; `detail` lists each field and rule broken"}}
 
 
@@ -42,20 +42,6 @@ def _same_path(route: Any, request: Request) -> bool:
 
 JobIdPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                                description="the job's id")]
-
-
-def known_query(*names: str):
-    """A dependency that refuses query parameters the operation does not take (a typo such as
-    ``?sate=running`` would otherwise be ignored silently)."""
-
-    def check(request: Request) -> None:
-        unknown = sorted(set(request.query_params.keys()) - set(names))
-        if unknown:
-            raise RequestValidationError([{"loc": ("query", k), "msg": f"unknown query parameter {k!r}; this "
-                                           f"operation takes {', '.join(names) or 'none'}", "type": "extra_forbidden"}
-                                          for k in unknown])
-
-    return Depends(check)
 
 
 def create_app(service: SchedulerService, token: str, k8s_open: bool = False) -> FastAPI:

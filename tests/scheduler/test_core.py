@@ -217,10 +217,11 @@ def test_incremental_indexes_stay_consistent_under_random_events(profile):
         alive = [ns for ns in st.nodes.values() if ns.alive]
         assert st.free_gpus == sum(sum(1 for r in ns.residents if not r) for ns in alive)
         assert st.total_gpus == sum(ns.node.gpus for ns in alive)
-        assert st.share_slots == sum(st._slot(r) for ns in alive for r in ns.residents)
-        assert sorted(st._wait_order) == st._wait_order and {j for _, j in st._wait_order} == set(st.waiting)
+        led = st.ledger
+        assert led.share_slots == sum(led.slot(r) for ns in alive for r in ns.residents)
+        assert sorted(led.wait_order) == led.wait_order and {j for _, j in led.wait_order} == set(st.waiting)
         for ns in alive:
-            assert ns.node.id in st._by_free[ns.free_gpus]
+            assert ns.node.id in led.by_free[ns.free_gpus]
         for rec in st.running.values():
             assert all(rec.job.id in st.nodes[sh.node].residents[g] for sh in rec.shards for g in sh.gpus)
             assert sum(len(sh.gpus) for sh in rec.shards) == rec.job.gpus

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from scheduler import Job, JobArrived, Node, SchedulerState, framework, load_profile
+from scheduler import Job, JobArrived, Node, SchedulerState, load_profile, plugins
 from scheduler.framework import Candidate, Context, NodeState
 from scheduler.model import GiB, JobRecord
 from scheduler.plugins.allocation import Proportional, SynergyTune
@@ -35,11 +35,11 @@ def order(plugin, recs, now=0.0):
 
 
 def test_registry_lists_plugins_and_rejects_unknown():
-    assert {"fifo", "srtf", "las", "tiresias", "gittins"} <= set(framework.available("order"))
+    assert {"fifo", "srtf", "las", "tiresias", "gittins"} <= set(plugins.available("order"))
     with pytest.raises(ValueError, match="unknown score plugin"):
-        framework.build("score", "nope")
+        plugins.build("score", "nope")
     with pytest.raises(ValueError, match="bad arguments"):
-        framework.build("order", "las", {"bogus": 1})
+        plugins.build("order", "las", {"bogus": 1})
 
 
 def test_fifo_priority_then_arrival():
