@@ -11,17 +11,19 @@ Model (:mod:`scheduler.model`)
     ``JobRecord`` (the core's per-job bookkeeping: ``shards``, ``allocation``, ``queueing_delay``...).
     ``cpus``/``memory_bytes`` of 0 mean "let the allocation plugin decide".
 
-Events (:mod:`scheduler.events`), each with ``id: str`` and ``now: float`` (seconds, the caller's clock)
-    ``JobArrived(id, now, job)``, ``JobFinished(id, now, job, failed=False, reason="")``,
-    ``JobCancelled(id, now, job, reason)``, ``PlacementFailed(id, now, job, reason)``,
-    ``Tick(id, now)``, ``NodeReport(id, now, node, gpu_util=(), cpu_percent=None,
+Events (:mod:`scheduler.events`): frozen dataclasses whose first fields are ``stimulus_id: str`` and
+``now: float`` (seconds, the caller's clock), the project's one event convention
+    ``JobArrived(stimulus_id, now, job)``, ``JobFinished(stimulus_id, now, job, failed=False, reason="")``,
+    ``JobCancelled(stimulus_id, now, job, reason)``, ``PlacementFailed(stimulus_id, now, job, reason)``,
+    ``Tick(stimulus_id, now)``, ``NodeReport(stimulus_id, now, node, gpu_util=(), cpu_percent=None,
     memory_available_bytes=None, jobs={job: JobSample(sm_percent, mem_percent, speed)})``
-    (the first report of a node registers it), ``NodeLost(id, now, node)``.
+    (the first report of a node registers it), ``NodeLost(stimulus_id, now, node)``.
 
-Decisions, each with ``cause`` (the id of the event that produced it)
-    ``Place(cause, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the first
-    shard), ``Preempt(cause, job, reason)``, ``Allocate(cause, job, node, cpus, memory_bytes)``,
-    ``Reject(cause, job, reason)``, ``Wakeup(cause, at)`` (send a ``Tick`` at ``at``).
+Decisions, each with the ``stimulus_id`` of the event that produced it
+    ``Place(stimulus_id, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the
+    first shard), ``Preempt(stimulus_id, job, reason)``, ``Allocate(stimulus_id, job, node, cpus,
+    memory_bytes)``, ``Reject(stimulus_id, job, reason)``, ``Wakeup(stimulus_id, at)`` (send a ``Tick``
+    at ``at``).
 
 Core (:mod:`scheduler.state`)
     ``SchedulerState(profile, nodes=(), *, predictors=None, rng=random.Random(seed))``;

@@ -154,7 +154,7 @@ class Ledger:
 
     # ------------------------------------------------------------ job moves
 
-    def start(self, rec: JobRecord, cand: Candidate, cause: str, out: list[Decision]) -> None:
+    def start(self, rec: JobRecord, cand: Candidate, stimulus_id: str, out: list[Decision]) -> None:
         job = rec.job
         shards = [(cand.node, cand.gpus), *cand.more]
         resumed = job.state is JobState.PREEMPTED
@@ -178,9 +178,9 @@ class Ledger:
         rec.queueing_delay += self.now - rec.queued_since
         if rec.first_start is None:
             rec.first_start = self.now
-        out.append(Place(cause, job.id, rec.shards, tuple(cand.residents), resumed))
+        out.append(Place(stimulus_id, job.id, rec.shards, tuple(cand.residents), resumed))
         for ns in touched:
-            self._reallocate(ns, cause, out)
+            self._reallocate(ns, stimulus_id, out)
 
     def _release(self, rec: JobRecord) -> list[NodeState]:
         job = rec.job
@@ -207,7 +207,7 @@ class Ledger:
         self.running.pop(job.id, None)
         return touched
 
-    def stop(self, rec: JobRecord, cause: str, out: list[Decision], requeue: bool) -> None:
+    def stop(self, rec: JobRecord, stimulus_id: str, out: list[Decision], requeue: bool) -> None:
         """Take a running job off its GPUs; with ``requeue`` it waits again, as preempted."""
         touched = self._release(rec)
         if requeue:
@@ -216,9 +216,9 @@ class Ledger:
             self.enqueue(rec)
         for ns in touched:
             if ns.alive:
-                self._reallocate(ns, cause, out)
+                self._reallocate(ns, stimulus_id, out)
 
-    def end(self, rec: JobRecord, state: JobState, cause: str, out: list[Decision]) -> None:
+    def end(self, rec: JobRecord, state: JobState, stimulus_id: str, out: list[Decision]) -> None:
         """A job is over (``state`` done or failed), running or waiting."""
         if rec.job.state is JobState.RUNNING:
             touched = self._release(rec)
@@ -231,9 +231,9 @@ class Ledger:
             self.order.observe_finished(rec, self.context())
         for ns in touched:
             if ns.alive:
-                self._reallocate(ns, cause, out)
+                self._reallocate(ns, stimulus_id, out)
 
-    def _reallocate(self, ns: NodeState, cause: str, out: list[Decision]) -> None:
+    def _reallocate(self, ns: NodeState, stimulus_id: str, out: list[Decision]) -> None:
         ctx = self.context()
         dc = dm = 0.0
         for jid, n in ns.jobs.items():
@@ -247,4 +247,4 @@ class Ledger:
             old: Allocation | None = rec.allocation.get(ns.node.id)
             if old is None or abs(old.cpus - alloc.cpus) > 1e-9 or old.memory_bytes != alloc.memory_bytes:
                 rec.allocation[ns.node.id] = alloc
-                out.append(Allocate(cause, jid, ns.node.id, alloc.cpus, alloc.memory_bytes))
+                out.append(Allocate(stimulus_id, jid, ns.node.id, alloc.cpus, alloc.memory_bytes))

@@ -134,26 +134,26 @@ class SchedulingPasses:
         ranked = sorted(range(len(cands)), key=lambda i: -total[i])  # stable: ties keep candidate order
         return [(cands[i], total[i]) for i in ranked]
 
-    def _try_place(self, rec: JobRecord, ctx: Context, cause: str, out: list[Decision]) -> bool:
+    def _try_place(self, rec: JobRecord, ctx: Context, stimulus_id: str, out: list[Decision]) -> bool:
         cands = self.candidates(rec, ctx)
         if not cands:
             return False
         best = self.rank(rec, cands, ctx)[0][0]
         if not best.gpus:
             best = Candidate(best.node, best.node.free_indices()[:rec.job.gpus], (), best.more)
-        self.ledger.start(rec, best, cause, out)
+        self.ledger.start(rec, best, stimulus_id, out)
         return True
 
     # ------------------------------------------------------------ passes
 
-    def schedule(self, cause: str, full: bool, out: list[Decision]) -> None:
+    def schedule(self, stimulus_id: str, full: bool, out: list[Decision]) -> None:
         if self.order.preemptive and full and (self.ledger.waiting or self.ledger.running):
-            self._preemptive_pass(cause, out)
+            self._preemptive_pass(stimulus_id, out)
         else:
-            self._fill(cause, out)
-        self._maybe_wakeup(cause, out)
+            self._fill(stimulus_id, out)
+        self._maybe_wakeup(stimulus_id, out)
 
-    def _fill(self, cause: str, out: list[Decision]) -> None:
+    def _fill(self, stimulus_id: str, out: list[Decision]) -> None:
         if not self.ledger.waiting:
             return
         ctx = self.ledger.context()
@@ -179,7 +179,7 @@ class SchedulingPasses:
             cls = led.job_class[jid]
             if cls in failed:
                 continue
-            placed = self._try_place(rec, ctx, cause, out)
+            placed = self._try_place(rec, ctx, stimulus_id, out)
             if placed:
                 failed.clear()
                 misses = 0
@@ -189,7 +189,7 @@ class SchedulingPasses:
                 if not self.profile.backfill:
                     break
 
-    def _preemptive_pass(self, cause: str, out: list[Decision]) -> None:
+    def _preemptive_pass(self, stimulus_id: str, out: list[Decision]) -> None:
         ctx = self.ledger.context()
         active = list(self.ledger.running.values()) + list(self.ledger.waiting.values())
         active.sort(key=lambda r: self.order.key(r, ctx))
@@ -209,14 +209,14 @@ class SchedulingPasses:
             if r.job.id not in admitted or r.job.state is JobState.RUNNING:
                 continue
             ctx = self.ledger.context()
-            if self._try_place(r, ctx, cause, out):
+            if self._try_place(r, ctx, stimulus_id, out):
                 continue
-            if rank and self._make_room(r, rank, cause, out):
-                self._try_place(r, self.ledger.context(), cause, out)
+            if rank and self._make_room(r, rank, stimulus_id, out):
+                self._try_place(r, self.ledger.context(), stimulus_id, out)
         # Work conservation: anything else that fits (or may share) starts now.
-        self._fill(cause, out)
+        self._fill(stimulus_id, out)
 
-    def _make_room(self, rec: JobRecord, rank: dict[str, int], cause: str, out: list[Decision]) -> bool:
+    def _make_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> bool:
         """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
         ``rank`` maps still-running victims to their rank (0 = worst); preempted
         ones are removed from it."""
@@ -247,8 +247,8 @@ class SchedulingPasses:
             vr = self.ledger.records[jid]
             rank.pop(jid, None)
             if vr.job.state is JobState.RUNNING:
-                self.ledger.stop(vr, cause, out, requeue=True)
-                out.append(Preempt(cause, jid, f"for {rec.job.id}"))
+                self.ledger.stop(vr, stimulus_id, out, requeue=True)
+                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}"))
 
         if g <= self.ledger.max_node_gpus:
             plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)
@@ -277,7 +277,7 @@ class SchedulingPasses:
                 preempt(v)
         return True
 
-    def _maybe_wakeup(self, cause: str, out: list[Decision]) -> None:
+    def _maybe_wakeup(self, stimulus_id: str, out: list[Decision]) -> None:
         if not self.order.preemptive or not self.ledger.waiting:
             return
         ctx = self.ledger.context()
@@ -304,4 +304,4 @@ class SchedulingPasses:
         at = max(at, self.ledger.now + 1e-6)
         if self.wakeup_at is None or self.wakeup_at <= self.ledger.now or at < self.wakeup_at - 1e-9:
             self.wakeup_at = at
-            out.append(Wakeup(cause, at))
+            out.append(Wakeup(stimulus_id, at))

@@ -108,21 +108,21 @@ class SchedulerState:
         simulator batches events that share a timestamp)."""
         out: list[Decision] = []
         full_pass = False
-        cause = ""
+        stimulus_id = ""
         led = self.ledger
         for ev in events:
             if ev.now < led.now - 1e-9:
-                raise SchedulerError(f"event {ev.id}: time went backwards ({ev.now} < {led.now})")
+                raise SchedulerError(f"event {ev.stimulus_id}: time went backwards ({ev.now} < {led.now})")
             before = led.now
             led.now = max(led.now, ev.now)
-            cause = ev.id
+            stimulus_id = ev.stimulus_id
             try:
                 full_pass |= self._apply(ev, out)
             except SchedulerError:
                 led.now = before
                 raise
         if events:
-            self.passes.schedule(cause, full_pass or not self.order.preemptive, out)
+            self.passes.schedule(stimulus_id, full_pass or not self.order.preemptive, out)
         return out
 
     def job(self, job_id: str) -> JobRecord:
@@ -190,7 +190,7 @@ class SchedulerState:
         if isinstance(ev, JobArrived):
             job = Job.from_dict(ev.job.to_dict())
             if job.id in self.records:
-                raise SchedulerError(f"event {ev.id}: duplicate job id {job.id!r}")
+                raise SchedulerError(f"event {ev.stimulus_id}: duplicate job id {job.id!r}")
             job.state = JobState.QUEUED
             job.attained_service = max(0.0, job.attained_service)
             rec = JobRecord(job=job, queued_since=ev.now)
@@ -198,7 +198,7 @@ class SchedulerState:
             if job.gpus > self.ledger.max_node_gpus and self.ledger.max_node_gpus and job.gpus > self.total_gpus:
                 job.state = JobState.FAILED
                 rec.finished_at = ev.now
-                out.append(Reject(ev.id, job.id, f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"))
+                out.append(Reject(ev.stimulus_id, job.id, f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"))
                 return False
             self.ledger.enqueue(rec)
             return False
@@ -207,19 +207,19 @@ class SchedulerState:
         if isinstance(ev, (JobFinished, JobCancelled)):
             rec = self.job(ev.job)
             if not rec.job.state.active:
-                raise SchedulerError(f"event {ev.id}: job {ev.job!r} already {rec.job.state.value}")
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} already {rec.job.state.value}")
             failed = isinstance(ev, JobCancelled) or ev.failed
-            self.ledger.end(rec, JobState.FAILED if failed else JobState.DONE, ev.id, out)
+            self.ledger.end(rec, JobState.FAILED if failed else JobState.DONE, ev.stimulus_id, out)
             return False
         if isinstance(ev, PlacementFailed):
             rec = self.job(ev.job)
             if rec.job.state is not JobState.RUNNING:
-                raise SchedulerError(f"event {ev.id}: job {ev.job!r} is not running")
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} is not running")
             shared = self.ledger.co_residents(rec)
             if shared:
                 for other in shared:
                     self.ledger.incompatible.add(frozenset((rec.job.job_type, self.records[other].job.job_type)))
-            self.ledger.stop(rec, ev.id, out, requeue=True)
+            self.ledger.stop(rec, ev.stimulus_id, out, requeue=True)
             return False
         if isinstance(ev, NodeReport):
             self._report(ev)
@@ -227,13 +227,13 @@ class SchedulerState:
         if isinstance(ev, NodeLost):
             ns = self.nodes.get(ev.node)
             if ns is None:
-                raise SchedulerError(f"event {ev.id}: unknown node {ev.node!r}")
+                raise SchedulerError(f"event {ev.stimulus_id}: unknown node {ev.node!r}")
             if ns.alive:
                 for jid in list(ns.jobs):
-                    self.ledger.stop(self.records[jid], ev.id, out, requeue=True)
+                    self.ledger.stop(self.records[jid], ev.stimulus_id, out, requeue=True)
                 self.ledger.set_alive(ns, False)
             return False
-        raise SchedulerError(f"event {getattr(ev, 'id', '?')}: unknown event type {type(ev).__name__}")
+        raise SchedulerError(f"event {getattr(ev, 'stimulus_id', '?')}: unknown event type {type(ev).__name__}")
 
     def _report(self, ev: NodeReport) -> None:
         ns = self.nodes.get(ev.node.id)
@@ -241,7 +241,7 @@ class SchedulerState:
             ns = self.ledger.add_node(ev.node)
         else:
             if ev.node.gpus != ns.node.gpus and ns.jobs:
-                raise SchedulerError(f"event {ev.id}: node {ev.node.id} changed its GPU count while running jobs")
+                raise SchedulerError(f"event {ev.stimulus_id}: node {ev.node.id} changed its GPU count while running jobs")
             if ev.node.gpus != ns.node.gpus:
                 self.ledger.remove_node(ns)
                 ns = self.ledger.add_node(ev.node)

@@ -108,24 +108,24 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
             return self.core.handle(*events)
         except SchedulerError as exc:
             if len(events) == 1:
-                log.warning("core refused event %s: %s", events[0].id, exc)
+                log.warning("core refused event %s: %s", events[0].stimulus_id, exc)
                 return []
         out: list[Any] = []
         for ev in events:
             try:
                 out += self.core.handle(ev)
             except SchedulerError as exc:
-                log.warning("core refused event %s: %s", ev.id, exc)
+                log.warning("core refused event %s: %s", ev.stimulus_id, exc)
         return out
 
     @staticmethod
     def _decision_id(d: Any) -> str:
         kind = type(d).__name__.lower()
         if isinstance(d, Allocate):
-            return f"{d.cause}/{kind}/{d.job}/{d.node}"
+            return f"{d.stimulus_id}/{kind}/{d.job}/{d.node}"
         if isinstance(d, Wakeup):
-            return f"{d.cause}/{kind}"
-        return f"{d.cause}/{kind}/{d.job}"
+            return f"{d.stimulus_id}/{kind}"
+        return f"{d.stimulus_id}/{kind}/{d.job}"
 
     # --- API side ---------------------------------------------------------------------------
 
@@ -428,7 +428,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                             data=_decision_data(d),
                             state="acked" if isinstance(d, Allocate) and (d.node, d.job) in placed else "pending")
                 for d in decisions if not isinstance(d, Wakeup)]
-        self.store.record_batch(self._batch, [(ev.id, encode_event(ev)) for ev in events], rows)
+        self.store.record_batch(self._batch, [(ev.stimulus_id, encode_event(ev)) for ev in events], rows)
         allocs = {(d.job, d.node): d for d in decisions if isinstance(d, Allocate)}
         for d in decisions:
             if isinstance(d, Wakeup):

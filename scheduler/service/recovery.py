@@ -72,7 +72,7 @@ class RecoveryShell:
                     if (rec is not None and rec.shards == d.shards and row is not None
                             and row.state in ("queued", "preempted")):
                         # Logged, then the service died before the job's row said so: finish that step.
-                        allocs = {(d.job, n): Allocate(d.cause, d.job, n, a.cpus, a.memory_bytes)
+                        allocs = {(d.job, n): Allocate(d.stimulus_id, d.job, n, a.cpus, a.memory_bytes)
                                   for n, a in rec.allocation.items()}
                         self._mark_placed(d, allocs)
                     for sh in d.shards:  # not known to run until the node answers the re-sent command

@@ -17,7 +17,7 @@ def test_fifo_places_and_allocates_proportionally():
     st = make_state("fifo")
     out = st.handle(JobArrived("a1", 0.0, Job("a", "ResNet-18", 32, gpus=2)))
     [p] = places(out)
-    assert p.job == "a" and len(p.gpus) == 2 and p.cause == "a1"
+    assert p.job == "a" and len(p.gpus) == 2 and p.stimulus_id == "a1"
     [alloc] = [d for d in out if isinstance(d, Allocate)]
     assert alloc.cpus == pytest.approx(6.0)  # 12 cores x 2/4 GPUs
     assert st.records["a"].job.state is JobState.RUNNING

@@ -2,6 +2,8 @@
 
 import string
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +25,14 @@ def test_trace_parser_fails_only_with_trace_error(rows, with_header):
         return
     for j in jobs:
         assert j.arrival_s >= 0 and j.gpus >= 1 and j.duration_s > 0
+
+
+def test_an_infinite_count_is_a_trace_error_not_an_overflow():
+    row = {c: "1" for c in PHILLY}
+    row["num_gpus"] = "inf"  # int(float("inf")) raises OverflowError, which hypothesis once found
+    text = ",".join(PHILLY) + "\n" + ",".join(row[c] for c in PHILLY) + "\n"
+    with pytest.raises(TraceError, match="num_gpus: must be finite"):
+        parse_trace(text, "inf.csv")
 
 
 @settings(max_examples=300, deadline=None)

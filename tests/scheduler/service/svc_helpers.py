@@ -179,6 +179,15 @@ class FakeNode:
         return [c for c in self.commands if c["op"] == op]
 
 
+def telemetry(node: str, gpus: int, cpus: int = 8) -> dict[str, Any]:
+    """A node daemon's telemetry payload (``messages.parse_telemetry`` accepts it)."""
+    return {"schema": 1, "node": node, "ts": 0.0, "cpu": {"count": cpus, "percent": 5.0},
+            "memory": {"total_bytes": 64 << 30, "available_bytes": 60 << 30},
+            "gpus": {"devices": [{"index": i, "name": "sim", "util_percent": 0.0, "memory_total_bytes": 32 << 30}
+                                 for i in range(gpus)], "reason": None},
+            "rdma": {"devices": []}, "jobs": {}}
+
+
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
