@@ -181,7 +181,7 @@ def _nodes_table(cluster: dict[str, Any], ours: set[str]):
 async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
     import logging
 
-    from scheduler.client import SchedulerClient, SchedulerError
+    from scheduler.client import SchedulerClient, SchedulerApiError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per poll
     console.print("\n[bold]Scheduler[/bold]: real jobs submitted through the API "
@@ -256,7 +256,7 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
         console.print(f"  {sum(j['state'] == 'done' for j in jobs)}/{len(jobs)} jobs done"
                       + ("" if ok else "; job output is in the node logs under the stack's state directory"))
         return ok
-    except SchedulerError as exc:
+    except SchedulerApiError as exc:
         console.print(f"  [red]scheduler API error: {exc}[/red]")
         return False
     finally:
@@ -264,11 +264,11 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
 
 
 def _show_validation(c) -> str:
-    from scheduler.client import SchedulerError
+    from scheduler.client import SchedulerApiError
 
     try:
         c.submit({"gpus": -1, "cpus": 0, "command": []})
-    except SchedulerError as exc:
+    except SchedulerApiError as exc:
         return str(exc)
     return "(accepted: that is a bug)"
 

@@ -8,10 +8,10 @@ from typing import Any
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 
-from scheduler.service.models import ErrorBody
+from scheduler.service.models import ApiError
 
 BAD_BODY: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody, "description": "the body could not be read as UTF-8 JSON"}}
+    400: {"model": ApiError, "description": "the body could not be read as UTF-8 JSON"}}
 
 
 def known_query(*names: str) -> Any:

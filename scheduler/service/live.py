@@ -40,14 +40,13 @@ from scheduler.service.cpu_shell import CpuJobsShell
 from scheduler.service.core_log import core_job, encode_event
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.recovery import RecoveryShell
-from scheduler.service.nodes import NodeView, apply_telemetry, core_node
+from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
 from scheduler.service.models import TERMINAL_STATES
 from scheduler.service.store import ConflictError, DecisionRow, JobRow, JobStore
 from scheduler.service.views import cluster_view
 
 log = logging.getLogger("dlshare.sched.live")
 
-TERMINAL = TERMINAL_STATES
 VANISHED_AFTER = 3  # telemetry reports in a row without a job we started before it counts as gone
 
 
@@ -67,7 +66,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
         self.node_timeout_s = node_timeout_s
         self.report_s = report_s
         self.clock = clock
-        self.nodes: dict[str, NodeView] = {}
+        self.nodes: dict[str, LiveNode] = {}
         self.aggregation: dict[str, dict[str, Any]] = {}
         self.bus = None
         self.k8s_binder = None
@@ -174,7 +173,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
         job = self.store.get_job(job_id)
         if job is None:
             return None
-        if job.state in TERMINAL:
+        if job.state in TERMINAL_STATES:
             return job
         a = job.allocation
         self._cpu_waiting.pop(job_id, None)
@@ -259,7 +258,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
             log.warning("bad %s payload from %s/%s: %s", leaf, kind, ident, exc)
 
     def on_telemetry(self, t: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(t["node"], NodeView(id=t["node"]))
+        node = self.nodes.setdefault(t["node"], LiveNode(id=t["node"]))
         was_online = node.status == "online"
         apply_telemetry(node, t, self.clock())
         if not was_online:
@@ -277,7 +276,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                 if node.missing[job] >= VANISHED_AFTER:
                     self.job_exited(node.id, job, None, "the node no longer reports the job")
 
-    def _report(self, node: NodeView, force: bool = False) -> None:
+    def _report(self, node: LiveNode, force: bool = False) -> None:
         """A NodeReport when the node's resources changed, or every ``report_s`` (predictor samples)."""
         cc, cm = cpu_jobs.withheld(node)
         n = core_node(node, cc, cm)
@@ -305,14 +304,14 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                              jobs=samples))
 
     def on_node_state(self, node_id: str, state: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(node_id, NodeView(id=node_id))
+        node = self.nodes.setdefault(node_id, LiveNode(id=node_id))
         status = state.get("status")
         if status == "offline" and node.status != "offline":
             self._node_lost(node, "went offline (its Last Will or its shutdown)")
         elif status == "online" and node.status == "offline":
             node.status = "unknown"  # back once its telemetry arrives
 
-    def _node_lost(self, node: NodeView, why: str) -> None:
+    def _node_lost(self, node: LiveNode, why: str) -> None:
         node.status = "offline"
         node.reported = None
         jobs = sorted(node.allocations)
@@ -467,7 +466,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                  "requested_cpus": float(spec.get("cpus") or 0.0),
                  "requested_memory_bytes": int(spec.get("memory_bytes") or 0)}
         for s in d.shards:
-            self.nodes.setdefault(s.node, NodeView(id=s.node)).allocations[d.job] = dict(alloc, node=s.node,
+            self.nodes.setdefault(s.node, LiveNode(id=s.node)).allocations[d.job] = dict(alloc, node=s.node,
                                                                                           gpus=list(s.gpus))
         self.store.update_job(d.job, event="placed", node=d.node,
                               event_data={"gpus": list(d.gpus), "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"],

@@ -15,8 +15,8 @@ from typing import Any
 from scheduler import Allocate, JobArrived, JobCancelled, Place
 from scheduler.service.core_log import CoreLogError, core_job, decode_event
 from scheduler.service.core_log import new_event_id as _eid
-from scheduler.service.models import TERMINAL_STATES as TERMINAL
-from scheduler.service.nodes import NodeView
+from scheduler.service.models import TERMINAL_STATES
+from scheduler.service.nodes import LiveNode
 
 log = logging.getLogger("dlshare.sched.live")
 
@@ -39,7 +39,7 @@ class RecoveryShell:
         self._cpu_resend: list[tuple[str, str, dict, int]] = []
         for j in rows:
             if j.state == "running" and j.allocation:
-                node = self.nodes.setdefault(j.allocation["node"], NodeView(id=j.allocation["node"]))
+                node = self.nodes.setdefault(j.allocation["node"], LiveNode(id=j.allocation["node"]))
                 acked = True
                 if int(j.spec.get("gpus", 0)) == 0 and states.get(f"{j.id}/cpu-place/{j.attempts}") != "acked":
                     # A CPU job whose `run` was never acknowledged before the crash: send it again (same
@@ -54,7 +54,7 @@ class RecoveryShell:
         # GPU jobs ended in the table but still active in the core (a crash between the two).
         for jid, rec in self.core.records.items():
             row = self.store.get_job(jid)
-            if row is not None and row.state in TERMINAL and rec.job.state.active:
+            if row is not None and row.state in TERMINAL_STATES and rec.job.state.active:
                 self.post(JobCancelled(_eid(), self.now(), jid, row.reason or row.state))
         self._resend = [d for did, d in replayed if states.get(did) in ("pending", "sent")]
         if n_batches:
@@ -76,7 +76,7 @@ class RecoveryShell:
                                   for n, a in rec.allocation.items()}
                         self._mark_placed(d, allocs)
                     for sh in d.shards:  # not known to run until the node answers the re-sent command
-                        a = self.nodes.get(sh.node, NodeView(id=sh.node)).allocations.get(d.job)
+                        a = self.nodes.get(sh.node, LiveNode(id=sh.node)).allocations.get(d.job)
                         if a is not None:
                             a["acked"] = False
                 log.info("re-sending decision %s (never acknowledged before the restart)", self._decision_id(d))

@@ -14,7 +14,7 @@ import time
 import pytest
 from svc_helpers import ROOT, SchedProc, stop_proc
 
-from scheduler.client import SchedulerError
+from scheduler.client import SchedulerApiError
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -36,7 +36,7 @@ def _wait(pred, timeout=20.0, what="condition"):
             last = pred()
             if last:
                 return last
-        except SchedulerError as exc:
+        except SchedulerApiError as exc:
             last = exc
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
@@ -90,7 +90,7 @@ def test_node_killed_under_load_then_service_killed_then_broker_restarted(stack,
                     accepted.append(sc.submit({"id": f"stream-{i}", "kind": "data_prep", "gpus": 0, "cpus": 0.01,
                                                "memory_bytes": 1 << 20, "command": ["true"]})["id"])
                     i += 1
-                except SchedulerError:
+                except SchedulerApiError:
                     time.sleep(0.05)
 
     t = threading.Thread(target=submitter)
