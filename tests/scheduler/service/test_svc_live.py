@@ -211,8 +211,8 @@ async def test_a_crash_between_logging_a_placement_and_acting_on_it(mosquitto, t
     try:
         await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
         # Die right after the batch and its decisions are logged: no row update, no command.
-        svc._mark_placed = lambda *a, **k: None
-        svc._spawn = lambda coro: coro.close()
+        svc.carrier.mark_placed = lambda *a, **k: None
+        svc.commands.spawn = lambda coro: coro.close()
         job = svc.submit(dict(GPU_JOB))[0].id
         await until(lambda: job in svc.core.running, what="the core placed it")
         assert svc.store.get_job(job).state == "queued" and not n1.ops("run")

@@ -48,7 +48,7 @@ async def test_a_database_logged_with_the_old_event_keys_replays_after_an_upgrad
         assert _placements(svc2) == before  # the same decisions, from the old log
         assert set(svc2.core.waiting) == set(jobs) - set(before)
         # and the replayed decisions are the ones the table knows (same ids): nothing new to carry out
-        assert {svc2._decision_id(d) for d in svc2._resend} <= set(svc2.store.decision_states())
+        assert {svc2.carrier.decision_id(d) for d in svc2.recovery.resend} <= set(svc2.store.decision_states())
         assert not [r for r in caplog.records if "unreadable" in r.getMessage()]
     finally:
         await svc2.stop()
