@@ -7,10 +7,9 @@ import json
 import logging
 import sqlite3
 
-from svc_helpers import telemetry
-
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
+from tests.scheduler.service.svc_helpers import telemetry
 
 GPU_JOB = {"model": "resnet50", "batch_size": 32, "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30,
            "command": ["python", "train.py"]}
