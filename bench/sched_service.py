@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from nodesvc.bus.procs import free_port, wait_port
+from nodesvc.bus.procs import free_port, wait_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
@@ -147,7 +147,8 @@ async def _node(broker: str, nid: str, gpus: int, job_s: float, stop: asyncio.Ev
 
     bus = Bus(broker, f"bench-{nid}", subscriptions=[(messages.node_topic(nid, "cmd"), 1)], handler=on_cmd,
               on_connect=online, will=(messages.node_topic(nid, "state"), messages.encode({"status": "offline"}), 1, True))
-    runner = asyncio.create_task(bus.run(stop))
+    bus_stop = asyncio.Event()  # set once the node has said it goes offline
+    runner = asyncio.create_task(bus.run(bus_stop))
     last_t = 0.0
     while not stop.is_set():
         now = time.monotonic()
@@ -166,6 +167,7 @@ async def _node(broker: str, nid: str, gpus: int, job_s: float, stop: asyncio.Ev
             await bus.publish(messages.node_topic(nid, "telemetry"), messages.encode(t))
         await asyncio.sleep(0.02)
     await bus.publish(messages.node_topic(nid, "state"), messages.encode({"status": "offline"}), 1, True)
+    bus_stop.set()
     await runner
 
 
@@ -203,11 +205,8 @@ def _service_run(args, synchronous: str, tmp: Path) -> dict[str, Any]:
         nodes.start()
         url = f"http://127.0.0.1:{port}"
         c = SchedulerClient(url, TOKEN, timeout=30)
-        deadline = time.monotonic() + 30
-        while sum(1 for n in c.cluster()["nodes"] if n["status"] == "online") < args.nodes:
-            if time.monotonic() > deadline:
-                raise TimeoutError("simulated nodes did not come online")
-            time.sleep(0.2)
+        wait_until(lambda: sum(1 for n in c.cluster()["nodes"] if n["status"] == "online") >= args.nodes,
+                   timeout=30, what="the simulated nodes online", interval=0.2)
         n_seq = max(1, args.jobs // 2)
         t0 = time.perf_counter()
         for i in range(n_seq):

@@ -1,5 +1,18 @@
 """dlshare's interference-aware scheduler: a pure core, plugins, predictors and a simulator.
 
+What it may import (floor 1 of the floor plan; ``lint-imports`` checks it)
+==========================================================================
+The core (``model``, ``events``, ``ledger``, ``state``, ``passes``, ``framework``,
+``plugins``, ``predictors``, ``profile``, ``sim``, ``trace``, ``codec``) imports the standard
+library, numpy, scikit-learn (and torch for ``predictors.utilisation.graph_features``) and its
+own modules, in one direction: ``state`` holds a ``ledger.Ledger`` and a
+``passes.SchedulingPasses``; plugins import ``framework``, never the reverse.  It does no I/O
+and reads no clock: never ``nodesvc``, ``rdma``, ``aggregator``, ``scheduler.service`` or
+``scheduler.cli``.  The libraries beside it, ``data`` and ``fetch`` (the shared data sets) and
+``client`` (the HTTP API's client, httpx), may do I/O but import no shell either.
+:mod:`scheduler.service` (floor 2) and :mod:`scheduler.cli` (floor 3) import this package; it
+never imports them.
+
 Public API (import from ``scheduler``)
 ======================================
 
@@ -11,23 +24,27 @@ Model (:mod:`scheduler.model`)
     ``JobRecord`` (the core's per-job bookkeeping: ``shards``, ``allocation``, ``queueing_delay``...).
     ``cpus``/``memory_bytes`` of 0 mean "let the allocation plugin decide".
 
-Events (:mod:`scheduler.events`), each with ``id: str`` and ``now: float`` (seconds, the caller's clock)
-    ``JobArrived(id, now, job)``, ``JobFinished(id, now, job, failed=False, reason="")``,
-    ``JobCancelled(id, now, job, reason)``, ``PlacementFailed(id, now, job, reason)``,
-    ``Tick(id, now)``, ``NodeReport(id, now, node, gpu_util=(), cpu_percent=None,
+Events (:mod:`scheduler.events`): frozen dataclasses whose first fields are ``stimulus_id: str`` and
+``now: float`` (seconds, the caller's clock), the project's one event convention
+    ``JobArrived(stimulus_id, now, job)``, ``JobFinished(stimulus_id, now, job, failed=False, reason="")``,
+    ``JobCancelled(stimulus_id, now, job, reason)``, ``PlacementFailed(stimulus_id, now, job, reason)``,
+    ``Tick(stimulus_id, now)``, ``NodeReport(stimulus_id, now, node, gpu_util=(), cpu_percent=None,
     memory_available_bytes=None, jobs={job: JobSample(sm_percent, mem_percent, speed)})``
-    (the first report of a node registers it), ``NodeLost(id, now, node)``.
+    (the first report of a node registers it), ``NodeLost(stimulus_id, now, node)``.
 
-Decisions, each with ``cause`` (the id of the event that produced it)
-    ``Place(cause, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the first
-    shard), ``Preempt(cause, job, reason)``, ``Allocate(cause, job, node, cpus, memory_bytes)``,
-    ``Reject(cause, job, reason)``, ``Wakeup(cause, at)`` (send a ``Tick`` at ``at``).
+Decisions, each with the ``stimulus_id`` of the event that produced it
+    ``Place(stimulus_id, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the
+    first shard), ``Preempt(stimulus_id, job, reason)``, ``Allocate(stimulus_id, job, node, cpus,
+    memory_bytes)``, ``Reject(stimulus_id, job, reason)``, ``Wakeup(stimulus_id, at)`` (send a ``Tick``
+    at ``at``).
 
 Core (:mod:`scheduler.state`)
     ``SchedulerState(profile, nodes=(), *, predictors=None, rng=random.Random(seed))``;
     ``state.handle(*events) -> list[Decision]`` (raises ``SchedulerError``, a ``ValueError``, for an
-    event it cannot apply, leaving the state unchanged for that event); ``state.records``
+    event it cannot apply, leaving the state unchanged for that event); read-only views of its
+    books (``state.ledger``, a :class:`scheduler.ledger.Ledger`): ``state.records``
     (id -> JobRecord), ``state.nodes`` (id -> NodeState), ``state.waiting``, ``state.running``,
+    ``state.now``, ``state.total_gpus``, ``state.free_gpus``;
     ``state.queue()`` (waiting jobs in start order), ``state.candidates(job, node_ids=None)``
     (feasible placements with weighted scores 0-100 x weight, best first; changes nothing: for
     the Kubernetes extender's filter/prioritize), ``state.explain(job, node_ids=None)``
@@ -42,7 +59,9 @@ Core (:mod:`scheduler.state`)
 Profiles (:mod:`scheduler.profile`)
     ``load_profile(name_or_toml_path) -> Profile`` (packaged: ``packaged_profiles()``:
     fifo, srtf, las, tiresias, gittins, spread, gandiva, horus, iadeep, synergy, dlshare);
-    ``ProfileError``. Plugins: :mod:`scheduler.framework` (``register``, ``available``).
+    ``ProfileError``. Plugins: :mod:`scheduler.framework` (the interfaces: ``QueueSort``, a base
+    class, and ``Filter``/``Score``/``Allocator``; ``register``) and :mod:`scheduler.plugins`
+    (the built-ins; ``build``, ``available``).
 
 Predictors (:mod:`scheduler.predictors`)
     ``Predictors`` (the bundle the plugins read; ``Predictors.from_data()`` trains the interference

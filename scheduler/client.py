@@ -1,7 +1,7 @@
 """A small client for job launchers: ``SchedulerClient(url, token).submit({...})``.
 
 It speaks the service's HTTP API (``dlshare sched``) with httpx.  Errors come
-back as :class:`SchedulerError` carrying the HTTP status and the service's own
+back as :class:`SchedulerApiError` carrying the HTTP status and the service's own
 explanation, e.g. ``422 invalid request: cpus: Input should be greater than 0``.
 
     from scheduler.client import SchedulerClient
@@ -21,10 +21,13 @@ from typing import Any
 
 import httpx
 
-TERMINAL = frozenset({"done", "failed", "cancelled"})
+TERMINAL_STATES = frozenset({"done", "failed", "cancelled"})
 
 
-class SchedulerError(RuntimeError):
+class SchedulerApiError(RuntimeError):
+    """The service answered with an error (``status``), or could not be reached (``status`` 0).
+    (``scheduler.SchedulerError`` is the core's: an event it cannot apply.)"""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status} {message}")
         self.status = status
@@ -66,9 +69,9 @@ class SchedulerClient:
         try:
             r = self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
-            raise SchedulerError(0, f"cannot reach the scheduler at {self.url}: {exc}") from None
+            raise SchedulerApiError(0, f"cannot reach the scheduler at {self.url}: {exc}") from None
         if r.status_code >= 400:
-            raise SchedulerError(r.status_code, _explain(r))
+            raise SchedulerApiError(r.status_code, _explain(r))
         return r.json()
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +104,7 @@ class SchedulerClient:
     def cluster(self) -> dict[str, Any]:
         return self._call("GET", "/v1/cluster")
 
-    def wait(self, job_id: str, states: Iterable[str] = TERMINAL, timeout: float = 60.0,
+    def wait(self, job_id: str, states: Iterable[str] = TERMINAL_STATES, timeout: float = 60.0,
              poll: float = 0.2) -> dict[str, Any]:
         """Poll until the job is in one of ``states``; raises TimeoutError with its last state."""
         want = set(states)

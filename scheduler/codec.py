@@ -2,9 +2,13 @@
 
 ``event_to_dict(ev)`` / ``event_from_dict(d)`` and ``decision_to_dict(d)`` /
 ``decision_from_dict(d)`` round-trip every type in :mod:`scheduler.events`;
-the ``"type"`` key names the class.  ``event_from_dict`` raises
+the ``"type"`` key names the class.  Both ``*_from_dict`` raise
 :class:`CodecError` (a ``ValueError``) naming the field at fault, so a shell can
 reject a bad logged or submitted event without crashing.
+
+Logs written before the project's one event convention keep replaying: an
+event's ``stimulus_id`` was called ``id`` and a decision's was called
+``cause``, and both old keys are still read.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from scheduler.model import Job, Node, Shard
 EVENTS = {c.__name__: c for c in (E.JobArrived, E.JobFinished, E.JobCancelled, E.PlacementFailed, E.Tick,
                                   E.NodeReport, E.NodeLost)}
 DECISIONS = {c.__name__: c for c in (E.Place, E.Preempt, E.Allocate, E.Reject, E.Wakeup)}
+
+
+_OLD_EVENT_ID = "id"  # an event's stimulus_id in logs written before the event convention
+_OLD_DECISION_ID = "cause"  # likewise a decision's
 
 
 class CodecError(ValueError):
@@ -65,7 +73,8 @@ def event_from_dict(d: Any) -> E.Event:
     cls = EVENTS.get(t) if isinstance(t, str) else None
     if cls is None:
         raise CodecError(f"type: unknown event type {d.get('type')!r} (known: {', '.join(EVENTS)})")
-    base = {"id": _str(d, "id"), "now": _num(d, "now")}
+    id_key = _OLD_EVENT_ID if "stimulus_id" not in d and _OLD_EVENT_ID in d else "stimulus_id"
+    base = {"stimulus_id": _str(d, id_key), "now": _num(d, "now")}
     try:
         if cls is E.JobArrived:
             if not isinstance(d.get("job"), dict):
@@ -107,13 +116,20 @@ def event_from_dict(d: Any) -> E.Event:
         raise CodecError(f"{cls.__name__}: {exc}") from None
 
 
-def decision_from_dict(d: dict[str, Any]) -> E.Decision:
+def decision_from_dict(d: Any) -> E.Decision:
+    if not isinstance(d, dict):
+        raise CodecError("decision must be an object")
     t = d.get("type")
     cls = DECISIONS.get(t) if isinstance(t, str) else None
     if cls is None:
-        raise CodecError(f"type: unknown decision type {d.get('type')!r}")
+        raise CodecError(f"type: unknown decision type {d.get('type')!r} (known: {', '.join(DECISIONS)})")
     fields = {k: v for k, v in d.items() if k != "type"}
-    if cls is E.Place:
-        fields["shards"] = tuple(Shard(s["node"], tuple(s["gpus"])) for s in fields["shards"])
-        fields["colocated_with"] = tuple(fields.get("colocated_with", ()))
-    return cls(**fields)
+    if "stimulus_id" not in fields and _OLD_DECISION_ID in fields:
+        fields["stimulus_id"] = fields.pop(_OLD_DECISION_ID)
+    try:
+        if cls is E.Place:
+            fields["shards"] = tuple(Shard(s["node"], tuple(s["gpus"])) for s in fields["shards"])
+            fields["colocated_with"] = tuple(fields.get("colocated_with", ()))
+        return cls(**fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CodecError(f"{cls.__name__}: {exc}") from None

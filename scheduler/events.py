@@ -1,9 +1,10 @@
 """Events the scheduler core consumes and decisions it returns.
 
-Every event carries ``id`` (unique, chosen by the sender: a replay of the same
-events reproduces the same decisions) and ``now`` (seconds on the sender's
-clock; the core never reads a clock).  Every decision carries ``cause``, the id
-of the event that produced it.
+The project's one event convention (every core follows it): each event is a
+frozen dataclass whose first fields are ``stimulus_id`` (unique, chosen by the
+sender: a replay of the same events reproduces the same decisions) and ``now``
+(seconds on the sender's clock; the core never reads a clock).  Every decision
+carries the ``stimulus_id`` of the event that produced it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from scheduler.model import Job, Node, Shard
 
 @dataclass(frozen=True)
 class Event:
-    id: str
+    stimulus_id: str
     now: float
 
 
@@ -98,7 +99,7 @@ class NodeLost(Event):
 
 @dataclass(frozen=True)
 class Decision:
-    cause: str
+    stimulus_id: str  # of the event that caused it
 
 
 @dataclass(frozen=True)

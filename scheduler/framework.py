@@ -2,11 +2,12 @@
 
 Four extension points, one small interface each:
 
-* :class:`QueueSort` ("order"): ``key(record, ctx)``; lower keys run first.
-  ``preemptive`` sorts decide every pass which jobs *should* run and preempt
-  the rest; non-preemptive ones only start queued jobs.  ``next_change`` lets
-  the core ask for a :class:`~scheduler.events.Wakeup` when a job's key will
-  move (a queue boundary, a quantum).
+* :class:`QueueSort` ("order", a base class: its hooks have defaults):
+  ``key(record, ctx)``; lower keys run first.  ``preemptive`` sorts decide
+  every pass which jobs *should* run and preempt the rest; non-preemptive ones
+  only start queued jobs.  ``next_change`` lets the core ask for a
+  :class:`~scheduler.events.Wakeup` when a job's key will move (a queue
+  boundary, a quantum); ``observe_finished`` hears of every job that finished.
 * :class:`Filter`: ``filter(record, candidate, ctx) -> None | reason``.
 * :class:`Score`: ``score(record, candidate, ctx) -> float`` (raw, higher is
   better).  The core min-max normalises each plugin's scores over the feasible
@@ -19,7 +20,9 @@ whole nodes for a job larger than a node), with the jobs already resident on
 them when the placement shares GPUs.
 
 Plugins are registered by name with :func:`register`; a profile
-(:mod:`scheduler.profile`) names the ones it uses, with arguments.
+(:mod:`scheduler.profile`) names the ones it uses, with arguments, and
+:mod:`scheduler.plugins` (the built-ins and the catalogue, ``build``/``available``)
+builds them.  This module imports no plugin: plugins import it.
 """
 
 from __future__ import annotations
@@ -89,13 +92,28 @@ class Context:
     free_gpus: int = 0
 
 
-class QueueSort(Protocol):
+class QueueSort:
+    """Base class of the order plugins: every hook the core calls is declared here, with its default.
+
+    ``preemptive``: decide every pass which jobs should hold the GPUs (and preempt the rest).
+    ``uniform_wakeup``: every running job's key changes at the same moment (one quantum), so
+    the core asks one running job for :meth:`next_change` instead of all of them.
+    """
+
     name: ClassVar[str]
-    preemptive: bool
+    preemptive: ClassVar[bool] = False
+    uniform_wakeup: ClassVar[bool] = False
 
-    def key(self, rec: JobRecord, ctx: Context) -> Any: ...
+    def key(self, rec: JobRecord, ctx: Context) -> Any:
+        """The job's sort key now: lower keys run first."""
+        raise NotImplementedError
 
-    def next_change(self, rec: JobRecord, ctx: Context) -> float | None: ...
+    def next_change(self, rec: JobRecord, ctx: Context) -> float | None:
+        """When the running job's key may next change (None: never)."""
+        return None
+
+    def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        """A job finished (done, not failed): policies that learn from run times update here."""
 
 
 class Filter(Protocol):
@@ -123,15 +141,18 @@ class Allocator(Protocol):
 
 
 KINDS = ("order", "filter", "score", "allocate")
-_REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in KINDS}
+_REGISTRY: dict[str, dict[str, type]] = {k: {} for k in KINDS}
 
 
 def register(kind: str, name: str) -> Callable[[type], type]:
-    """Class decorator: make plugin ``name`` of ``kind`` available to profiles."""
+    """Class decorator: make plugin ``name`` of ``kind`` available to profiles.
+    Order plugins subclass :class:`QueueSort` (it declares the hooks the core calls)."""
     if kind not in _REGISTRY:
         raise ValueError(f"unknown plugin kind {kind!r}")
 
     def deco(cls: type) -> type:
+        if kind == "order" and not issubclass(cls, QueueSort):
+            raise TypeError(f"order plugin {name!r}: {cls.__name__} must subclass scheduler.framework.QueueSort")
         cls.name = name
         _REGISTRY[kind][name] = cls
         return cls
@@ -139,24 +160,8 @@ def register(kind: str, name: str) -> Callable[[type], type]:
     return deco
 
 
-def build(kind: str, name: str, args: dict[str, Any] | None = None) -> Any:
-    """Instantiate plugin ``name`` of ``kind`` with ``args``; a clear error if unknown."""
-    _load_builtin()
-    try:
-        cls = _REGISTRY[kind][name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY.get(kind, {})))
-        raise ValueError(f"unknown {kind} plugin {name!r} (known: {known})") from None
-    try:
-        return cls(**(args or {}))
-    except TypeError as exc:
-        raise ValueError(f"{kind} plugin {name!r}: bad arguments {args!r}: {exc}") from None
-
-
-def available(kind: str) -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY[kind])
-
-
-def _load_builtin() -> None:
-    import scheduler.plugins  # noqa: F401  (registers the built-in plugins)
+def registered(kind: str) -> dict[str, type]:
+    """The plugin classes registered so far for ``kind`` (name -> class; a copy)."""
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown plugin kind {kind!r}")
+    return dict(_REGISTRY[kind])

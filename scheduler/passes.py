@@ -1,9 +1,9 @@
-"""Scheduling passes of :class:`~scheduler.state.SchedulerState`: placement and preemption.
+"""Scheduling passes of the core: placement and preemption.
 
-Split out of :mod:`scheduler.state` by responsibility: ``state`` applies events
-and keeps the books (jobs, nodes, indexes); this module decides.  It is a mixin:
-the methods read and update the state's attributes and call its bookkeeping
-(``_start``, ``_stop``, ``_ctx``).
+Split out of :mod:`scheduler.state` by responsibility: ``state`` applies
+events, :mod:`scheduler.ledger` keeps the books (jobs, nodes, indexes) and
+carries out the moves; this module decides.  :class:`SchedulingPasses` holds
+the ledger and the profile's plugins, and nothing else of the state's.
 
 * Candidates: exclusive placements come from the free-GPU buckets, fullest
   first, up to Kubernetes' adaptive ``percentageOfNodesToScore``; shared ones
@@ -18,21 +18,28 @@ the methods read and update the state's attributes and call its bookkeeping
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 from scheduler.events import Decision, Preempt, Wakeup
-from scheduler.framework import Candidate, Context, NodeState
+from scheduler.framework import Allocator, Candidate, Context, Filter, NodeState, QueueSort, Score
+from scheduler.ledger import JobClass, Ledger
 from scheduler.model import JobRecord, JobState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from scheduler.state import SchedulerState  # noqa: F401
+from scheduler.profile import Profile
 
 
 class SchedulingPasses:
-    """Mixin for :class:`~scheduler.state.SchedulerState` (see the module docstring)."""
+    """Decides what starts and what is preempted (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, profile: Profile, order: QueueSort, filters: list[Filter],
+                 scores: list[tuple[Score, float]], allocator: Allocator) -> None:
+        self.ledger = ledger
+        self.profile = profile
+        self.order = order
+        self.filters = filters
+        self.scores = scores
+        self.allocator = allocator
+        self.wakeup_at: float | None = None  # the Tick last asked for
 
     def _score_limit(self) -> int:
-        n = len(self.nodes)
+        n = len(self.ledger.nodes)
         pct = self.profile.nodes_to_score_percent
         if pct <= 0:  # Kubernetes' adaptive percentageOfNodesToScore: 50% - n/125, at least 5%
             if n <= 100:
@@ -40,36 +47,36 @@ class SchedulingPasses:
             pct = max(5.0, 50.0 - n / 125.0)
         return max(100, math.ceil(n * pct / 100.0))
 
-    def _share_ok(self, rec: JobRecord) -> bool:
+    def share_ok(self, rec: JobRecord) -> bool:
         return self.profile.share != "never" and rec.job.gpus <= self.profile.share_max_gpus
 
-    def _candidates(self, rec: JobRecord, ctx: Context, limit: bool = True,
-                    allowed: set[str] | None = None) -> list[Candidate]:
+    def candidates(self, rec: JobRecord, ctx: Context, limit: bool = True,
+                   allowed: set[str] | None = None) -> list[Candidate]:
         g = rec.job.gpus
         cands: list[Candidate] = []
         cap = self._score_limit() if limit else 1 << 60
-        if g <= self.max_node_gpus:
-            for free in range(g, self.max_node_gpus + 1):
-                bucket = self._by_free.get(free)
+        if g <= self.ledger.max_node_gpus:
+            for free in range(g, self.ledger.max_node_gpus + 1):
+                bucket = self.ledger.by_free.get(free)
                 if not bucket:
                     continue
                 for nid in bucket:
                     if allowed is not None and nid not in allowed:
                         continue
-                    cands.append(Candidate(self.nodes[nid], ()))  # GPUs picked once a node wins
+                    cands.append(Candidate(self.ledger.nodes[nid], ()))  # GPUs picked once a node wins
                     if len(cands) >= cap:
                         break
                 if len(cands) >= cap:
                     break
-        elif g <= self.free_gpus:
+        elif g <= self.ledger.free_gpus:
             # Spans nodes: take whole free nodes, emptiest first, then the remainder.
             picked: list[tuple[NodeState, tuple[int, ...]]] = []
             need = g
-            for free in range(self.max_node_gpus, 0, -1):
-                for nid in self._by_free.get(free, {}):
+            for free in range(self.ledger.max_node_gpus, 0, -1):
+                for nid in self.ledger.by_free.get(free, {}):
                     if allowed is not None and nid not in allowed:
                         continue
-                    ns = self.nodes[nid]
+                    ns = self.ledger.nodes[nid]
                     take = min(need, free)
                     picked.append((ns, tuple(i for i, r in enumerate(ns.residents) if not r)[:take]))
                     need -= take
@@ -79,33 +86,33 @@ class SchedulingPasses:
                     break
             if need == 0:
                 cands.append(Candidate(picked[0][0], picked[0][1], (), tuple(picked[1:])))
-        share = self._share_ok(rec) and (self.profile.share == "always" or not cands)
+        share = self.share_ok(rec) and (self.profile.share == "always" or not cands)
         if share:
-            incompatible = self._incompatible
+            incompatible = self.ledger.incompatible
             jt = rec.job.job_type
-            for ns in self.nodes.values():
+            for ns in self.ledger.nodes.values():
                 if not ns.alive or (allowed is not None and ns.node.id not in allowed):
                     continue
                 seen: set[tuple[str, ...]] = set()
                 for i, res in enumerate(ns.residents):
                     if not res or len(res) >= self.profile.max_share:
                         continue
-                    types = tuple(sorted(self.records[o].job.job_type for o in res))
+                    types = tuple(sorted(self.ledger.records[o].job.job_type for o in res))
                     if types in seen:
                         continue
                     seen.add(types)
                     if any(frozenset((jt, t)) in incompatible for t in types):
                         continue
-                    if any(self.records[o].job.gpus > self.profile.share_max_gpus for o in res):
+                    if any(self.ledger.records[o].job.gpus > self.profile.share_max_gpus for o in res):
                         continue
                     cands.append(Candidate(ns, (i,), tuple(res)))
         out = []
         for c in cands:
-            if self._fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
+            if self.fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
                 out.append(c)
         return out
 
-    def _fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
+    def fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
         first = rec.job.gpus if not cand.gpus else len(cand.gpus)
         for ns, n in ((cand.node, first), *((m, len(g)) for m, g in cand.more)):
             need = self.allocator.demand(rec, ns, n, ctx)
@@ -114,7 +121,7 @@ class SchedulingPasses:
                 return False
         return True
 
-    def _rank(self, rec: JobRecord, cands: list[Candidate], ctx: Context) -> list[tuple[Candidate, float]]:
+    def rank(self, rec: JobRecord, cands: list[Candidate], ctx: Context) -> list[tuple[Candidate, float]]:
         if not cands:
             return []
         total = [0.0] * len(cands)
@@ -127,51 +134,52 @@ class SchedulingPasses:
         ranked = sorted(range(len(cands)), key=lambda i: -total[i])  # stable: ties keep candidate order
         return [(cands[i], total[i]) for i in ranked]
 
-    def _try_place(self, rec: JobRecord, ctx: Context, cause: str, out: list[Decision]) -> bool:
-        cands = self._candidates(rec, ctx)
+    def _try_place(self, rec: JobRecord, ctx: Context, stimulus_id: str, out: list[Decision]) -> bool:
+        cands = self.candidates(rec, ctx)
         if not cands:
             return False
-        best = self._rank(rec, cands, ctx)[0][0]
+        best = self.rank(rec, cands, ctx)[0][0]
         if not best.gpus:
             best = Candidate(best.node, best.node.free_indices()[:rec.job.gpus], (), best.more)
-        self._start(rec, best, cause, out)
+        self.ledger.start(rec, best, stimulus_id, out)
         return True
 
     # ------------------------------------------------------------ passes
 
-    def _schedule(self, cause: str, full: bool, out: list[Decision]) -> None:
-        if self.order.preemptive and full and (self.waiting or self.running):
-            self._preemptive_pass(cause, out)
+    def schedule(self, stimulus_id: str, full: bool, out: list[Decision]) -> None:
+        if self.order.preemptive and full and (self.ledger.waiting or self.ledger.running):
+            self._preemptive_pass(stimulus_id, out)
         else:
-            self._fill(cause, out)
-        self._maybe_wakeup(cause, out)
+            self._fill(stimulus_id, out)
+        self._maybe_wakeup(stimulus_id, out)
 
-    def _fill(self, cause: str, out: list[Decision]) -> None:
-        if not self.waiting:
+    def _fill(self, stimulus_id: str, out: list[Decision]) -> None:
+        if not self.ledger.waiting:
             return
-        ctx = self._ctx()
+        ctx = self.ledger.context()
         share_possible = self.profile.share != "never"
         # Equivalence classes (as kube-scheduler caches them): once a (type, GPUs)
         # job found no place, its twins will not either until something is placed.
-        failed: set[tuple[str, int, float, int]] = set()
+        failed: set[JobClass] = set()
         misses = 0
-        for _, jid in list(self._wait_order):
-            if self.free_gpus == 0 and (not share_possible or self.share_slots == 0):
+        led = self.ledger
+        for _, jid in list(led.wait_order):
+            if led.free_gpus == 0 and (not share_possible or led.share_slots == 0):
                 break
             if misses >= self.profile.scan_limit:  # like Slurm's bf_max_job_test
                 break
-            rec = self.waiting.get(jid)
+            rec = led.waiting.get(jid)
             if rec is None:
                 continue
             job = rec.job
-            if self.free_gpus < job.gpus and not self._share_ok(rec):
+            if led.free_gpus < job.gpus and not self.share_ok(rec):
                 if not self.profile.backfill:
                     break
                 continue
-            cls = self._class[jid]
+            cls = led.job_class[jid]
             if cls in failed:
                 continue
-            placed = self._try_place(rec, ctx, cause, out)
+            placed = self._try_place(rec, ctx, stimulus_id, out)
             if placed:
                 failed.clear()
                 misses = 0
@@ -181,11 +189,11 @@ class SchedulingPasses:
                 if not self.profile.backfill:
                     break
 
-    def _preemptive_pass(self, cause: str, out: list[Decision]) -> None:
-        ctx = self._ctx()
-        active = list(self.running.values()) + list(self.waiting.values())
+    def _preemptive_pass(self, stimulus_id: str, out: list[Decision]) -> None:
+        ctx = self.ledger.context()
+        active = list(self.ledger.running.values()) + list(self.ledger.waiting.values())
         active.sort(key=lambda r: self.order.key(r, ctx))
-        rem = self.total_gpus
+        rem = self.ledger.total_gpus
         admitted: set[str] = set()
         for r in active:
             if r.job.gpus <= rem:
@@ -195,34 +203,34 @@ class SchedulingPasses:
                 break
         min_run = self.profile.min_run_s
         victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING
-                   and (r.run_since is None or self.now - r.run_since >= min_run)]
+                   and (r.run_since is None or self.ledger.now - r.run_since >= min_run)]
         rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
         for r in active:
             if r.job.id not in admitted or r.job.state is JobState.RUNNING:
                 continue
-            ctx = self._ctx()
-            if self._try_place(r, ctx, cause, out):
+            ctx = self.ledger.context()
+            if self._try_place(r, ctx, stimulus_id, out):
                 continue
-            if rank and self._make_room(r, rank, cause, out):
-                self._try_place(r, self._ctx(), cause, out)
+            if rank and self._make_room(r, rank, stimulus_id, out):
+                self._try_place(r, self.ledger.context(), stimulus_id, out)
         # Work conservation: anything else that fits (or may share) starts now.
-        self._fill(cause, out)
+        self._fill(stimulus_id, out)
 
-    def _make_room(self, rec: JobRecord, rank: dict[str, int], cause: str, out: list[Decision]) -> bool:
+    def _make_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> bool:
         """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
         ``rank`` maps still-running victims to their rank (0 = worst); preempted
         ones are removed from it."""
         g = rec.job.gpus
-        live = [jid for jid in rank if self.records[jid].job.state is JobState.RUNNING]
+        live = [jid for jid in rank if self.ledger.records[jid].job.state is JobState.RUNNING]
         if not live:
             return False
         victim_nodes: dict[str, None] = {}
         for jid in live:
-            for sh in self.records[jid].shards:
+            for sh in self.ledger.records[jid].shards:
                 victim_nodes[sh.node] = None
         per_node: list[tuple[NodeState, int, list[str]]] = []
         for nid in victim_nodes:
-            ns = self.nodes[nid]
+            ns = self.ledger.nodes[nid]
             if not ns.alive:
                 continue
             reclaim = ns.free_gpus
@@ -236,13 +244,13 @@ class SchedulingPasses:
                 per_node.append((ns, reclaim, sorted(need_v, key=rank.__getitem__)))
 
         def preempt(jid: str) -> None:
-            vr = self.records[jid]
+            vr = self.ledger.records[jid]
             rank.pop(jid, None)
             if vr.job.state is JobState.RUNNING:
-                self._stop(vr, cause, out, requeue=True)
-                out.append(Preempt(cause, jid, f"for {rec.job.id}"))
+                self.ledger.stop(vr, stimulus_id, out, requeue=True)
+                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}"))
 
-        if g <= self.max_node_gpus:
+        if g <= self.ledger.max_node_gpus:
             plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)
                      if reclaim >= g]
             if not plans:
@@ -254,7 +262,7 @@ class SchedulingPasses:
                 preempt(v)
             return node.free_gpus >= g
         # Spans nodes: free nodes first, then the nodes with the most reclaimable GPUs.
-        got = self.free_gpus - sum(ns.free_gpus for ns, _, _ in per_node)
+        got = self.ledger.free_gpus - sum(ns.free_gpus for ns, _, _ in per_node)
         per_node.sort(key=lambda p: -p[1])
         chosen_nodes = []
         for ns, reclaim, vs in per_node:
@@ -269,31 +277,31 @@ class SchedulingPasses:
                 preempt(v)
         return True
 
-    def _maybe_wakeup(self, cause: str, out: list[Decision]) -> None:
-        if not self.order.preemptive or not self.waiting:
+    def _maybe_wakeup(self, stimulus_id: str, out: list[Decision]) -> None:
+        if not self.order.preemptive or not self.ledger.waiting:
             return
-        ctx = self._ctx()
+        ctx = self.ledger.context()
         at = math.inf
-        if getattr(self.order, "uniform_wakeup", False):
+        if self.order.uniform_wakeup:
             # Every running job's key changes on the same quantum: one look suffices,
             # and a wakeup already pending in the future cannot be beaten.
-            if self._wakeup_at is not None and self._wakeup_at > self.now:
+            if self.wakeup_at is not None and self.wakeup_at > self.ledger.now:
                 return
-            if self.running:
-                at = self.order.next_change(next(iter(self.running.values())), ctx) or math.inf
+            if self.ledger.running:
+                at = self.order.next_change(next(iter(self.ledger.running.values())), ctx) or math.inf
         else:
-            for r in self.running.values():
+            for r in self.ledger.running.values():
                 t = self.order.next_change(r, ctx)
                 if t is not None and t < at:
                     at = t
         if self.profile.min_run_s:  # also wake when a protected job may be preempted
-            for r in self.running.values():
+            for r in self.ledger.running.values():
                 t = (r.run_since or 0.0) + self.profile.min_run_s
-                if self.now < t < at:
+                if self.ledger.now < t < at:
                     at = t
         if at == math.inf:
             return
-        at = max(at, self.now + 1e-6)
-        if self._wakeup_at is None or self._wakeup_at <= self.now or at < self._wakeup_at - 1e-9:
-            self._wakeup_at = at
-            out.append(Wakeup(cause, at))
+        at = max(at, self.ledger.now + 1e-6)
+        if self.wakeup_at is None or self.wakeup_at <= self.ledger.now or at < self.wakeup_at - 1e-9:
+            self.wakeup_at = at
+            out.append(Wakeup(stimulus_id, at))

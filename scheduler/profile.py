@@ -39,7 +39,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from scheduler import framework
+from scheduler import plugins
 
 SHARE_MODES = ("never", "when_full", "always")
 
@@ -72,16 +72,16 @@ class Profile:
     description: str = ""
 
     def build_order(self) -> Any:
-        return framework.build("order", self.order.plugin, self.order.args)
+        return plugins.build("order", self.order.plugin, self.order.args)
 
     def build_filters(self) -> list[Any]:
-        return [framework.build("filter", s.plugin, s.args) for s in self.filters]
+        return [plugins.build("filter", s.plugin, s.args) for s in self.filters]
 
     def build_scores(self) -> list[tuple[Any, float]]:
-        return [(framework.build("score", s.plugin, s.args), s.weight) for s in self.scores]
+        return [(plugins.build("score", s.plugin, s.args), s.weight) for s in self.scores]
 
     def build_allocator(self) -> Any:
-        return framework.build("allocate", self.allocate.plugin, self.allocate.args)
+        return plugins.build("allocate", self.allocate.plugin, self.allocate.args)
 
 
 def packaged_profiles() -> list[str]:

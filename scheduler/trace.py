@@ -78,6 +78,8 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
             raw = row[col[name]].strip()
             try:
                 v = typ(float(raw)) if typ is int else typ(raw)
+            except OverflowError:  # int(float("inf"))
+                raise TraceError(f"{source}: row {n}: column {name}: must be finite and >= 0, got {raw!r}") from None
             except ValueError:
                 raise TraceError(f"{source}: row {n}: column {name}: not a {typ.__name__}: {raw!r}") from None
             if typ in (int, float) and (not math.isfinite(v) or v < 0):

@@ -202,7 +202,7 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
 
 
 def _run_job(args, cfg) -> int:
-    from scheduler.client import SchedulerError
+    from scheduler.client import SchedulerApiError
 
     try:
         with _client(cfg) as c:
@@ -227,7 +227,7 @@ def _run_job(args, cfg) -> int:
             elif args.action == "cancel":
                 job = c.cancel(args.job)
                 print(f"{job['id']} {job['state']}")
-    except SchedulerError as exc:
+    except SchedulerApiError as exc:
         print(f"dlshare job: {exc}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as exc:

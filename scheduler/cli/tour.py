@@ -29,7 +29,7 @@ import importlib.util
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,11 +102,22 @@ def _has(mod: str) -> bool:
         return False
 
 
-def node_broker(st: Any) -> str:
+class TourStack(Protocol):
+    """What the tour reads of the running stack (``dlshare up``'s ``Stack`` has all of it)."""
+
+    broker_url: str
+    node_ids: list[str]
+    sched_url: str | None
+    sched_token: str | None
+    agg_addr: str | None  # a shared aggregation server, when the stack runs one
+    lending: bool  # the node daemons lend memory
+    net: Any  # the nodes' network namespaces (with a ``gateway`` address), or None
+
+
+def node_broker(st: TourStack) -> str:
     """The broker URL as a job on a node reaches it: through the namespace gateway when
     ``dlshare up`` put the nodes in network namespaces (``st.net``), else ``st.broker_url``."""
-    net = getattr(st, "net", None)
-    gateway = getattr(net, "gateway", None)
+    gateway = st.net.gateway if st.net is not None else None
     if not gateway:
         return st.broker_url
     from urllib.parse import urlsplit
@@ -115,7 +126,7 @@ def node_broker(st: Any) -> str:
     return f"{u.scheme}://{gateway}:{u.port or 1883}"
 
 
-def tour_jobs(st: Any, tag: str) -> list[dict[str, Any]]:
+def tour_jobs(st: TourStack, tag: str) -> list[dict[str, Any]]:
     """The job specs the tour submits (``tag`` keeps ids unique per run)."""
     py = [sys.executable, "-c"]
     env = {"PYTHONPATH": str(ROOT)}
@@ -129,13 +140,13 @@ def tour_jobs(st: Any, tag: str) -> list[dict[str, Any]]:
         jobs.append({"id": f"{tag}-prep-{i}", "name": f"data preparation {i} (reserves 1 GiB, uses 64 MiB)",
                      "kind": "data_prep", "gpus": 0, "cpus": 0.25, "memory_bytes": 1 << 30,
                      "command": py + [DATA_PREP], "env": {**env, "USE_BYTES": str(64 << 20)}, "cwd": str(ROOT)})
-    if getattr(st, "agg_addr", None) and _has("aggregator.client"):
+    if st.agg_addr and _has("aggregator.client"):
         for r in range(2):
             jobs.append({"id": f"{tag}-ddp-r{r}", "name": f"2-rank training via aggregation, rank {r}",
                          "kind": "training", "model": "linear", "batch_size": 256, "gpus": 1, "cpus": 0.25,
                          "memory_bytes": 512 << 20, "command": py + [AGG_TRAIN], "cwd": str(ROOT),
                          "env": {**env, "RANK": str(r), "WORLD": "2", "AGG": st.agg_addr, "AGG_JOB": f"{tag}-ddp"}})
-    if getattr(st, "lending", False) and _has("rdma.remote") and len(getattr(st, "node_ids", [])) >= 2:
+    if st.lending and _has("rdma.remote") and len(st.node_ids) >= 2:
         jobs.append({"id": f"{tag}-remote-cache", "name": "data preparation caching in lent memory",
                      "kind": "data_prep", "gpus": 0, "cpus": 0.25, "memory_bytes": 256 << 20,
                      "command": py + [REMOTE_CACHE], "cwd": str(ROOT),
@@ -178,10 +189,10 @@ def _nodes_table(cluster: dict[str, Any], ours: set[str]):
     return t
 
 
-async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
+async def run_tour(st: TourStack, console: Any, timeout_s: float = 150.0) -> bool:
     import logging
 
-    from scheduler.client import SchedulerClient, SchedulerError
+    from scheduler.client import SchedulerClient, SchedulerApiError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per poll
     console.print("\n[bold]Scheduler[/bold]: real jobs submitted through the API "
@@ -256,7 +267,7 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
         console.print(f"  {sum(j['state'] == 'done' for j in jobs)}/{len(jobs)} jobs done"
                       + ("" if ok else "; job output is in the node logs under the stack's state directory"))
         return ok
-    except SchedulerError as exc:
+    except SchedulerApiError as exc:
         console.print(f"  [red]scheduler API error: {exc}[/red]")
         return False
     finally:
@@ -264,11 +275,11 @@ async def run_tour(st: Any, console: Any, timeout_s: float = 150.0) -> bool:
 
 
 def _show_validation(c) -> str:
-    from scheduler.client import SchedulerError
+    from scheduler.client import SchedulerApiError
 
     try:
         c.submit({"gpus": -1, "cpus": 0, "command": []})
-    except SchedulerError as exc:
+    except SchedulerApiError as exc:
         return str(exc)
     return "(accepted: that is a bug)"
 

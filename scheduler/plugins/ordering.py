@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.framework import Context, register
+from scheduler.framework import Context, QueueSort, register
 from scheduler.model import JobRecord, JobState
 
 
@@ -17,7 +17,7 @@ def _tiebreak(rec: JobRecord) -> tuple[float, str]:
 
 
 @register("order", "fifo")
-class Fifo:
+class Fifo(QueueSort):
     """Arrival order, higher ``priority`` first.  Never preempts."""
 
     preemptive = False
@@ -25,11 +25,8 @@ class Fifo:
     def key(self, rec: JobRecord, ctx: Context) -> Any:
         return (-rec.job.priority, *_tiebreak(rec))
 
-    def next_change(self, rec: JobRecord, ctx: Context) -> float | None:
-        return None
 
-
-class _Preemptive:
+class _Preemptive(QueueSort):
     preemptive = True
     uniform_wakeup = True  # every running job's key may change at now + quantum
 
@@ -136,6 +133,9 @@ class GittinsTable:
     def __init__(self, samples: np.ndarray, lo: float = 1.0, hi: float = 3e7, bins: int = 160) -> None:
         self.grid = np.geomspace(lo, hi, bins)
         self.weights = np.zeros(bins)
+        self._pending = 0.0  # weight added since the last build
+        self._built_weight = 0.0  # total weight the last build saw
+        self._index: list[float] | None = None  # the index per grid point, as a list (fast lookups)
         self.add(np.asarray(samples, dtype=float))
 
     def scaled(self, total_weight: float) -> "GittinsTable":
@@ -143,6 +143,7 @@ class GittinsTable:
         t = GittinsTable.__new__(GittinsTable)
         t.grid = self.grid.copy()
         t.weights = self.weights * (total_weight / max(self.weights.sum(), 1e-12))
+        t._pending, t._built_weight, t._index = 0.0, 0.0, None
         t._build()
         return t
 
@@ -151,8 +152,8 @@ class GittinsTable:
         a tenth of what the last build saw (so n samples cost O(log n) builds)."""
         idx = np.clip(np.searchsorted(self.grid, np.maximum(samples, self.grid[0])), 0, len(self.grid) - 1)
         np.add.at(self.weights, idx, weight)
-        self._pending = getattr(self, "_pending", 0.0) + weight * len(idx)
-        if not hasattr(self, "_index") or self._pending >= 0.1 * getattr(self, "_built_weight", 0.0):
+        self._pending += weight * len(idx)
+        if self._index is None or self._pending >= 0.1 * self._built_weight:
             self._build()
 
     def _build(self) -> None:

@@ -1,14 +1,25 @@
 """The scheduler service: HTTP API for job launchers, the live loop over node
 daemons (MQTT), the Kubernetes scheduler extender and the status page.
 
+What it may import (floor 2, a shell; ``lint-imports`` checks it): the scheduler core and its
+libraries (:mod:`scheduler`), the control-plane substrate :mod:`nodesvc.bus` (the only way it
+reaches nodes: MQTT, the codec, the command correlator), and its own dependencies (FastAPI,
+pydantic, httpx, SQLite).  Never another shell (``nodesvc.daemon``, ``aggregator.server``),
+``scheduler.cli`` or ``bench``; the core never imports this package.
+
+Inside, the parts import one way: ``models``/``nodes``/``store``/``core_log``/``cpu_jobs`` (plain
+data and pure functions) < ``commands`` (to nodes) < ``decisions`` (carrying out the core's
+decisions) < ``cpu_shell`` < ``recovery`` < ``live`` (:class:`SchedulerService`, which holds the
+others) < ``api``/``k8s``/``http_checks``/``views``/``status_page`` (HTTP).
+
 Public names: :class:`SchedulerService` (the live loop), :func:`create_app`
-(the FastAPI app), :class:`JobStore` (SQLite persistence), :class:`JobSpec`
-(a submission), :func:`run_tour` (the scripted tour of ``dlshare up --tour``).
+(the FastAPI app), :class:`JobStore` (SQLite persistence), :class:`ApiJobSpec`
+(a submission).
 """
 
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
-from scheduler.service.models import JobSpec
+from scheduler.service.models import ApiJobSpec
 from scheduler.service.store import JobStore
 
-__all__ = ["SchedulerService", "create_app", "JobStore", "JobSpec"]
+__all__ = ["SchedulerService", "create_app", "JobStore", "ApiJobSpec"]

@@ -21,17 +21,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from scheduler.service import k8s, status_page
+from scheduler.service.http_checks import BAD_BODY, known_query
 from scheduler.service.live import SchedulerService
-from scheduler.service.models import ClusterView, ErrorBody, Job, JobEvents, JobList, JobSpec, JobState
+from scheduler.service.models import ApiCluster, ApiError, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState
 from scheduler.service.store import ConflictError
 
 log = logging.getLogger("dlshare.sched.api")
 
 _AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorBody, "description": "missing or wrong bearer token"},
+    401: {"model": ApiError, "description": "missing or wrong bearer token"},
 }
-_NOT_FOUND = {404: {"model": ErrorBody, "description": "no job with this id"}}
-BAD_BODY = {400: {"model": ErrorBody, "description": "the body could not be read as UTF-8 JSON"}}
+_NOT_FOUND = {404: {"model": ApiError, "description": "no job with this id"}}
 _INVALID = {422: {"description": "the request does not validate; `detail` lists each field and rule broken"}}
 
 
@@ -42,20 +42,6 @@ def _same_path(route: Any, request: Request) -> bool:
 
 JobIdPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                                description="the job's id")]
-
-
-def known_query(*names: str):
-    """A dependency that refuses query parameters the operation does not take (a typo such as
-    ``?sate=running`` would otherwise be ignored silently)."""
-
-    def check(request: Request) -> None:
-        unknown = sorted(set(request.query_params.keys()) - set(names))
-        if unknown:
-            raise RequestValidationError([{"loc": ("query", k), "msg": f"unknown query parameter {k!r}; this "
-                                           f"operation takes {', '.join(names) or 'none'}", "type": "extra_forbidden"}
-                                          for k in unknown])
-
-    return Depends(check)
 
 
 def create_app(service: SchedulerService, token: str, k8s_open: bool = False) -> FastAPI:
@@ -130,26 +116,26 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/jobs", status_code=201, response_model=Job, dependencies=[*auth, known_query()], tags=["jobs"],
-              responses={**_AUTH_RESPONSES, **_INVALID, **BAD_BODY, 200: {"model": Job, "description": "an identical job with this id existed"},
-                         409: {"model": ErrorBody, "description": "a job with this id exists with a different spec"}})
-    async def submit(spec: JobSpec) -> Any:
+    @app.post("/v1/jobs", status_code=201, response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
+              responses={**_AUTH_RESPONSES, **_INVALID, **BAD_BODY, 200: {"model": ApiJob, "description": "an identical job with this id existed"},
+                         409: {"model": ApiError, "description": "a job with this id exists with a different spec"}})
+    async def submit(spec: ApiJobSpec) -> Any:
         try:
             row, created = await service.submit_async(spec.model_dump(exclude_none=True))
         except ConflictError as exc:
             raise HTTPException(409, str(exc)) from None
-        body = Job.model_validate(row.as_api()).model_dump(mode="json")
+        body = ApiJob.model_validate(row.as_api()).model_dump(mode="json")
         return JSONResponse(body, status_code=201 if created else 200)
 
-    @app.get("/v1/jobs", response_model=JobList, dependencies=[*auth, known_query("state", "limit", "offset")], tags=["jobs"],
+    @app.get("/v1/jobs", response_model=ApiJobList, dependencies=[*auth, known_query("state", "limit", "offset")], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_INVALID})
-    async def list_jobs(state: Annotated[list[JobState] | None, Query(description="filter by state")] = None,
+    async def list_jobs(state: Annotated[list[ApiJobState] | None, Query(description="filter by state")] = None,
                         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
                         offset: Annotated[int, Query(ge=0, le=1 << 40)] = 0) -> Any:
         rows, total = service.store.list_jobs(states=state, limit=limit, offset=offset)
         return {"jobs": [r.as_api() for r in rows], "total": total}
 
-    @app.get("/v1/jobs/{job_id}", response_model=Job, dependencies=[*auth, known_query()], tags=["jobs"],
+    @app.get("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
     async def get_job(job_id: JobIdPath) -> Any:
         row = service.store.get_job(job_id)
@@ -157,7 +143,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
             raise HTTPException(404, f"no job {job_id!r}")
         return row.as_api()
 
-    @app.delete("/v1/jobs/{job_id}", response_model=Job, dependencies=[*auth, known_query()], tags=["jobs"],
+    @app.delete("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
                 responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
     async def cancel_job(job_id: JobIdPath) -> Any:
         row = await service.cancel(job_id)
@@ -165,14 +151,14 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
             raise HTTPException(404, f"no job {job_id!r}")
         return row.as_api()
 
-    @app.get("/v1/jobs/{job_id}/events", response_model=JobEvents, dependencies=[*auth, known_query("after")], tags=["jobs"],
+    @app.get("/v1/jobs/{job_id}/events", response_model=ApiJobEvents, dependencies=[*auth, known_query("after")], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
     async def job_events(job_id: JobIdPath, after: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Any:
         if service.store.get_job(job_id) is None:
             raise HTTPException(404, f"no job {job_id!r}")
         return {"job": job_id, "events": service.store.events(job=job_id, after=after)}
 
-    @app.get("/v1/cluster", response_model=ClusterView, dependencies=[*auth, known_query()], tags=["cluster"],
+    @app.get("/v1/cluster", response_model=ApiCluster, dependencies=[*auth, known_query()], tags=["cluster"],
              responses={**_AUTH_RESPONSES, **_INVALID})
     async def cluster() -> Any:
         return service.cluster()

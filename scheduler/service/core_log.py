@@ -1,7 +1,8 @@
 """The scheduler core's events as JSON, for the service's replayable log.
 
 Every event the live loop hands to ``SchedulerState.handle`` is written, with
-its id, in the batch it was handled in.  At start the service reads the log
+its ``stimulus_id``, in the batch it was handled in, in :mod:`scheduler.codec`'s
+form (the one codec of the core's events).  At start the service reads the log
 back, batch by batch, into a fresh core: the same events in the same batches
 give the same state and the same decisions (with the same ids), and the
 decisions table says which of those were already carried out.
@@ -12,67 +13,41 @@ it cannot turn back into an event.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from scheduler.events import (
-    Event, JobArrived, JobCancelled, JobFinished, JobSample, NodeLost, NodeReport, PlacementFailed, Tick,
-)
-from scheduler.model import Job, Node
+from scheduler.codec import CodecError, event_from_dict, event_to_dict
+from scheduler.events import Event
+from scheduler.model import Job
 
 if TYPE_CHECKING:
     from scheduler.service.store import JobRow
 
-_TYPES: dict[str, type] = {c.__name__: c for c in (
-    JobArrived, JobFinished, JobCancelled, PlacementFailed, Tick, NodeReport, NodeLost)}
-
 
 class CoreLogError(ValueError):
-    pass
+    """A logged line that is not a core event (the message says why)."""
 
 
 def encode_event(ev: Event) -> str:
-    kind = type(ev).__name__
-    if kind not in _TYPES:
-        raise CoreLogError(f"cannot log event type {kind}")
-    body: dict[str, Any] = {"type": kind}
-    for f in dataclasses.fields(ev):
-        v = getattr(ev, f.name)
-        if isinstance(v, Job):
-            v = v.to_dict()
-        elif isinstance(v, Node):
-            v = dataclasses.asdict(v)
-        elif f.name == "jobs":
-            v = {k: dataclasses.asdict(s) for k, s in v.items()}
-        elif isinstance(v, tuple):
-            v = list(v)
-        body[f.name] = v
-    return json.dumps(body, sort_keys=True, allow_nan=False)
+    """One logged line: the event as :mod:`scheduler.codec` writes it, as JSON."""
+    return json.dumps(event_to_dict(ev), sort_keys=True, allow_nan=False)
 
 
 def decode_event(text: str) -> Event:
+    """The event of a logged line, written by this or an earlier version (the codec reads the old keys)."""
     try:
         body = json.loads(text)
-        kind = body.pop("type")
-        cls = _TYPES[kind]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError) as exc:
         raise CoreLogError(f"unreadable core event {text[:200]!r}: {exc}") from None
     try:
-        if cls is JobArrived:
-            body["job"] = Job.from_dict(body["job"])
-        elif cls is NodeReport:
-            body["node"] = Node(**body["node"])
-            body["gpu_util"] = tuple(body.get("gpu_util") or ())
-            body["jobs"] = {k: JobSample(**v) for k, v in (body.get("jobs") or {}).items()}
-        return cls(**body)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CoreLogError(f"core event {kind} does not fit its type: {exc}") from None
+        return event_from_dict(body)
+    except CodecError as exc:
+        raise CoreLogError(f"core event {text[:200]!r}: {exc}") from None
 
 
 def new_event_id() -> str:
-    """A fresh id for an event the service makes up (every core event carries one)."""
+    """A fresh ``stimulus_id`` for an event the service makes up (every core event carries one)."""
     return f"ev-{uuid.uuid4().hex[:16]}"
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.service.nodes import NodeView
+from scheduler.service.nodes import LiveNode
 
 
-def withheld(node: NodeView) -> tuple[float, int]:
+def withheld(node: LiveNode) -> tuple[float, int]:
     """Cores and memory held by CPU-only jobs on ``node``."""
     cpus = mem = 0
     for a in node.allocations.values():
@@ -30,7 +30,7 @@ def withheld(node: NodeView) -> tuple[float, int]:
     return float(cpus), int(mem)
 
 
-def committed(node: NodeView) -> tuple[float, int]:
+def committed(node: LiveNode) -> tuple[float, int]:
     """Cores and memory promised on ``node``: GPU jobs at their request, the rest at their allocation."""
     cpus = mem = 0
     for a in node.allocations.values():
@@ -39,7 +39,7 @@ def committed(node: NodeView) -> tuple[float, int]:
     return float(cpus), int(mem)
 
 
-def admit(waiting: list[dict[str, Any]], nodes: list[NodeView], core: Any = None) -> list[tuple[str, str, dict[str, Any]]]:
+def admit(waiting: list[dict[str, Any]], nodes: list[LiveNode], core: Any = None) -> list[tuple[str, str, dict[str, Any]]]:
     """(job, node, allocation) for each waiting CPU-only job that fits now."""
     free_c = {n.id: n.cpu_count - committed(n)[0] for n in nodes}
     free_m = {n.id: n.memory_total_bytes - committed(n)[1] for n in nodes}

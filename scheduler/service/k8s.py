@@ -42,6 +42,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from scheduler.service.http_checks import BAD_BODY, known_query
+
 log = logging.getLogger("dlshare.sched.k8s")
 
 MAX_EXTENDER_PRIORITY = 10  # k8s.io/kube-scheduler/extender/v1: MaxExtenderPriority
@@ -396,8 +398,6 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         pods[(pod.namespace, pod.name)] = pod
         while len(pods) > 10_000:
             pods.pop(next(iter(pods)))
-
-    from scheduler.service.api import BAD_BODY, known_query
 
     errors = {**BAD_BODY, 401: {"description": "missing or wrong bearer token"},
               422: {"description": "the body lacks a field kube-scheduler always sends (`detail` says which)"}}

@@ -22,36 +22,48 @@ are withheld from what the core may hand out on that node.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
-from nodesvc.bus.rpc import CommandError, CommandNotSent, Correlator
 from scheduler import (
-    Allocate, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, Place,
-    PlacementFailed, Preempt, Reject, SchedulerError, SchedulerState, Tick, Wakeup,
+    Event, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, SchedulerState, Tick,
+    Wakeup,
 )
 from scheduler.service import cpu_jobs
-from scheduler.service.cpu_shell import CpuJobsShell
-from scheduler.service.core_log import core_job, encode_event
+from scheduler.service.commands import NodeCommands
+from scheduler.service.core_log import core_job
 from scheduler.service.core_log import new_event_id as _eid
-from scheduler.service.recovery import RecoveryShell
-from scheduler.service.nodes import NodeView, apply_telemetry, core_node
+from scheduler.service.cpu_shell import CpuJobsShell
+from scheduler.service.decisions import DecisionCarrier
 from scheduler.service.models import TERMINAL_STATES
-from scheduler.service.store import ConflictError, DecisionRow, JobRow, JobStore
+from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
+from scheduler.service.recovery import Recovery
+from scheduler.service.store import JobRow, JobStore
 from scheduler.service.views import cluster_view
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nodesvc.bus.mqtt import Bus
+    from scheduler.service.k8s import KubeBinder
 
 log = logging.getLogger("dlshare.sched.live")
 
-TERMINAL = TERMINAL_STATES
 VANISHED_AFTER = 3  # telemetry reports in a row without a job we started before it counts as gone
 
 
-class SchedulerService(CpuJobsShell, RecoveryShell):
+class SchedulerService:
+    """The live loop (see the module docstring).  Its parts, each an object it holds:
+    ``commands`` (:class:`NodeCommands`, the command path to nodes), ``carrier``
+    (:class:`DecisionCarrier`: feeds the core, logs and carries out its decisions),
+    ``cpu`` (:class:`CpuJobsShell`: CPU-only jobs) and ``recovery`` (:class:`Recovery`:
+    log replay at start, re-sending on reconnect).  They share ``store``, ``core`` and
+    the node table ``nodes``; this class owns the MQTT connection, the API side and the loop."""
+
     def __init__(self, store: JobStore, profile: str = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
@@ -67,65 +79,39 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
         self.node_timeout_s = node_timeout_s
         self.report_s = report_s
         self.clock = clock
-        self.nodes: dict[str, NodeView] = {}
-        self.aggregation: dict[str, dict[str, Any]] = {}
-        self.bus = None
-        self.k8s_binder = None
+        self.nodes: dict[str, LiveNode] = {}  # the live node table, shared with every part
+        self.aggregation: dict[str, dict[str, Any]] = {}  # aggregation server -> its last telemetry
+        self.bus: Bus | None = None
+        self.k8s_binder: KubeBinder | None = None
         self.k8s_hold_s = 120.0
+        self.batch_window_s = 0.01  # gather the events of this long into one core batch under load
         self._wake = asyncio.Event()
-        self._events: list[Any] = []
-        self.commands = Correlator("sched", command_timeout_s)
+        self._events: list[Event] = []  # for the core's next batch
+        self._bus_stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._bg: set[asyncio.Task] = set()
-        self._batch = store.last_batch()
         self._wakeup_at: float | None = None
         self._last_service = 0.0
-        self._failures: dict[str, int] = {}  # job -> placement failures, for the retry backoff
-        self._not_before: dict[str, float] = {}  # CPU-only job -> earliest next admission
-        self._cpu_waiting: dict[str, dict[str, Any]] = {}  # queued CPU-only jobs: id -> {id, spec, submitted_at}
-        self._cpu_dirty = True  # something changed that may let a waiting CPU-only job in
         self._submissions: list[tuple[str | None, dict[str, Any], asyncio.Future]] = []
-        self.batch_window_s = 0.01  # gather the events of this long into one core batch under load
-        self.decision_latency_s: list[float] = []  # submit -> run acked, for the benchmark
-        self._replay()
+        self.commands = NodeCommands(command_timeout_s)
+        self.carrier = DecisionCarrier(store, self.core, self.nodes, self.commands, clock, self.now, self.post)
+        self.cpu = CpuJobsShell(store, self.nodes, self.commands, clock, self.carrier.backoff,
+                                functools.partial(self._report, force=True), self.wake)
+        self.recovery = Recovery(store, self.core, self.nodes, self.commands, self.carrier, self.cpu, self.now,
+                                 self.post)
+        self.recovery.replay()
 
     # --- time and events --------------------------------------------------------------------
 
     def now(self) -> float:
         return max(self.clock(), self.core.now)
 
-    def post(self, ev: Any) -> None:
+    def post(self, ev: Event) -> None:
         """Queue a core event for the next batch."""
         self._events.append(ev)
         self._wake.set()
 
     def wake(self) -> None:
         self._wake.set()
-
-    def _handle(self, events: list[Any]) -> list[Any]:
-        """Feed the core, one event at a time where one is refused (its state is then unchanged)."""
-        try:
-            return self.core.handle(*events)
-        except SchedulerError as exc:
-            if len(events) == 1:
-                log.warning("core refused event %s: %s", events[0].id, exc)
-                return []
-        out: list[Any] = []
-        for ev in events:
-            try:
-                out += self.core.handle(ev)
-            except SchedulerError as exc:
-                log.warning("core refused event %s: %s", ev.id, exc)
-        return out
-
-    @staticmethod
-    def _decision_id(d: Any) -> str:
-        kind = type(d).__name__.lower()
-        if isinstance(d, Allocate):
-            return f"{d.cause}/{kind}/{d.job}/{d.node}"
-        if isinstance(d, Wakeup):
-            return f"{d.cause}/{kind}"
-        return f"{d.cause}/{kind}/{d.job}"
 
     # --- API side ---------------------------------------------------------------------------
 
@@ -168,16 +154,16 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
         if int(row.spec.get("gpus", 0)) > 0:
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
         else:
-            self._cpu_wait(row)
+            self.cpu.enqueue(row)
 
     async def cancel(self, job_id: str) -> JobRow | None:
         job = self.store.get_job(job_id)
         if job is None:
             return None
-        if job.state in TERMINAL:
+        if job.state in TERMINAL_STATES:
             return job
         a = job.allocation
-        self._cpu_waiting.pop(job_id, None)
+        self.cpu.waiting.pop(job_id, None)
         self.store.update_job(job_id, event="cancelled", node=a["node"] if a else None, state="cancelled",
                               reason="cancelled by user", finished_at=self.clock(), allocation=None, durable=True)
         rec = self.core.records.get(job_id)
@@ -189,7 +175,8 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                 view = self.nodes.get(n)
                 if view is not None:
                     view.allocations.pop(job_id, None)
-                self._spawn(self._stop_and_release(job_id, n, f"{job_id}/cancel" + (f"/{n}" if n != a["node"] else "")))
+                self.commands.spawn(self.commands.stop_and_release(
+                    job_id, n, f"{job_id}/cancel" + (f"/{n}" if n != a["node"] else "")))
         self.wake()
         return self.store.get_job(job_id)
 
@@ -205,18 +192,20 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                 + [(messages.topic("agg", "+", "telemetry"), 0), (messages.topic("agg", "+", "state"), 1)],
                 handler=self.on_message, on_connect=self._on_connect,
                 will=(messages.topic("sched", self.service_id, "state"), messages.encode({"status": "offline"}), 1, True))
-            self._stop = asyncio.Event()
-            self._tasks.append(asyncio.create_task(self.bus.run(self._stop), name="sched-bus"))
+            self.commands.bus = self.bus
+            self._bus_stop = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self.bus.run(self._bus_stop), name="sched-bus"))
         self._tasks.append(asyncio.create_task(self._loop(), name="sched-loop"))
 
     async def stop(self) -> None:
-        if self.bus is not None:
+        if self.bus is not None and self._bus_stop is not None:
             await self.bus.publish(messages.topic("sched", self.service_id, "state"),
                                    messages.encode({"status": "offline", "ts": self.clock()}), 1, True)
-            self._stop.set()
-        for t in [*self._tasks, *self._bg]:
+            self._bus_stop.set()
+        for t in self._tasks:
             t.cancel()
-        for t in [*self._tasks, *self._bg]:
+        await self.commands.close()
+        for t in self._tasks:
             try:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
@@ -226,7 +215,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
     async def _on_connect(self, bus) -> None:
         await bus.publish(messages.topic("sched", self.service_id, "state"),
                           messages.encode({"status": "online", "ts": self.clock(), "profile": self.profile}), 1, True)
-        self._resume_after_restart()
+        self.recovery.resume()
         self.wake()
 
     async def on_message(self, topic: str, payload: bytes) -> None:
@@ -259,7 +248,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
             log.warning("bad %s payload from %s/%s: %s", leaf, kind, ident, exc)
 
     def on_telemetry(self, t: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(t["node"], NodeView(id=t["node"]))
+        node = self.nodes.setdefault(t["node"], LiveNode(id=t["node"]))
         was_online = node.status == "online"
         apply_telemetry(node, t, self.clock())
         if not was_online:
@@ -277,7 +266,7 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                 if node.missing[job] >= VANISHED_AFTER:
                     self.job_exited(node.id, job, None, "the node no longer reports the job")
 
-    def _report(self, node: NodeView, force: bool = False) -> None:
+    def _report(self, node: LiveNode, force: bool = False) -> None:
         """A NodeReport when the node's resources changed, or every ``report_s`` (predictor samples)."""
         cc, cm = cpu_jobs.withheld(node)
         n = core_node(node, cc, cm)
@@ -305,14 +294,14 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                              jobs=samples))
 
     def on_node_state(self, node_id: str, state: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(node_id, NodeView(id=node_id))
+        node = self.nodes.setdefault(node_id, LiveNode(id=node_id))
         status = state.get("status")
         if status == "offline" and node.status != "offline":
             self._node_lost(node, "went offline (its Last Will or its shutdown)")
         elif status == "online" and node.status == "offline":
             node.status = "unknown"  # back once its telemetry arrives
 
-    def _node_lost(self, node: NodeView, why: str) -> None:
+    def _node_lost(self, node: LiveNode, why: str) -> None:
         node.status = "offline"
         node.reported = None
         jobs = sorted(node.allocations)
@@ -325,8 +314,8 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                 self.store.update_job(job, event="requeued", node=node.id, state="queued",
                                       reason=f"node {node.id} {why}", allocation=None)
                 if int(row.spec.get("gpus", 0)) == 0:
-                    self._cpu_wait(row)
-        self._cpu_dirty = True
+                    self.cpu.enqueue(row)
+        self.cpu.dirty = True
         if node.id in self.core.nodes and self.core.nodes[node.id].alive:
             self.post(NodeLost(_eid(), self.now(), node.id))
         self.wake()
@@ -350,35 +339,9 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
                                   reason=reason, allocation=None, attained_service=self._service_of(row))
             if rec is not None and rec.job.state is JobState.RUNNING:
                 self.post(JobFinished(_eid(), self.now(), job_id, failed=not ok, reason=reason or ""))
-        self._spawn(self._release(job_id, node_id))
-        self._cpu_dirty = True
+        self.commands.spawn(self.commands.release(job_id, node_id))
+        self.cpu.dirty = True
         self.wake()
-
-    # --- commands ---------------------------------------------------------------------------
-
-    async def command(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
-        """Send one command (QoS 1) and wait for its reply; raises CommandError."""
-        if self.bus is None:
-            raise CommandNotSent("no broker configured")
-        return await self.commands.call(self.bus.publish, node, op, args, cmd_id)
-
-    def _spawn(self, coro) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
-
-    async def _release(self, job_id: str, node: str) -> None:
-        try:
-            await self.command(node, "release", {"job": job_id}, f"{job_id}/release/{uuid.uuid4().hex[:8]}")
-        except CommandError as exc:
-            log.info("release of %s on %s: %s", job_id, node, exc)
-
-    async def _stop_and_release(self, job_id: str, node: str, cmd_base: str) -> None:
-        try:
-            await self.command(node, "stop", {"job": job_id}, f"{cmd_base}/stop")
-        except CommandError as exc:
-            log.warning("stop of %s on %s: %s", job_id, node, exc)
-        await self._release(job_id, node)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -410,147 +373,14 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
             self._events.append(Tick(_eid(), self.now()))
         if self._events:
             batch, self._events = self._events, []
-            self._run_batch(batch)
-        self._admit_cpu_jobs()
+            for d in self.carrier.run_batch(batch):
+                if isinstance(d, Wakeup) and (self._wakeup_at is None or d.at < self._wakeup_at):
+                    self._wakeup_at = d.at
+        self.cpu.admit()
         if now - self._last_service >= 5.0:
             self._last_service = now
             self._account(now)
             self._expire_k8s_holds(now)
-
-    def _run_batch(self, events: list[Any]) -> None:
-        decisions = self._handle(events)
-        self._batch += 1
-        # An Allocate for a job placed in this same batch travels inside its `run` command: it is
-        # recorded as applied with the placement, never sent on its own.
-        placed = {(s.node, d.job) for d in decisions if isinstance(d, Place) for s in d.shards}
-        rows = [DecisionRow(id=self._decision_id(d), kind=type(d).__name__.lower(), job=getattr(d, "job", None),
-                            node=getattr(d, "node", None) if not isinstance(d, Wakeup) else None,
-                            data=_decision_data(d),
-                            state="acked" if isinstance(d, Allocate) and (d.node, d.job) in placed else "pending")
-                for d in decisions if not isinstance(d, Wakeup)]
-        self.store.record_batch(self._batch, [(ev.id, encode_event(ev)) for ev in events], rows)
-        allocs = {(d.job, d.node): d for d in decisions if isinstance(d, Allocate)}
-        for d in decisions:
-            if isinstance(d, Wakeup):
-                if self._wakeup_at is None or d.at < self._wakeup_at:
-                    self._wakeup_at = d.at
-            elif isinstance(d, Reject):
-                self.store.update_job(d.job, event="rejected", state="failed", reason=d.reason,
-                                      finished_at=self.clock())
-            elif isinstance(d, Place):
-                self._mark_placed(d, allocs)
-                self._spawn(self._carry_out(d))
-            elif isinstance(d, Preempt):
-                self._mark_preempted(d)
-                self._spawn(self._carry_out(d))
-            elif isinstance(d, Allocate):
-                row = self.store.get_job(d.job)
-                placed_now = any(isinstance(p, Place) and p.job == d.job for p in decisions)
-                if not placed_now and row is not None and row.state == "running":
-                    a = dict(row.allocation or {})
-                    a.update(cpus=d.cpus, memory_bytes=d.memory_bytes)
-                    self.store.update_job(d.job, allocation=a)
-                    if d.node in self.nodes and d.job in self.nodes[d.node].allocations:
-                        self.nodes[d.node].allocations[d.job].update(cpus=d.cpus, memory_bytes=d.memory_bytes)
-                    self._spawn(self._carry_out(d))
-
-    def _mark_placed(self, d: Place, allocs: dict) -> None:
-        row = self.store.get_job(d.job)
-        if row is None:
-            return
-        al = allocs.get((d.job, d.node))
-        spec = row.spec
-        alloc = {"node": d.node, "gpus": list(d.gpus), "cpus": al.cpus if al else float(spec.get("cpus") or 1.0),
-                 "memory_bytes": al.memory_bytes if al else int(spec.get("memory_bytes") or 0), "cpuset": None,
-                 "shards": [{"node": s.node, "gpus": list(s.gpus)} for s in d.shards],
-                 "colocated_with": list(d.colocated_with), "acked": False,
-                 "requested_cpus": float(spec.get("cpus") or 0.0),
-                 "requested_memory_bytes": int(spec.get("memory_bytes") or 0)}
-        for s in d.shards:
-            self.nodes.setdefault(s.node, NodeView(id=s.node)).allocations[d.job] = dict(alloc, node=s.node,
-                                                                                          gpus=list(s.gpus))
-        self.store.update_job(d.job, event="placed", node=d.node,
-                              event_data={"gpus": list(d.gpus), "cpus": alloc["cpus"], "memory_bytes": alloc["memory_bytes"],
-                                          "colocated_with": list(d.colocated_with), "resumed": d.resumed,
-                                          "nodes": [s.node for s in d.shards],
-                                          "decision": self._decision_id(d)},
-                              state="running", allocation=alloc, started_at=self.clock(), attempts=row.attempts + 1,
-                              reason=("co-located with " + ", ".join(d.colocated_with)) if d.colocated_with else None)
-
-    def _mark_preempted(self, d: Preempt) -> None:
-        row = self.store.get_job(d.job)
-        if row is None or row.state != "running":
-            return
-        for node in self.nodes.values():
-            node.allocations.pop(d.job, None)
-        self.store.update_job(d.job, event="preempted", node=(row.allocation or {}).get("node"),
-                              event_data={"why": d.reason}, state="preempted", reason=d.reason, allocation=None)
-
-    async def _carry_out(self, d: Any, replay: bool = False) -> None:
-        did = self._decision_id(d)
-        try:
-            if isinstance(d, Place):
-                await self._start_gpu_job(d, did, replay)
-            elif isinstance(d, Preempt):
-                placed = next((e for e in self.store.events(job=d.job)[::-1] if e["kind"] == "placed"), None)
-                # A job spread over several nodes is stopped on every one of them.
-                nodes = (placed["data"].get("nodes") or [placed["node"]]) if placed else []
-                for node in dict.fromkeys(n for n in nodes if n):
-                    await self._stop_and_release(d.job, node, f"{did}/{node}" if len(nodes) > 1 else did)
-            elif isinstance(d, Allocate):
-                await self.command(d.node, "allocate", {"job": d.job, "cpus": max(0.01, d.cpus),
-                                                        "memory_bytes": max(1 << 20, d.memory_bytes)}, f"{did}/allocate")
-            self.store.set_decision_state(did, "acked")
-        except CommandError as exc:
-            self.store.set_decision_state(did, "failed", {"error": str(exc)})
-            log.warning("decision %s failed: %s", did, exc)
-            if isinstance(d, Place):
-                self._placement_failed(d.job, [s.node for s in d.shards], str(exc))
-
-    async def _start_gpu_job(self, d: Place, did: str, replay: bool) -> None:
-        row = self.store.get_job(d.job)
-        if row is None or row.state != "running":
-            return  # cancelled (or requeued) meanwhile
-        if replay and self.core.records.get(d.job) is not None and self.core.records[d.job].shards != d.shards:
-            return  # the core has since moved on
-        a = row.allocation or {}
-        for rank, s in enumerate(d.shards):
-            # `run` with the allocation applies it (cgroups) and starts the process group in one command.
-            env = {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": d.job, "DLSHARE_RANK": str(rank),
-                   "DLSHARE_WORLD_SIZE": str(len(d.shards)), "CUDA_VISIBLE_DEVICES": ",".join(map(str, s.gpus))}
-            run = {"job": d.job, "cpus": max(0.01, float(a.get("cpus") or 1.0)),
-                   "memory_bytes": max(1 << 20, int(a.get("memory_bytes") or (1 << 20))),
-                   "argv": row.spec["command"], "env": env, "gpus": list(s.gpus)}
-            if row.spec.get("cwd"):
-                run["cwd"] = row.spec["cwd"]
-            await self.command(s.node, "run", run, f"{did}/{s.node}/run")
-            n = self.nodes.get(s.node)
-            if n is not None and d.job in n.allocations:
-                n.allocations[d.job]["acked"] = True
-        self.decision_latency_s.append(self.clock() - row.submitted_at)
-        self.store.log_event("started", job=d.job, node=d.node, data={"decision": did})
-
-    def _placement_failed(self, job: str, nodes: list[str], why: str) -> None:
-        for n in nodes:
-            if n in self.nodes:
-                self.nodes[n].allocations.pop(job, None)
-            self._spawn(self._release(job, n))
-        row = self.store.get_job(job)
-        if row is not None and row.state == "running":
-            self.store.update_job(job, event="placement_failed", event_data={"error": why}, state="queued",
-                                  reason=f"placement failed: {why}", allocation=None)
-        rec = self.core.records.get(job)
-        if rec is not None and rec.job.state is JobState.RUNNING:
-            # Tell the core after a backoff, so that a node refusing every start is not hammered in a loop;
-            # meanwhile the GPUs stay held by the job.
-            delay = self._backoff(job)
-            loop = asyncio.get_running_loop()
-            loop.call_later(delay, lambda: self.post(PlacementFailed(_eid(), self.now(), job, why)))
-
-    def _backoff(self, job: str) -> float:
-        n = self._failures.get(job, 0)
-        self._failures[job] = n + 1
-        return min(30.0, 0.5 * 2 ** n)
 
     # --- accounting and views ---------------------------------------------------------------
 
@@ -584,19 +414,10 @@ class SchedulerService(CpuJobsShell, RecoveryShell):
             for job in [j for j, a in node.allocations.items()
                         if a.get("k8s") and now - a.get("bound_at", now) > self.k8s_hold_s]:
                 node.allocations.pop(job, None)
-                self._cpu_dirty = True
+                self.cpu.dirty = True
 
     def cluster(self) -> dict[str, Any]:
         return cluster_view(self)
 
 
-def _decision_data(d: Any) -> dict[str, Any]:
-    if isinstance(d, Place):
-        return {"shards": [{"node": s.node, "gpus": list(s.gpus)} for s in d.shards],
-                "colocated_with": list(d.colocated_with), "resumed": d.resumed}
-    if isinstance(d, Allocate):
-        return {"cpus": d.cpus, "memory_bytes": d.memory_bytes}
-    return {"reason": getattr(d, "reason", "")}
-
-
-__all__ = ["SchedulerService", "CommandError", "ConflictError", "core_job"]
+__all__ = ["SchedulerService"]

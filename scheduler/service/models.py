@@ -1,5 +1,9 @@
 """The HTTP API's request and response models (pydantic).
 
+Every model here is named ``Api...``: it is the wire form of a concept that has another
+form elsewhere (``scheduler.model.Job``/``JobState``/``Allocation`` in the core,
+``scheduler.service.nodes.LiveNode`` in the live loop).  The JSON field names are the API's.
+
 A submission is validated completely here, before anything is stored: a spec
 that fails any rule gets a 422 naming the field and the rule, and nothing of it
 reaches the queue.  Unknown fields are refused too, so that a misspelt
@@ -13,9 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-JobState = Literal["queued", "running", "preempted", "done", "failed", "cancelled"]
+ApiJobState = Literal["queued", "running", "preempted", "done", "failed", "cancelled"]
 TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
-JobKind = Literal["training", "data_prep", "inference", "other"]
+ApiJobKind = Literal["training", "data_prep", "inference", "other"]
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -44,7 +48,7 @@ class _Strict(BaseModel):
 _Feature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
-class GraphFeatures(_Strict):
+class ApiGraphFeatures(_Strict):
     """Computation-graph features (``torch.fx`` on CPU), as the utilisation predictor takes them."""
 
     flops: _Feature | None = None
@@ -57,7 +61,7 @@ class GraphFeatures(_Strict):
     layers: _Feature | None = None
 
 
-class JobSpec(_Strict):
+class ApiJobSpec(_Strict):
     """What a launcher submits.  ``model`` and/or ``graph_features`` describe the
     network, for the utilisation and interference predictors (a GPU job with
     neither is scheduled on the predictors' uninformed prior until its measured
@@ -66,10 +70,10 @@ class JobSpec(_Strict):
 
     id: JobId | None = Field(None, description="optional client-chosen id; resubmitting the same spec is idempotent")
     name: str | None = Field(None, max_length=200, description="free-form label shown on the status page")
-    kind: JobKind = Field("training", description="training, data_prep (CPU/memory only), inference or other")
+    kind: ApiJobKind = Field("training", description="training, data_prep (CPU/memory only), inference or other")
     model: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$",
                               description="model name, e.g. resnet50")
-    graph_features: GraphFeatures | None = Field(None, description="computation-graph features from torch.fx")
+    graph_features: ApiGraphFeatures | None = Field(None, description="computation-graph features from torch.fx")
     batch_size: Int = Field(1, ge=1, le=1 << 20)
     gpus: Int = Field(0, ge=0, le=MAX_GPUS)
     cpus: float = Field(1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False, description="CPU cores requested")
@@ -109,7 +113,7 @@ class JobSpec(_Strict):
         return cwd
 
 
-class Allocation(BaseModel):
+class ApiAllocation(BaseModel):
     node: str
     gpus: list[int] = Field(default_factory=list)
     cpus: float
@@ -117,12 +121,12 @@ class Allocation(BaseModel):
     memory_bytes: int
 
 
-class Job(BaseModel):
+class ApiJob(BaseModel):
     id: str
-    spec: JobSpec
-    state: JobState
+    spec: ApiJobSpec
+    state: ApiJobState
     reason: str | None = Field(None, description="why the job is in its state (placement failure, exit code, ...)")
-    allocation: Allocation | None = None
+    allocation: ApiAllocation | None = None
     submitted_at: float
     started_at: float | None = None
     finished_at: float | None = None
@@ -131,12 +135,12 @@ class Job(BaseModel):
     attempts: int = Field(0, description="how many times the job was placed")
 
 
-class JobList(BaseModel):
-    jobs: list[Job]
+class ApiJobList(BaseModel):
+    jobs: list[ApiJob]
     total: int
 
 
-class JobEvent(BaseModel):
+class ApiJobEvent(BaseModel):
     seq: int
     id: str
     ts: float
@@ -146,12 +150,12 @@ class JobEvent(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
-class JobEvents(BaseModel):
+class ApiJobEvents(BaseModel):
     job: str
-    events: list[JobEvent]
+    events: list[ApiJobEvent]
 
 
-class GpuView(BaseModel):
+class ApiGpu(BaseModel):
     index: int
     name: str = ""
     util_percent: float | None = None
@@ -160,7 +164,7 @@ class GpuView(BaseModel):
     jobs: list[str] = Field(default_factory=list)
 
 
-class NodeView(BaseModel):
+class ApiNode(BaseModel):
     id: str
     status: Literal["online", "offline", "unknown"]
     last_seen: float | None = None
@@ -173,12 +177,12 @@ class NodeView(BaseModel):
     reserved_unused_bytes: int = 0
     lendable_bytes: int = 0
     lent_bytes: int = 0
-    gpus: list[GpuView] = Field(default_factory=list)
+    gpus: list[ApiGpu] = Field(default_factory=list)
     gpu_reason: str | None = None
     jobs: list[str] = Field(default_factory=list)
 
 
-class AggregationView(BaseModel):
+class ApiAggregation(BaseModel):
     """The shared aggregation servers' load, from their telemetry (``dlshare/v1/agg/+/telemetry``)."""
 
     servers: int = 0
@@ -189,9 +193,9 @@ class AggregationView(BaseModel):
     bytes_in_per_s: float = 0.0
 
 
-class ClusterView(BaseModel):
+class ApiCluster(BaseModel):
     ts: float
-    nodes: list[NodeView]
+    nodes: list[ApiNode]
     jobs_by_state: dict[str, int]
     gpus_total: int
     gpus_allocated: int
@@ -199,9 +203,9 @@ class ClusterView(BaseModel):
     cpus_allocated: float
     memory_lent_bytes: int
     memory_lendable_bytes: int
-    aggregation: AggregationView
+    aggregation: ApiAggregation
     profile: str
 
 
-class ErrorBody(BaseModel):
+class ApiError(BaseModel):
     detail: str

@@ -1,9 +1,10 @@
-"""The service's view of each node, built from its telemetry (pure: no I/O).
+"""The live node table's entries, built from each node's telemetry (pure: no I/O).
 
-:class:`NodeView` holds the last telemetry figures the scheduler cares about
-and the allocations the service made there.  :func:`apply_telemetry` folds one
-validated telemetry payload in; :func:`core_node` turns a view into the core's
-``scheduler.model.Node``.
+:class:`LiveNode` holds the last telemetry figures the scheduler cares about
+and the allocations the service made there (the API shows it as ``ApiNode``;
+the core sees it as a ``scheduler.model.Node``).  :func:`apply_telemetry`
+folds one validated telemetry payload in; :func:`core_node` turns an entry
+into the core's ``Node``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from scheduler.model import GiB, Node
 
 
 @dataclass
-class GpuView:
+class LiveGpu:
     index: int
     name: str = ""
     util_percent: float | None = None
@@ -26,7 +27,7 @@ class GpuView:
 
 
 @dataclass
-class NodeView:
+class LiveNode:
     id: str
     status: str = "unknown"  # online | offline | unknown
     last_seen: float | None = None
@@ -38,7 +39,7 @@ class NodeView:
     promised_bytes: int = 0
     lendable_bytes: int = 0
     lent_bytes: int = 0
-    gpus: list[GpuView] = field(default_factory=list)
+    gpus: list[LiveGpu] = field(default_factory=list)
     gpu_reason: str | None = None
     job_usage: dict[str, dict[str, Any]] = field(default_factory=dict)
     # job id -> {"node", "gpus": [...], "cpus", "memory_bytes", "cpuset"}: what the service allocated here
@@ -67,7 +68,7 @@ def _int(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else 0
 
 
-def apply_telemetry(node: NodeView, t: dict[str, Any], now: float) -> None:
+def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
     """Fold a telemetry payload (already checked by ``messages.parse_telemetry``) into ``node``."""
     node.last_seen = now
     node.status = "online"
@@ -84,7 +85,7 @@ def apply_telemetry(node: NodeView, t: dict[str, Any], now: float) -> None:
         if not isinstance(g, dict):
             continue
         u, mu = g.get("util_percent"), g.get("memory_util_percent")
-        node.gpus.append(GpuView(
+        node.gpus.append(LiveGpu(
             index=_int(g.get("index", i)), name=str(g.get("name", ""))[:100],
             util_percent=float(u) if isinstance(u, (int, float)) and not isinstance(u, bool) else None,
             memory_util_percent=float(mu) if isinstance(mu, (int, float)) and not isinstance(mu, bool) else None,
@@ -100,7 +101,7 @@ def apply_telemetry(node: NodeView, t: dict[str, Any], now: float) -> None:
     node.job_usage = {k: v for k, v in jobs.items() if isinstance(v, dict)} if isinstance(jobs, dict) else {}
 
 
-def core_node(node: NodeView, cpu_job_cpus: float = 0.0, cpu_job_memory: int = 0) -> Node:
+def core_node(node: LiveNode, cpu_job_cpus: float = 0.0, cpu_job_memory: int = 0) -> Node:
     """The core's Node for this view.  CPU-only jobs (which the core does not place)
     are subtracted from the cores and memory it may hand out."""
     gmem = next((g.memory_total_bytes for g in node.gpus if g.memory_total_bytes), None)

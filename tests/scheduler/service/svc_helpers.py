@@ -1,32 +1,22 @@
-"""Helpers for the scheduler-service tests: a test engine, a fake node that speaks the
-node-daemon MQTT contract over a real broker, a service process (imported by the tests)."""
+"""Helpers for the scheduler-service tests: a fake node that speaks the node-daemon MQTT
+contract over a real broker, the service in-process (with or without a broker) and as a real
+process, and the payloads the service receives (telemetry, kube-scheduler's pods).
+The fixtures that use them are in conftest.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import importlib.util
+from nodesvc.bus.procs import free_port, stop_proc, wait_port
+from scheduler.service.live import SchedulerService
+from scheduler.service.store import JobStore
 
-
-
-def _root_conftest():
-    # tests/conftest.py is not importable as a module (tests/ is no package): load its helpers by path.
-    path = Path(__file__).resolve().parents[2] / "conftest.py"
-    spec = importlib.util.spec_from_file_location("dlshare_root_conftest", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_rc = _root_conftest()
-ROOT, free_port, stop_proc, wait_port = _rc.ROOT, _rc.free_port, _rc.stop_proc, _rc.wait_port
-
+ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-token-0123456789"
 
 
@@ -85,6 +75,7 @@ class FakeNode:
         self.replies: dict[str, bytes] = {}  # the daemon's reply cache: a repeated id gets the same answer
         self.running: dict[str, dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
+        self.reports = 0  # telemetry reports published
         self._stop = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.bus = None
@@ -123,6 +114,7 @@ class FakeNode:
                               for j in self.running},
                      "donor": {"lendable_bytes": 4 << 30, "lent_bytes": 1 << 30}}
                 await self.bus.publish(messages.node_topic(self.id, "telemetry"), messages.encode(t))
+                self.reports += 1
                 try:
                     await asyncio.wait_for(self._stop.wait(), self.interval)
                 except TimeoutError:
@@ -179,16 +171,96 @@ class FakeNode:
         return [c for c in self.commands if c["op"] == op]
 
 
+def telemetry(node: str, gpus: int, cpus: int = 8) -> dict[str, Any]:
+    """A node daemon's telemetry payload (``messages.parse_telemetry`` accepts it)."""
+    return {"schema": 1, "node": node, "ts": 0.0, "cpu": {"count": cpus, "percent": 5.0},
+            "memory": {"total_bytes": 64 << 30, "available_bytes": 60 << 30},
+            "gpus": {"devices": [{"index": i, "name": "sim", "util_percent": 0.0, "memory_total_bytes": 32 << 30}
+                                 for i in range(gpus)], "reason": None},
+            "rdma": {"devices": []}, "jobs": {}}
+
+
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
-async def until(pred, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if pred():
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
+def pod(name: str = "train-0", gpus: int = 1, cpu: str = "2", memory: str = "4Gi",
+        model: str | None = "resnet50") -> dict[str, Any]:
+    """A v1.Pod as kube-scheduler serialises it (metadata, spec.containers[].resources)."""
+    limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
+    meta = {"name": name, "namespace": "ml", "uid": POD_UID,
+            "resourceVersion": "4711", "creationTimestamp": "2026-11-21T08:00:00Z", "labels": {"app": "train"}}
+    if model:
+        meta["annotations"] = {"dlshare.io/model": model, "dlshare.io/batch-size": "64"}
+    return {"metadata": meta,
+            "spec": {"schedulerName": "dlshare", "containers": [
+                {"name": "main", "image": "trainer:1", "resources": {"requests": {"cpu": cpu, "memory": memory},
+                                                                     "limits": limits}},
+                {"name": "sidecar", "image": "log:1", "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]},
+            "status": {"phase": "Pending"}}
+
+
+POD_UID = "6f1c0c8e-1f7e-4b63-9c55-0d3c1a0d7b11"
+
+
+def node_list(*names: str) -> dict[str, Any]:
+    """A v1.NodeList as kube-scheduler sends it to an extender that is not nodeCacheCapable."""
+    return {"metadata": {"resourceVersion": "99"},
+            "items": [{"metadata": {"name": n, "labels": {"kubernetes.io/hostname": n}},
+                       "status": {"capacity": {"cpu": "8", "nvidia.com/gpu": "4"}}} for n in names]}
+
+
+def service_with_nodes(store: JobStore, nodes: dict[str, tuple[int, int]], profile: str = "dlshare") -> SchedulerService:
+    """The service in-process, without a broker, that has heard telemetry from ``nodes``
+    (id -> (GPUs, cores)) and handed it to its core."""
+    svc = SchedulerService(store, profile=profile)
+    for node, (gpus, cpus) in nodes.items():
+        svc.on_telemetry(telemetry(node, gpus, cpus))
+    svc.round()  # the core learns the nodes
+    return svc
+
+
+class LiveServices:
+    """Starts :class:`SchedulerService` against a real broker (fast ticks and timeouts) and stops
+    whatever is still running at the end (the ``live_service`` fixture)."""
+
+    def __init__(self, broker_url: str, tmp: Path) -> None:
+        self.broker_url, self.tmp = broker_url, tmp
+        self.running: list[SchedulerService] = []
+
+    async def start(self, db: Path | None = None, profile: str = "dlshare") -> SchedulerService:
+        svc = SchedulerService(JobStore(db or self.tmp / "sched.db", synchronous="NORMAL"), profile=profile,
+                               broker_url=self.broker_url, tick_s=0.2, command_timeout_s=3, node_timeout_s=5)
+        self.running.append(svc)
+        await svc.start()
+        await asyncio.wait_for(svc.bus.connected.wait(), 10)
+        return svc
+
+    async def stop(self, svc: SchedulerService) -> None:
+        """Stop ``svc`` and close its store (as a service that exits does)."""
+        if svc in self.running:
+            self.running.remove(svc)
+            await svc.stop()
+            svc.store.close()
+
+    async def stop_all(self) -> None:
+        for svc in list(self.running):
+            await self.stop(svc)
+
+
+class FakeNodes:
+    """Starts :class:`FakeNode` s on a broker and stops the ones still up at the end (``fake_node``)."""
+
+    def __init__(self, broker_url: str) -> None:
+        self.broker_url = broker_url
+        self.nodes: list[FakeNode] = []
+
+    async def start(self, node_id: str, **kw: Any) -> FakeNode:
+        node = await FakeNode(self.broker_url, node_id, **kw).start()
+        self.nodes.append(node)
+        return node
+
+    async def stop_all(self) -> None:
+        for node in self.nodes:
+            if node.task is not None and not node.task.done():
+                await node.stop()

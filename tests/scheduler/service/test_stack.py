@@ -12,9 +12,10 @@ import threading
 import time
 
 import pytest
-from svc_helpers import ROOT, SchedProc, stop_proc
 
-from scheduler.client import SchedulerError
+from nodesvc.bus.procs import stop_proc, wait_until
+from scheduler.client import SchedulerApiError
+from tests.scheduler.service.svc_helpers import ROOT, SchedProc
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -29,17 +30,8 @@ def _node(broker_url: str, node_id: str, tmp, gpus: int = 2) -> subprocess.Popen
 
 
 def _wait(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except SchedulerError as exc:
-            last = exc
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    """Poll the service's API until ``pred`` holds (an API error counts as "not yet")."""
+    return wait_until(pred, timeout=timeout, what=what, interval=0.2, ignore=(SchedulerApiError,))
 
 
 def _online(c, n):
@@ -90,7 +82,7 @@ def test_node_killed_under_load_then_service_killed_then_broker_restarted(stack,
                     accepted.append(sc.submit({"id": f"stream-{i}", "kind": "data_prep", "gpus": 0, "cpus": 0.01,
                                                "memory_bytes": 1 << 20, "command": ["true"]})["id"])
                     i += 1
-                except SchedulerError:
+                except SchedulerApiError:
                     time.sleep(0.05)
 
     t = threading.Thread(target=submitter)

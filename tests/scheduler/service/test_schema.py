@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
-from svc_helpers import TOKEN
 
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
+from tests.scheduler.service.svc_helpers import TOKEN
 
 _store = JobStore(":memory:")
 _service = SchedulerService(_store, profile="dlshare")

@@ -8,10 +8,11 @@ import os
 import shutil
 
 import pytest
-from svc_helpers import TOKEN, FakeNode, SchedProc, until
 
 from nodesvc.bus import messages
 from nodesvc.bus.mqtt import Bus
+from nodesvc.bus.procs import until
+from tests.scheduler.service.svc_helpers import TOKEN, SchedProc
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Flags for a closed network, as root (see the machine notes): no sandbox, no background traffic.
@@ -34,10 +35,10 @@ async def _chromium(tmp, *args: str) -> str:
     return out.decode()
 
 
-async def test_status_page_in_headless_chromium(mosquitto, tmp_path):
+async def test_status_page_in_headless_chromium(mosquitto, fake_node, tmp_path):
     if CHROMIUM is None:
         pytest.fail("chromium is not installed: `make deps` installs Debian's chromium package")
-    node = await FakeNode(mosquitto.url, "page-node", cpus=8, gpus=2).start()
+    await fake_node("page-node", cpus=8, gpus=2)
     agg = Bus(mosquitto.url, "fake-agg")
     agg_task = asyncio.create_task(agg.run())
     sched = SchedProc(tmp_path, mosquitto.url, profile="dlshare")
@@ -72,6 +73,5 @@ async def test_status_page_in_headless_chromium(mosquitto, tmp_path):
         assert "the status page needs the token" in denied and "page-train" not in denied
     finally:
         sched.stop()
-        await node.stop()
         await agg.publish(messages.topic("agg", "agg-1", "state"), b"", 1, True)
         agg_task.cancel()

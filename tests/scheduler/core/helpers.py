@@ -12,11 +12,3 @@ def nodes(n: int = 2, gpus: int = 4, cores: int = 12, mem_gib: int = 256) -> lis
 
 def make_state(profile: str = "fifo", n: int = 2, gpus: int = 4, seed: int = 0, **kw) -> SchedulerState:
     return SchedulerState(load_profile(profile), nodes(n, gpus), rng=random.Random(seed), **kw)
-
-
-_k = [0]
-
-
-def ev_id() -> str:
-    _k[0] += 1
-    return f"e{_k[0]}"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import yaml
 from fastapi.testclient import TestClient
-from svc_helpers import TOKEN
 
 from nodesvc.cli import build_parser
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
+from tests.scheduler.service.svc_helpers import TOKEN
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 

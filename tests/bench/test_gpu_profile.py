@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench import gpu_profile as gp
+from nodesvc.bus.procs import wait_until
 from scheduler.predictors.utilisation import UtilisationPredictor
 
 
@@ -36,10 +37,7 @@ def test_plan_has_singles_then_pairs():
 def test_sampler_and_summary_with_fake_nvml():
     s = gp.NvmlSampler(FakeNvml(), period_s=0.001)
     with s:
-        import time
-
-        time.sleep(0.05)
-    assert len(s.samples) > 5
+        wait_until(lambda: len(s.samples) > 5, timeout=30, what="six samples")
     sm, mem, used = gp.summarise(s.samples, skip=2)
     assert 40 <= sm <= 42 and mem == 20 and used == 1 << 30
     with pytest.raises(ValueError):

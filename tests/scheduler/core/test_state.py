@@ -1,12 +1,14 @@
-"""The pure core driven with plain events: no network, no clock."""
+"""The pure core (state, ledger, passes) driven with plain events: no network, no clock."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler import (
     Allocate, Job, JobArrived, JobCancelled, JobFinished, JobSample, JobState, Node, NodeLost, NodeReport, Place,
     PlacementFailed, Preempt, Reject, SchedulerError, SchedulerState, Tick, Wakeup, load_profile,
 )
-from tests.scheduler.helpers import make_state, nodes
+from tests.scheduler.core.helpers import make_state, nodes
 
 
 def places(ds):
@@ -17,7 +19,7 @@ def test_fifo_places_and_allocates_proportionally():
     st = make_state("fifo")
     out = st.handle(JobArrived("a1", 0.0, Job("a", "ResNet-18", 32, gpus=2)))
     [p] = places(out)
-    assert p.job == "a" and len(p.gpus) == 2 and p.cause == "a1"
+    assert p.job == "a" and len(p.gpus) == 2 and p.stimulus_id == "a1"
     [alloc] = [d for d in out if isinstance(d, Allocate)]
     assert alloc.cpus == pytest.approx(6.0)  # 12 cores x 2/4 GPUs
     assert st.records["a"].job.state is JobState.RUNNING
@@ -217,10 +219,11 @@ def test_incremental_indexes_stay_consistent_under_random_events(profile):
         alive = [ns for ns in st.nodes.values() if ns.alive]
         assert st.free_gpus == sum(sum(1 for r in ns.residents if not r) for ns in alive)
         assert st.total_gpus == sum(ns.node.gpus for ns in alive)
-        assert st.share_slots == sum(st._slot(r) for ns in alive for r in ns.residents)
-        assert sorted(st._wait_order) == st._wait_order and {j for _, j in st._wait_order} == set(st.waiting)
+        led = st.ledger
+        assert led.share_slots == sum(led.slot(r) for ns in alive for r in ns.residents)
+        assert sorted(led.wait_order) == led.wait_order and {j for _, j in led.wait_order} == set(st.waiting)
         for ns in alive:
-            assert ns.node.id in st._by_free[ns.free_gpus]
+            assert ns.node.id in led.by_free[ns.free_gpus]
         for rec in st.running.values():
             assert all(rec.job.id in st.nodes[sh.node].residents[g] for sh in rec.shards for g in sh.gpus)
             assert sum(len(sh.gpus) for sh in rec.shards) == rec.job.gpus
@@ -235,3 +238,52 @@ def test_explain_gives_a_reason_per_rejected_node():
     assert why["n2"] == "node offline"
     assert "n1" not in why  # it fits there
     assert st.explain(Job("probe", "m", gpus=2), ["nope"]) == {"nope": "unknown node"}
+
+
+job_ids = st.sampled_from(["a", "b", "c", "d"])
+node_ids = st.sampled_from(["n0", "n1", "n2"])
+event = st.one_of(
+    st.builds(lambda j, g, m: ("arrive", j, g, m), job_ids, st.integers(1, 9), st.sampled_from("XY")),
+    st.builds(lambda j, f: ("finish", j, f), job_ids, st.booleans()),
+    st.builds(lambda j: ("cancel", j), job_ids),
+    st.builds(lambda j: ("failed", j), job_ids),
+    st.just(("tick",)),
+    st.builds(lambda n, g, s: ("report", n, g, s), node_ids, st.integers(0, 4), st.floats(0, 2)),
+    st.builds(lambda n: ("lost", n), node_ids),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["fifo", "las", "gandiva", "dlshare"]), st.lists(st.tuples(event, st.floats(-5, 100)), max_size=25))
+def test_core_never_fails_except_with_scheduler_error(profile, steps):
+    core = SchedulerState(profile, [Node("n0", 2, 8, 1 << 34)])
+    now = 0.0
+    for k, (ev, dt) in enumerate(steps):
+        now += dt
+        kind = ev[0]
+        if kind == "arrive":
+            e = JobArrived(f"e{k}", now, Job(ev[1], ev[3], gpus=ev[2]))
+        elif kind == "finish":
+            e = JobFinished(f"e{k}", now, ev[1], failed=ev[2])
+        elif kind == "cancel":
+            e = JobCancelled(f"e{k}", now, ev[1])
+        elif kind == "failed":
+            e = PlacementFailed(f"e{k}", now, ev[1])
+        elif kind == "tick":
+            e = Tick(f"e{k}", now)
+        elif kind == "report":
+            e = NodeReport(f"e{k}", now, Node(ev[1], ev[2], 8, 1 << 34),
+                           jobs={j: JobSample(speed=ev[3]) for j in core.running})
+        else:
+            e = NodeLost(f"e{k}", now, ev[1])
+        before = core.now
+        try:
+            core.handle(e)
+        except SchedulerError:
+            assert core.now == before  # a refused event leaves the clock alone
+            now = max(now, core.now)
+            continue
+        alive = [ns for ns in core.nodes.values() if ns.alive]
+        assert core.free_gpus == sum(sum(1 for r in ns.residents if not r) for ns in alive)
+        for rec in core.running.values():
+            assert all(rec.job.id in core.nodes[sh.node].residents[g] for sh in rec.shards for g in sh.gpus)

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from svc_helpers import ROOT, TOKEN, SchedProc
+from tests.scheduler.service.svc_helpers import ROOT, TOKEN, SchedProc
 
 
 def _dlshare(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

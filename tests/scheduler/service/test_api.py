@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from svc_helpers import TOKEN, auth
 
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
+from tests.scheduler.service.svc_helpers import TOKEN, auth
 
 GOOD = {"name": "resnet", "model": "resnet50", "gpus": 1, "cpus": 2, "memory_bytes": 2 << 30,
         "command": ["python", "train.py"]}

@@ -5,8 +5,10 @@ import random
 import numpy as np
 import pytest
 
-from scheduler import Job, JobArrived, Node, SchedulerState, framework, load_profile
-from scheduler.framework import Candidate, Context, NodeState
+from scheduler import Job, JobArrived, Node, SchedulerState, load_profile, plugins
+from scheduler import JobFinished, framework
+from scheduler.framework import Candidate, Context, NodeState, QueueSort, register
+from scheduler.profile import PluginSpec, Profile
 from scheduler.model import GiB, JobRecord
 from scheduler.plugins.allocation import Proportional, SynergyTune
 from scheduler.plugins.ordering import Fifo, Gittins, GittinsTable, Las, Srtf, Tiresias
@@ -35,11 +37,34 @@ def order(plugin, recs, now=0.0):
 
 
 def test_registry_lists_plugins_and_rejects_unknown():
-    assert {"fifo", "srtf", "las", "tiresias", "gittins"} <= set(framework.available("order"))
+    assert {"fifo", "srtf", "las", "tiresias", "gittins"} <= set(plugins.available("order"))
     with pytest.raises(ValueError, match="unknown score plugin"):
-        framework.build("score", "nope")
+        plugins.build("score", "nope")
     with pytest.raises(ValueError, match="bad arguments"):
-        framework.build("order", "las", {"bogus": 1})
+        plugins.build("order", "las", {"bogus": 1})
+
+
+def test_order_plugins_declare_their_hooks_on_queue_sort():
+    with pytest.raises(TypeError, match="must subclass scheduler.framework.QueueSort"):
+        @register("order", "undeclared")
+        class Undeclared:  # noqa: F841 - refused at registration
+            preemptive = False
+
+    @register("order", "minimal-test")
+    class Minimal(QueueSort):
+        def key(self, rec, c):
+            return rec.job.arrival
+
+    try:
+        m = plugins.build("order", "minimal-test")
+        r = rec("a")
+        assert not m.preemptive and not m.uniform_wakeup  # the declared defaults
+        assert m.next_change(r, ctx()) is None and m.observe_finished(r, ctx()) is None
+        st = SchedulerState(Profile("minimal", PluginSpec("minimal-test")), [Node("n", 1, 4, 1 << 30)])
+        st.handle(JobArrived("1", 0, Job("a", "m")))
+        assert st.handle(JobFinished("2", 5, "a")) == [] and st.records["a"].job.state.value == "done"
+    finally:
+        framework._REGISTRY["order"].pop("minimal-test", None)
 
 
 def test_fifo_priority_then_arrival():
@@ -196,6 +221,7 @@ def test_horus_and_iadeep_profiles_share_when_full():
         st.handle(JobArrived("1", 0, Job("a", "A")))
         out = st.handle(JobArrived("2", 0, Job("b", "B")))
         assert st.records["b"].shards, prof
+        assert [d.colocated_with for d in out if type(d).__name__ == "Place"] == [("a",)], prof
 
 
 def test_gittins_per_type_priors_learn_from_finished_jobs():

@@ -7,50 +7,15 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from svc_helpers import TOKEN, auth
-
 from scheduler import Job
 from scheduler.service import k8s
 from scheduler.service.api import create_app
-from scheduler.service.live import SchedulerService
-
-
-def telemetry(node: str, gpus: int, cpus: int = 8) -> dict:
-    return {"schema": 1, "node": node, "ts": 0.0, "cpu": {"count": cpus, "percent": 5.0},
-            "memory": {"total_bytes": 64 << 30, "available_bytes": 60 << 30},
-            "gpus": {"devices": [{"index": i, "name": "sim", "util_percent": 0.0, "memory_total_bytes": 32 << 30}
-                                 for i in range(gpus)], "reason": None},
-            "rdma": {"devices": []}, "jobs": {}}
-
-
-def pod(name: str = "train-0", gpus: int = 1, cpu: str = "2", memory: str = "4Gi", model: str | None = "resnet50") -> dict:
-    """A v1.Pod as kube-scheduler serialises it (metadata, spec.containers[].resources)."""
-    limits = {"nvidia.com/gpu": str(gpus)} if gpus else {}
-    meta = {"name": name, "namespace": "ml", "uid": "6f1c0c8e-1f7e-4b63-9c55-0d3c1a0d7b11",
-            "resourceVersion": "4711", "creationTimestamp": "2026-11-21T08:00:00Z", "labels": {"app": "train"}}
-    if model:
-        meta["annotations"] = {"dlshare.io/model": model, "dlshare.io/batch-size": "64"}
-    return {"metadata": meta,
-            "spec": {"schedulerName": "dlshare", "containers": [
-                {"name": "main", "image": "trainer:1", "resources": {"requests": {"cpu": cpu, "memory": memory},
-                                                                     "limits": limits}},
-                {"name": "sidecar", "image": "log:1", "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}]},
-            "status": {"phase": "Pending"}}
-
-
-def node_list(*names: str) -> dict:
-    return {"metadata": {"resourceVersion": "99"},
-            "items": [{"metadata": {"name": n, "labels": {"kubernetes.io/hostname": n}},
-                       "status": {"capacity": {"cpu": "8", "nvidia.com/gpu": "4"}}} for n in names]}
+from tests.scheduler.service.svc_helpers import TOKEN, auth, node_list, pod, service_with_nodes
 
 
 @pytest.fixture
 def ext(store):
-    svc = SchedulerService(store, profile="dlshare")
-    svc.on_telemetry(telemetry("gpu-a", 4))
-    svc.on_telemetry(telemetry("gpu-b", 4))
-    svc.on_telemetry(telemetry("cpu-c", 0, cpus=2))
-    svc.round()  # the core learns the nodes
+    svc = service_with_nodes(store, {"gpu-a": (4, 8), "gpu-b": (4, 8), "cpu-c": (0, 2)})
     with TestClient(create_app(svc, TOKEN)) as c:
         yield c, svc
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -69,12 +70,21 @@ def test_core_events_round_trip(ev):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(max_size=200) | st.builds(lambda d: __import__("json").dumps(d),
-                                          st.dictionaries(st.sampled_from(["type", "id", "now", "job", "node"]),
+@given(st.text(max_size=200) | st.builds(lambda d: json.dumps(d),
+                                          st.dictionaries(st.sampled_from(["type", "stimulus_id", "id", "now", "job", "node"]),
                                                           st.none() | st.text(max_size=5) | st.integers() |
                                                           st.sampled_from(["Tick", "JobArrived", "NodeReport"]))))
 def test_fuzz_decode_raises_only_core_log_error(text):
     try:
-        decode_event(text)
-    except CoreLogError:
-        pass
+        ev = decode_event(text)
+    except CoreLogError as exc:
+        assert str(exc)
+    else:
+        assert decode_event(encode_event(ev)) == ev
+
+
+def test_a_line_logged_before_the_event_convention_decodes():
+    for ev in EVENTS:
+        body = json.loads(encode_event(ev))
+        body["id"] = body.pop("stimulus_id")  # how the log was written before the convention
+        assert decode_event(json.dumps(body)) == ev

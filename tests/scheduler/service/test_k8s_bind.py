@@ -18,18 +18,16 @@ from typing import Any
 import pytest
 import yaml
 from fastapi.testclient import TestClient
-from svc_helpers import TOKEN, auth, free_port
-from test_svc_k8s import pod, telemetry
-
 from nodesvc.bus import config
+from nodesvc.bus.procs import free_port
 from scheduler.service import k8s
 from scheduler.service.api import create_app
-from scheduler.service.live import SchedulerService
+from tests.scheduler.service.svc_helpers import POD_UID, TOKEN, auth, pod, service_with_nodes
 
 import scheduler.cli.service  # noqa: F401 - registers [sched]
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
-UID = "6f1c0c8e-1f7e-4b63-9c55-0d3c1a0d7b11"  # test_svc_k8s.pod()'s metadata.uid
+UID = POD_UID  # svc_helpers.pod()'s metadata.uid
 SA_TOKEN = "eyJhbGciOiJSUzI1NiJ9.sa-token-one"
 
 # A throwaway CA and a certificate for 127.0.0.1 it signed (EC P-256, valid to 2126), for the TLS
@@ -172,10 +170,7 @@ def token_file(tmp_path):
 
 
 def extender(store, binder):
-    svc = SchedulerService(store, profile="dlshare")
-    svc.on_telemetry(telemetry("gpu-a", 4))
-    svc.on_telemetry(telemetry("cpu-c", 0, cpus=4))
-    svc.round()
+    svc = service_with_nodes(store, {"gpu-a": (4, 8), "cpu-c": (0, 4)})
     svc.k8s_binder = binder
     return svc
 

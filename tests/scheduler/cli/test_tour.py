@@ -9,9 +9,10 @@ import sys
 from types import SimpleNamespace
 
 from rich.console import Console
-from svc_helpers import ROOT, TOKEN, SchedProc, stop_proc
 
+from nodesvc.bus.procs import stop_proc
 from scheduler.cli.tour import run_tour
+from tests.scheduler.service.svc_helpers import ROOT, TOKEN, SchedProc
 
 
 def _node(url: str, nid: str, tmp) -> subprocess.Popen:
@@ -28,7 +29,7 @@ async def test_tour_runs_real_jobs_through_the_api(mosquitto, tmp_path):
     sched.start({"DLSHARE_SCHED_PREDICTORS": "data"})  # as `dlshare up` runs it
     try:
         st = SimpleNamespace(sched_url=sched.url, sched_token=TOKEN, broker_url=mosquitto.url,
-                             node_ids=["tour-n1", "tour-n2"], agg_addr=None)
+                             node_ids=["tour-n1", "tour-n2"], agg_addr=None, lending=False, net=None)
         out = io.StringIO()
         ok = await run_tour(st, Console(file=out, width=200), timeout_s=90)
         text = out.getvalue()

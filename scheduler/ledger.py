@@ -1,0 +1,250 @@
+"""The scheduler core's books: which jobs exist, which wait, which run where.
+
+:class:`Ledger` holds the job records, the node states and the indexes the
+scheduling passes search (the waiting order, the nodes by free GPUs, the GPUs a
+newcomer could share), and the moves that keep them consistent: enqueue,
+start, stop, end.  Each move that changes a node's jobs re-splits that node's
+CPU cores and memory with the allocation plugin and reports the changes as
+:class:`~scheduler.events.Allocate` decisions.
+
+It decides nothing: :class:`~scheduler.passes.SchedulingPasses` picks what to
+start and what to preempt, and :class:`~scheduler.state.SchedulerState`
+applies events; both hold the same ledger.  Pure: no clock (``now`` is the
+time of the event being handled), no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from typing import TYPE_CHECKING, Any
+
+from scheduler.events import Allocate, Decision, Place
+from scheduler.framework import Allocator, Candidate, Context, NodeState, QueueSort
+from scheduler.model import Allocation, JobRecord, JobState, Node, Shard
+from scheduler.profile import Profile
+
+if TYPE_CHECKING:  # pragma: no cover
+    from scheduler.predictors import Predictors
+
+
+class SchedulerError(ValueError):
+    """An event the core cannot apply (unknown job, duplicate id).  State is unchanged."""
+
+
+JobClass = tuple[str, int, float, int]  # (job type, GPUs, CPUs, memory): jobs that place alike
+
+
+class Ledger:
+    """The core's books (see the module docstring).  Its attributes are read by the
+    passes and the state; only its own methods and the state's event handling change them."""
+
+    def __init__(self, profile: Profile, order: QueueSort, allocator: Allocator, predictors: Predictors,
+                 rng: random.Random) -> None:
+        self.profile = profile
+        self.order = order
+        self.allocator = allocator
+        self.predictors = predictors
+        self.rng = rng
+        self.now = 0.0
+        self.records: dict[str, JobRecord] = {}
+        self.nodes: dict[str, NodeState] = {}
+        self.waiting: dict[str, JobRecord] = {}  # queued or preempted, insertion-ordered
+        self.running: dict[str, JobRecord] = {}
+        self.wait_key: dict[str, Any] = {}  # a waiting job's order key (fixed while it waits)
+        self.wait_order: list[tuple[Any, str]] = []  # (key, id) of waiting jobs, kept sorted
+        self.job_class: dict[str, JobClass] = {}
+        self.share_slots = 0  # GPUs a newcomer could join (see slot)
+        self.by_free: dict[int, dict[str, None]] = {}  # free GPU count -> alive nodes (ordered set)
+        self.total_gpus = 0  # on alive nodes
+        self.free_gpus = 0
+        self.max_node_gpus = 0
+        self.incompatible: set[frozenset[str]] = set()  # pairs of job types that failed together
+
+    def context(self) -> Context:
+        """What plugins may read now."""
+        return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
+                       rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus)
+
+    def job(self, job_id: str) -> JobRecord:
+        try:
+            return self.records[job_id]
+        except KeyError:
+            raise SchedulerError(f"unknown job {job_id!r}") from None
+
+    # ------------------------------------------------------------ nodes
+
+    def add_node(self, node: Node) -> NodeState:
+        if node.id in self.nodes:
+            raise SchedulerError(f"duplicate node {node.id!r}")
+        ns = NodeState.fresh(node)
+        self.nodes[node.id] = ns
+        self.total_gpus += node.gpus
+        self.free_gpus += node.gpus
+        self.max_node_gpus = max(self.max_node_gpus, node.gpus)
+        self.by_free.setdefault(node.gpus, {})[node.id] = None
+        return ns
+
+    def remove_node(self, ns: NodeState) -> None:
+        """Forget an idle node (it comes back with :meth:`add_node`, e.g. with another GPU count)."""
+        self.set_alive(ns, False)
+        del self.nodes[ns.node.id]
+
+    def set_alive(self, ns: NodeState, alive: bool) -> None:
+        if ns.alive == alive:
+            return
+        slots = sum(self.slot(res) for res in ns.residents)
+        ns.alive = alive
+        sign = 1 if alive else -1
+        self.share_slots += sign * slots
+        self.total_gpus += sign * ns.node.gpus
+        self.free_gpus += sign * ns.free_gpus
+        if alive:
+            self.by_free.setdefault(ns.free_gpus, {})[ns.node.id] = None
+        else:
+            self.by_free.get(ns.free_gpus, {}).pop(ns.node.id, None)
+
+    def _set_free(self, ns: NodeState, free: int) -> None:
+        if ns.alive:
+            self.by_free[ns.free_gpus].pop(ns.node.id, None)
+            self.by_free.setdefault(free, {})[ns.node.id] = None
+            self.free_gpus += free - ns.free_gpus
+        ns.free_gpus = free
+
+    # ------------------------------------------------------------ the waiting order
+
+    def enqueue(self, rec: JobRecord) -> None:
+        jid = rec.job.id
+        self.waiting[jid] = rec
+        rec.queued_since = self.now
+        # A waiting job's service does not grow, so its key is fixed until it runs.
+        key = self.order.key(rec, self.context())
+        self.wait_key[jid] = key
+        bisect.insort(self.wait_order, (key, jid))
+        job = rec.job
+        self.job_class[jid] = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
+
+    def _dequeue(self, jid: str) -> None:
+        self.waiting.pop(jid, None)
+        key = self.wait_key.pop(jid, None)
+        if key is not None:
+            i = bisect.bisect_left(self.wait_order, (key, jid))
+            if i < len(self.wait_order) and self.wait_order[i][1] == jid:
+                del self.wait_order[i]
+
+    # ------------------------------------------------------------ sharing
+
+    def slot(self, res: list[str]) -> int:
+        """1 when a GPU with these residents could take one more job, else 0."""
+        if not res or len(res) >= self.profile.max_share or self.profile.share == "never":
+            return 0
+        limit = self.profile.share_max_gpus
+        return int(all(self.records[o].job.gpus <= limit for o in res))
+
+    def co_residents(self, rec: JobRecord) -> list[str]:
+        """The other jobs on any GPU ``rec`` runs on."""
+        seen: dict[str, None] = {}
+        for sh in rec.shards:
+            ns = self.nodes[sh.node]
+            for g in sh.gpus:
+                for o in ns.residents[g]:
+                    if o != rec.job.id:
+                        seen[o] = None
+        return list(seen)
+
+    # ------------------------------------------------------------ job moves
+
+    def start(self, rec: JobRecord, cand: Candidate, stimulus_id: str, out: list[Decision]) -> None:
+        job = rec.job
+        shards = [(cand.node, cand.gpus), *cand.more]
+        resumed = job.state is JobState.PREEMPTED
+        touched = []
+        for ns, gpus in shards:
+            newly = 0
+            for g in gpus:
+                if not ns.residents[g]:
+                    newly += 1
+                before = self.slot(ns.residents[g]) if ns.alive else 0
+                ns.residents[g].append(job.id)
+                self.share_slots += (self.slot(ns.residents[g]) if ns.alive else 0) - before
+            ns.jobs[job.id] = len(gpus)
+            self._set_free(ns, ns.free_gpus - newly)
+            touched.append(ns)
+        rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
+        self._dequeue(job.id)
+        self.running[job.id] = rec
+        job.state = JobState.RUNNING
+        rec.run_since = self.now
+        rec.queueing_delay += self.now - rec.queued_since
+        if rec.first_start is None:
+            rec.first_start = self.now
+        out.append(Place(stimulus_id, job.id, rec.shards, tuple(cand.residents), resumed))
+        for ns in touched:
+            self._reallocate(ns, stimulus_id, out)
+
+    def _release(self, rec: JobRecord) -> list[NodeState]:
+        job = rec.job
+        touched = []
+        for sh in rec.shards:
+            ns = self.nodes[sh.node]
+            freed = 0
+            for g in sh.gpus:
+                res = ns.residents[g]
+                if job.id in res:
+                    before = self.slot(res) if ns.alive else 0
+                    res.remove(job.id)
+                    self.share_slots += (self.slot(res) if ns.alive else 0) - before
+                    if not res:
+                        freed += 1
+            ns.jobs.pop(job.id, None)
+            self._set_free(ns, ns.free_gpus + freed)
+            touched.append(ns)
+        if rec.run_since is not None:
+            job.attained_service += job.gpus * max(0.0, self.now - rec.run_since)
+            rec.run_since = None
+        rec.shards = ()
+        rec.allocation = {}
+        self.running.pop(job.id, None)
+        return touched
+
+    def stop(self, rec: JobRecord, stimulus_id: str, out: list[Decision], requeue: bool) -> None:
+        """Take a running job off its GPUs; with ``requeue`` it waits again, as preempted."""
+        touched = self._release(rec)
+        if requeue:
+            rec.job.state = JobState.PREEMPTED
+            rec.preemptions += 1
+            self.enqueue(rec)
+        for ns in touched:
+            if ns.alive:
+                self._reallocate(ns, stimulus_id, out)
+
+    def end(self, rec: JobRecord, state: JobState, stimulus_id: str, out: list[Decision]) -> None:
+        """A job is over (``state`` done or failed), running or waiting."""
+        if rec.job.state is JobState.RUNNING:
+            touched = self._release(rec)
+        else:
+            touched = []
+            self._dequeue(rec.job.id)
+        rec.job.state = state
+        rec.finished_at = self.now
+        if state is JobState.DONE:
+            self.order.observe_finished(rec, self.context())
+        for ns in touched:
+            if ns.alive:
+                self._reallocate(ns, stimulus_id, out)
+
+    def _reallocate(self, ns: NodeState, stimulus_id: str, out: list[Decision]) -> None:
+        ctx = self.context()
+        dc = dm = 0.0
+        for jid, n in ns.jobs.items():
+            d = self.allocator.demand(self.records[jid], ns, n, ctx)
+            dc += d.cpus
+            dm += d.memory_bytes
+        ns.demand_cpus, ns.demand_memory = dc, dm
+        split = self.allocator.split(ns, ctx)
+        for jid, alloc in split.items():
+            rec = self.records[jid]
+            old: Allocation | None = rec.allocation.get(ns.node.id)
+            if old is None or abs(old.cpus - alloc.cpus) > 1e-9 or old.memory_bytes != alloc.memory_bytes:
+                rec.allocation[ns.node.id] = alloc
+                out.append(Allocate(stimulus_id, jid, ns.node.id, alloc.cpus, alloc.memory_bytes))

@@ -1,0 +1,73 @@
+"""Commands from the scheduler service to node daemons, over the bus.
+
+:class:`NodeCommands` sends one command at a time as a QoS 1 message and waits
+for its reply, correlated by command id (``nodesvc.bus.rpc.Correlator``, the
+one correlator of the project).  The service's parts start commands as
+background tasks with :meth:`NodeCommands.spawn`, so that a slow node never
+holds up the loop; :meth:`NodeCommands.close` cancels what is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from nodesvc.bus.rpc import CommandError, CommandNotSent, Correlator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nodesvc.bus.mqtt import Bus
+
+log = logging.getLogger("dlshare.sched.live")
+
+
+class NodeCommands:
+    """The service's command path to node daemons (see the module docstring)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.correlator = Correlator("sched", timeout_s)
+        self.bus: Bus | None = None  # set once the service has a broker connection
+        self._tasks: set[asyncio.Task] = set()
+
+    async def send(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
+        """Send one command (QoS 1) and wait for its reply; raises ``CommandError``."""
+        if self.bus is None:
+            raise CommandNotSent("no broker configured")
+        return await self.correlator.call(self.bus.publish, node, op, args, cmd_id)
+
+    def resolve(self, reply: dict[str, Any]) -> None:
+        """A reply arrived on ``.../reply``: wake whoever waits for it."""
+        self.correlator.resolve(reply)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background (kept until it ends, cancelled by :meth:`close`)."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def release(self, job_id: str, node: str) -> None:
+        """Free what ``node`` holds for ``job_id`` (cgroups); a failure is only logged."""
+        try:
+            await self.send(node, "release", {"job": job_id}, f"{job_id}/release/{uuid.uuid4().hex[:8]}")
+        except CommandError as exc:
+            log.info("release of %s on %s: %s", job_id, node, exc)
+
+    async def stop_and_release(self, job_id: str, node: str, cmd_base: str) -> None:
+        try:
+            await self.send(node, "stop", {"job": job_id}, f"{cmd_base}/stop")
+        except CommandError as exc:
+            log.warning("stop of %s on %s: %s", job_id, node, exc)
+        await self.release(job_id, node)
+
+    async def close(self) -> None:
+        """Cancel the commands still in flight and wait for them to end."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
