@@ -231,13 +231,15 @@ def _run(args, cfg) -> int:
     if not console.is_terminal:
         console = Console(width=132)
     st = Stack()
-    stop = {"flag": False}
 
     def on_signal(signum, frame):
-        stop["flag"] = True
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT too, explicitly: Python installs its KeyboardInterrupt handler only when SIGINT is not
+    # ignored at start, and a shell starts background jobs (`dlshare up &`, CI runners, nohup) with
+    # SIGINT ignored; `kill -INT` would then do nothing.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         with console.status("starting the dlshare stack..."):
             st = start(cfg, cfg["dlshare"]["log_json"])
