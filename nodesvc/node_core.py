@@ -1,7 +1,7 @@
 """The node daemon's pure core: command validation and idempotence, no I/O.
 
-:func:`parse_op` turns a :class:`~nodesvc.messages.Command` into a typed spec
-or raises :class:`~nodesvc.messages.PayloadError` with a message for the
+:func:`parse_op` turns a :class:`~nodesvc.bus.messages.Command` into a typed spec
+or raises :class:`~nodesvc.bus.messages.PayloadError` with a message for the
 sender.  :class:`ReplyCache` makes commands idempotent: a command id seen
 before gets the same reply again, without applying anything twice (the
 scheduler replays commands after a restart).
