@@ -18,12 +18,35 @@ Or let DDP use it: ``ddp.register_comm_hook(AggState(client), comm_hook)`` with
 Operators: telemetry on ``dlshare/v1/agg/<id>/telemetry``, retained state with a load
 summary on ``.../state``, commands ``ping``, ``stats`` and ``drain`` on ``.../cmd``.
 
-Public names: :class:`Client`, :class:`AggregationError`, :class:`AggregationServer`,
-:func:`serve` (``aggregator.torch`` is imported on demand so that numpy users do not pay
-for torch).
+Public names: :class:`Client` and :class:`AggregationError` (floor 1, loaded with the
+package); :class:`AggregationServer` and :func:`serve` (floor 2, the server shell) are loaded
+only when first used, so that a training process that imports the client or the DDP hook
+never loads the server, its pool or its MQTT code.  ``aggregator.torch`` is imported on
+demand so that numpy users do not pay for torch.
+
+Floors (README, Development): the core, client, protocol, kernel, sockio, pool, scheduling
+and torch modules are floor 1 and may import :mod:`nodesvc.bus` (floor 0), ``rdma.native``
+(the C kernels and socket calls) and each other; :mod:`aggregator.server` is floor 2 and may
+import those, never another shell; :mod:`aggregator.cli` is floor 3.  Nothing in this package
+imports ``bench`` or :mod:`nodesvc.cli`.
 """
 
+from typing import Any
+
 from aggregator.client import AggregationError, Client
-from aggregator.server import AggregationServer, serve
 
 __all__ = ["Client", "AggregationError", "AggregationServer", "serve"]
+
+_SERVER_NAMES = ("AggregationServer", "serve")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SERVER_NAMES:
+        from aggregator import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SERVER_NAMES])

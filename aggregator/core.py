@@ -6,7 +6,8 @@ unit identified by (round, key, chunk).  Buffers are opaque objects to the core:
 it hands them back in decisions and never reads them.
 
 The shell (aggregator/server.py) feeds :meth:`AggregationCore.handle` with
-events, each carrying an id for replay, and carries out the decisions it gets.
+events and carries out the decisions it gets.  Events start with ``stimulus_id``
+and ``now``; each decision carries the ``stimulus_id`` of the event behind it.
 """
 
 from __future__ import annotations
@@ -26,43 +27,51 @@ ConnId = Hashable
 
 
 # --- events ---------------------------------------------------------------------------------
+# Every event starts with ``stimulus_id`` (unique per server: the shell numbers them) and ``now``
+# (seconds on the shell's monotonic clock); every decision carries the ``stimulus_id`` of the event
+# that produced it, so a server's run can be replayed and a decision traced to its cause.
 
 
 @dataclass(frozen=True)
 class Register:
-    eid: int
+    stimulus_id: str
+    now: float
     conn: ConnId
     hello: Hello
-    now: float
 
 
 @dataclass(frozen=True)
 class ChunkArrived:
-    eid: int
+    stimulus_id: str
+    now: float
     conn: ConnId
     header: Header
     buf: Any
-    now: float
 
 
 @dataclass(frozen=True)
 class ConnectionLost:
-    eid: int
-    conn: ConnId
+    stimulus_id: str
     now: float
+    conn: ConnId
     orderly: bool = False
 
 
 @dataclass(frozen=True)
 class Tick:
-    eid: int
+    """Time passed: rounds older than the round timeout fail."""
+
+    stimulus_id: str
     now: float
 
 
 @dataclass(frozen=True)
 class Drain:
-    eid: int
+    stimulus_id: str
     now: float
+
+
+Event = Register | ChunkArrived | ConnectionLost | Tick | Drain
 
 
 # --- decisions ------------------------------------------------------------------------------
@@ -74,11 +83,13 @@ class Send:
 
     conn: ConnId
     data: bytes
+    stimulus_id: str
 
 
 @dataclass(frozen=True)
 class Close:
     conn: ConnId
+    stimulus_id: str
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,7 @@ class Release:
     """Buffers the core no longer needs (a failed or refused reduction)."""
 
     bufs: tuple
+    stimulus_id: str
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,7 @@ class Reduce:
     result: Header
     conns: tuple
     nbytes: int
+    stimulus_id: str
 
 
 Decision = Send | Close | Release | Reduce
@@ -121,7 +134,9 @@ class AggregationRound:
 
 
 @dataclass
-class JobState:
+class AggregationJob:
+    """One job's state on this server: its ranks' connections and its reductions in flight."""
+
     name: str
     handle: int
     world: int
@@ -165,7 +180,7 @@ class AggregationCore:
         self.unit_charge_per_rank = unit_charge_per_rank
         self.round_timeout_s = round_timeout_s
         self.max_job_bytes = max_job_bytes
-        self.jobs: dict[str, JobState] = {}
+        self.jobs: dict[str, AggregationJob] = {}
         self.conn_job: dict[ConnId, tuple[str, int]] = {}
         self.draining = False
         self._next_handle = 1
@@ -181,7 +196,7 @@ class AggregationCore:
     def pending_units(self) -> int:
         return sum(len(j.units) for j in self.jobs.values())
 
-    def handle(self, ev) -> list[Decision]:
+    def handle(self, ev: Event) -> list[Decision]:
         if isinstance(ev, ChunkArrived):
             return self._chunk(ev)
         if isinstance(ev, Register):
@@ -197,21 +212,22 @@ class AggregationCore:
     # --- registration ---
 
     def _register(self, ev: Register) -> list[Decision]:
-        h = ev.hello
+        h, sid = ev.hello, ev.stimulus_id
         out: list[Decision] = []
         if ev.conn in self.conn_job:
-            return [Send(ev.conn, error("bad_message", "this connection already said HELLO")), Close(ev.conn)]
+            msg = "this connection already said HELLO"
+            return [Send(ev.conn, error("bad_message", msg), sid), Close(ev.conn, sid)]
         job = self.jobs.get(h.job)
         if job is not None and job.world != h.world:
             msg = f"job {h.job} has world size {job.world} on server {self.server_id}; rank {h.rank} says {h.world}"
-            return [Send(ev.conn, error("world_mismatch", msg)), Close(ev.conn)]
+            return [Send(ev.conn, error("world_mismatch", msg), sid), Close(ev.conn, sid)]
         if job is not None and h.layout is not None and job.layout is not None:
             diff = _layout_diff(job.layout, h.layout)
             if diff:
                 msg = f"rank {h.rank} registered a layout that differs from job {h.job}'s: {diff}"
-                return [Send(ev.conn, error("layout_mismatch", msg)), Close(ev.conn)]
+                return [Send(ev.conn, error("layout_mismatch", msg), sid), Close(ev.conn, sid)]
         if job is None:
-            job = JobState(h.job, self._next_handle, h.world)
+            job = AggregationJob(h.job, self._next_handle, h.world)
             self._next_handle += 1
             if self.draining:
                 job.drain_from = 0
@@ -219,8 +235,8 @@ class AggregationCore:
         old = job.conns.get(h.rank)
         if old is not None:
             # A restarted worker replaces its old connection; the old one's rounds cannot finish.
-            out += self._lost(ConnectionLost(ev.eid, old, ev.now))
-            out.append(Close(old))
+            out += self._lost(ConnectionLost(sid, ev.now, old))
+            out.append(Close(old, sid))
             if h.job not in self.jobs:  # the job went away with its last rank
                 self.jobs[h.job] = job
         if h.layout is not None and job.layout is None:
@@ -228,35 +244,35 @@ class AggregationCore:
         job.conns[h.rank] = ev.conn
         self.conn_job[ev.conn] = (h.job, h.rank)
         body: dict[str, Any] = {"server": self.server_id, "job_handle": job.handle}
-        out.append(Send(ev.conn, control(MsgType.WELCOME, body, job=job.handle, rank=h.rank, world=h.world)))
+        out.append(Send(ev.conn, control(MsgType.WELCOME, body, job=job.handle, rank=h.rank, world=h.world), sid))
         if job.drain_from is not None:
-            out.append(Send(ev.conn, self._redirect(job, ALL, ALL)))
+            out.append(Send(ev.conn, self._redirect(job, ALL, ALL), sid))
         return out
 
     # --- data ---
 
     def _chunk(self, ev: ChunkArrived) -> list[Decision]:
-        h = ev.header
+        h, sid = ev.header, ev.stimulus_id
         who = self.conn_job.get(ev.conn)
         if who is None:
-            return [Release((ev.buf,)), Send(ev.conn, error("bad_message", "PUSH before HELLO", h.round, h.key,
-                                                            h.chunk))]
+            return [Release((ev.buf,), sid),
+                    Send(ev.conn, error("bad_message", "PUSH before HELLO", h.round, h.key, h.chunk), sid)]
         job = self.jobs[who[0]]
         rank = who[1]
         if h.job != job.handle or h.rank != rank or h.world != job.world:
             msg = (f"PUSH names job handle {h.job} rank {h.rank} world {h.world}; this connection is "
                    f"job {job.name} (handle {job.handle}) rank {rank} world {job.world}")
-            return [Release((ev.buf,)), Send(ev.conn, error("bad_message", msg, h.round, h.key, h.chunk))]
+            return [Release((ev.buf,), sid), Send(ev.conn, error("bad_message", msg, h.round, h.key, h.chunk), sid)]
         if h.round in job.failed:
             code, msg = job.failed[h.round]
-            return [Release((ev.buf,)), Send(ev.conn, error(code, msg, h.round, ALL, ALL, job.handle))]
+            return [Release((ev.buf,), sid), Send(ev.conn, error(code, msg, h.round, ALL, ALL, job.handle), sid)]
         if job.layout is not None:
             want = job.layout.get(h.key)
             if want != (h.numel, h.dtype):
                 exp = "no such key" if want is None else f"{want[0]} {DType(want[1]).label} elements"
                 msg = (f"layout mismatch in job {job.name} round {h.round}: rank {rank} pushed key {h.key} "
                        f"as {h.numel} {DType(h.dtype).label} elements; the registered layout has {exp}")
-                return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
+                return [Release((ev.buf,), sid)] + self._fail_round(job, h.round, "mismatch", msg, sid)
         unit_id = h.unit
         unit = job.units.get(unit_id)
         charge = self._chunk_charge(h) + (self._unit_charge(job) if unit is None else 0)
@@ -264,10 +280,10 @@ class AggregationCore:
             msg = (f"job {job.name} holds {job.held_bytes} bytes of unfinished reductions on server "
                    f"{self.server_id}; another {charge} would pass its limit of {self.max_job_bytes} "
                    f"(agg.max_job_bytes): are its ranks pushing different rounds?")
-            return [Release((ev.buf,))] + self._fail_round(job, h.round, "over_limit", msg)
+            return [Release((ev.buf,), sid)] + self._fail_round(job, h.round, "over_limit", msg, sid)
         if unit is None:
             if job.drain_from is not None and h.round >= job.drain_from:
-                return [Release((ev.buf,)), Send(ev.conn, self._redirect(job, h.key, h.chunk, h.round))]
+                return [Release((ev.buf,), sid), Send(ev.conn, self._redirect(job, h.key, h.chunk, h.round), sid)]
             unit = AggregationRound(h, [None] * job.world, ev.now)
             job.units[unit_id] = unit
             job.max_round = max(job.max_round, h.round)
@@ -276,10 +292,10 @@ class AggregationCore:
             if (f.dtype, f.op, f.nchunks, f.nbytes, f.numel) != (h.dtype, h.op, h.nchunks, h.nbytes, h.numel):
                 msg = (f"mismatch in job {job.name} round {h.round} key {h.key} chunk {h.chunk}: rank {rank} "
                        f"pushed {_describe(h)}, rank {f.rank} pushed {_describe(f)}")
-                return [Release((ev.buf,))] + self._fail_round(job, h.round, "mismatch", msg)
+                return [Release((ev.buf,), sid)] + self._fail_round(job, h.round, "mismatch", msg, sid)
             if unit.bufs[rank] is not None:
                 msg = f"rank {rank} pushed round {h.round} key {h.key} chunk {h.chunk} of job {job.name} twice"
-                return [Release((ev.buf,)), Send(ev.conn, error("duplicate", msg, h.round, h.key, h.chunk))]
+                return [Release((ev.buf,), sid), Send(ev.conn, error("duplicate", msg, h.round, h.key, h.chunk), sid)]
         unit.bufs[rank] = ev.buf
         unit.arrived += 1
         job.bytes_in += h.nbytes
@@ -293,17 +309,18 @@ class AggregationCore:
         f = unit.first
         result = f.with_(mtype=MsgType.RESULT, rank=0)
         divisor = float(job.world) if f.op == Op.MEAN else 1.0
-        return [Reduce(job.name, DType(f.dtype), tuple(unit.bufs), divisor, result, conns, f.nbytes)]
+        return [Reduce(job.name, DType(f.dtype), tuple(unit.bufs), divisor, result, conns, f.nbytes, sid)]
 
     def _chunk_charge(self, h: Header) -> int:
         return max(h.nbytes, self.min_chunk_charge)
 
-    def _unit_charge(self, job: JobState) -> int:
+    def _unit_charge(self, job: AggregationJob) -> int:
         return self.unit_charge_per_rank * job.world
 
     # --- faults ---
 
-    def _fail_round(self, job: JobState, rnd: int, code: str, msg: str, skip: ConnId | None = None) -> list[Decision]:
+    def _fail_round(self, job: AggregationJob, rnd: int, code: str, msg: str, sid: str,
+                    skip: ConnId | None = None) -> list[Decision]:
         out: list[Decision] = []
         job.failed[rnd] = (code, msg)
         while len(job.failed) > FAILED_ROUNDS_KEPT:
@@ -313,10 +330,10 @@ class AggregationCore:
             bufs = tuple(b for b in unit.bufs if b is not None)
             job.held_bytes -= self._chunk_charge(unit.first) * len(bufs) + self._unit_charge(job)
             if bufs:
-                out.append(Release(bufs))
+                out.append(Release(bufs, sid))
         for conn in job.conns.values():
             if conn != skip:
-                out.append(Send(conn, error(code, msg, rnd, ALL, ALL, job.handle)))
+                out.append(Send(conn, error(code, msg, rnd, ALL, ALL, job.handle), sid))
         return out
 
     def _lost(self, ev: ConnectionLost) -> list[Decision]:
@@ -331,7 +348,7 @@ class AggregationCore:
         how = "closed its connection" if ev.orderly else "disconnected"
         for rnd in sorted({u[0] for u in job.units}):
             msg = f"rank {rank} of job {name} {how} during round {rnd} (server {self.server_id})"
-            out += self._fail_round(job, rnd, "peer_lost", msg, skip=ev.conn)
+            out += self._fail_round(job, rnd, "peer_lost", msg, ev.stimulus_id, skip=ev.conn)
         if not job.conns:
             del self.jobs[name]
         return out
@@ -346,12 +363,12 @@ class AggregationCore:
             for rnd, (uid, unit) in sorted(late.items()):
                 msg = (f"round {rnd} of job {job.name} timed out after {self.round_timeout_s:g} s on server "
                        f"{self.server_id}: ranks {unit.missing()} never pushed key {uid[1]} chunk {uid[2]}")
-                out += self._fail_round(job, rnd, "timeout", msg)
+                out += self._fail_round(job, rnd, "timeout", msg, ev.stimulus_id)
         return out
 
     # --- draining ---
 
-    def _redirect(self, job: JobState, key: int, chunk: int, rnd: int | None = None) -> bytes:
+    def _redirect(self, job: AggregationJob, key: int, chunk: int, rnd: int | None = None) -> bytes:
         body = {"from_round": job.drain_from, "server": self.server_id}
         return control(MsgType.REDIRECT, body, job=job.handle, round=job.drain_from if rnd is None else rnd,
                        key=key, chunk=chunk)
@@ -369,7 +386,7 @@ class AggregationCore:
             if job.drain_from is None:
                 job.drain_from = job.max_round + 1
             for conn in job.conns.values():
-                out.append(Send(conn, self._redirect(job, ALL, ALL)))
+                out.append(Send(conn, self._redirect(job, ALL, ALL), ev.stimulus_id))
         return out
 
     def drained(self) -> bool:

@@ -142,7 +142,7 @@ class AggregationServer:
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
         self._lock = threading.Lock()
-        self._eids = itertools.count(1)
+        self._eids = itertools.count(1)  # the core's stimulus ids: a counter, unique per server
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._conns: set[_Conn] = set()
@@ -185,7 +185,7 @@ class AggregationServer:
 
     def drain(self) -> None:
         """Move every job's future rounds to the other servers (clients re-route)."""
-        self._handle(Drain(next(self._eids), time.monotonic()))
+        self._handle(Drain(str(next(self._eids)), time.monotonic()))
 
     # --- core plumbing ---
 
@@ -264,7 +264,7 @@ class AggregationServer:
                     if not recv_exact(conn.sock, memoryview(buf)):
                         raise ConnectionError("peer closed the connection mid-message")
                     self.bytes_in += h.nbytes
-                    self._handle(ChunkArrived(next(self._eids), conn, h, buf, time.monotonic()))
+                    self._handle(ChunkArrived(str(next(self._eids)), time.monotonic(), conn, h, buf))
                     continue
                 payload = bytearray(h.nbytes)
                 if h.nbytes and not recv_exact(conn.sock, memoryview(payload)):
@@ -275,7 +275,7 @@ class AggregationServer:
                     except ProtocolError as exc:
                         conn.send(error("bad_message", str(exc)))
                         break
-                    self._handle(Register(next(self._eids), conn, hello, time.monotonic()))
+                    self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello))
                 elif h.mtype == MsgType.BYE:
                     orderly = True
                     break
@@ -285,7 +285,7 @@ class AggregationServer:
         except (ConnectionError, OSError) as exc:
             log.debug("connection %s lost: %s", conn.peer, exc)
         finally:
-            self._handle(ConnectionLost(next(self._eids), conn, time.monotonic(), orderly))
+            self._handle(ConnectionLost(str(next(self._eids)), time.monotonic(), conn, orderly))
             conn.close_after_flush()  # the sender flushes what is queued (an error), shuts the socket down
             conn.outq.put(None)  # and ends
             self._conns.discard(conn)
@@ -305,7 +305,7 @@ class AggregationServer:
         last_obs = 0.0
         while not self._stop.wait(self._tick_s):
             now = time.monotonic()
-            self._handle(Tick(next(self._eids), now))
+            self._handle(Tick(str(next(self._eids)), now))
             if now - last_obs >= 0.25:
                 self.pool.observe(now)
                 last_obs = now

@@ -25,6 +25,7 @@ import numpy as np
 import psutil
 
 from bench import report
+from nodesvc.bus.procs import free_port
 
 MiB = 1 << 20
 
@@ -224,14 +225,6 @@ def bench_kernel(nbytes: int, reps: int) -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gather(q, n: int, procs: list, timeout: float = 300) -> list:
     """n results from the queue; fails at once when a worker process dies instead."""
     import queue as _q
@@ -274,7 +267,7 @@ def bench_roundtrip(ctx, world: int, nbytes: int, reps: int) -> tuple[float, flo
     finally:
         srv.stop()
     q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     ps = _spawn(ctx, _gloo_worker, [(r, world, init, nbytes, reps, q) for r in range(world)])
     gloo = max(t for _, t in _gather(q, world, ps))
     _join(ps)
@@ -285,7 +278,7 @@ def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, float]:
     srv = _Server(ctx, server_id="ddp", max_cores=os.cpu_count() or 2)
     try:
         q = ctx.Queue()
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         ps = _spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
         res = _gather(q, 2, ps, timeout=600)
         _join(ps)

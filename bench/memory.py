@@ -38,7 +38,7 @@ import numpy as np
 import psutil
 
 from bench import report
-from nodesvc.bus.procs import free_port, wait_port
+from nodesvc.bus.procs import free_port, wait_port, wait_until
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -244,16 +244,6 @@ class Cluster:
         _stop(self.broker)
 
 
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.01)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 # --- our path ------------------------------------------------------------------------------------
 
 def our_latency(buf, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -319,7 +309,8 @@ def reclaim(cluster: Cluster, mem, buf, ctl) -> dict[str, Any]:
     rss0 = cluster.rss(victim)
     t0 = time.perf_counter()
     ctl.call(victim, "reclaim", {"bytes": held, "pause_s": 3600.0})
-    _wait(lambda: not ctl.call(victim, "donor_status", {})["slabs"], 60, "evicted slabs to be unmapped")
+    wait_until(lambda: not ctl.call(victim, "donor_status", {})["slabs"], 60, "evicted slabs to be unmapped",
+               interval=0.01)
     dt = time.perf_counter() - t0
     rss1 = cluster.rss(victim)
     st = ctl.call(victim, "donor_status", {})["stats"]
@@ -402,7 +393,7 @@ def run(args) -> dict[str, Any]:
         mem = RemoteMemory(broker=cluster.url, replicas=2, consumer_id="bench-consumer", discover_timeout_s=30)
         ctl = ControlPlane(cluster.url, "bench-operator")
         try:
-            _wait(lambda: len(mem.donors()) >= n_donors, 30, "donors")
+            wait_until(lambda: len(mem.donors()) >= n_donors, 30, "donors", interval=0.01)
             # a buffer that puts several slabs on every donor: the reclaim victim gets ~4
             main_bytes = 2 * n_donors * slab
             t = time.perf_counter()

@@ -37,7 +37,9 @@ class CgroupError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Allocation:
+class CgroupLimits:
+    """The limits one job's cgroup enforces on this node, as an ``allocate`` or ``run`` command asks."""
+
     job: str
     cpus: float | None = None  # CPU quota in cores (0.5 = half a core)
     cpuset: str | None = None  # e.g. "0-3,8"
@@ -165,7 +167,7 @@ class CgroupV2:
     def path(self, job: str) -> Path:
         return self.base / job
 
-    def apply(self, alloc: Allocation, pids: list[int] = ()) -> Path:
+    def apply(self, alloc: CgroupLimits, pids: list[int] = ()) -> Path:
         self._prepare()
         g = self.path(alloc.job)
         g.mkdir(exist_ok=True)
@@ -259,7 +261,7 @@ class CgroupV1:
     def path(self, job: str, controller: str = "cpu") -> Path:
         return self.bases[controller] / job
 
-    def apply(self, alloc: Allocation, pids: list[int] = ()) -> dict[str, Path]:
+    def apply(self, alloc: CgroupLimits, pids: list[int] = ()) -> dict[str, Path]:
         self._prepare()
         out = {}
         for c, b in self.bases.items():
@@ -336,7 +338,7 @@ class NoCgroups:
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def apply(self, alloc: Allocation, pids=()):
+    def apply(self, alloc: CgroupLimits, pids=()):
         raise CgroupError(f"cgroups unavailable: {self.reason}")
 
     def add_pids(self, job: str, pids) -> None:

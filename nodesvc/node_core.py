@@ -1,7 +1,7 @@
 """The node daemon's pure core: command validation and idempotence, no I/O.
 
-:func:`parse_op` turns a :class:`~nodesvc.messages.Command` into a typed spec
-or raises :class:`~nodesvc.messages.PayloadError` with a message for the
+:func:`parse_op` turns a :class:`~nodesvc.bus.messages.Command` into a typed spec
+or raises :class:`~nodesvc.bus.messages.PayloadError` with a message for the
 sender.  :class:`ReplyCache` makes commands idempotent: a command id seen
 before gets the same reply again, without applying anything twice (the
 scheduler replays commands after a restart).
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodesvc.cgroups import Allocation, parse_cpuset
+from nodesvc.cgroups import CgroupLimits, parse_cpuset
 from nodesvc.bus.messages import Command, PayloadError, arg, check_id
 
 MAX_ARGV = 256
@@ -30,7 +30,7 @@ class Ping:
 
 @dataclass(frozen=True)
 class AllocateSpec:
-    alloc: Allocation
+    alloc: CgroupLimits
     pids: tuple[int, ...] = ()
 
 
@@ -45,7 +45,7 @@ class RunSpec:
     argv: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    alloc: Allocation | None = None
+    alloc: CgroupLimits | None = None
     gpus: tuple[int, ...] = ()
 
 
@@ -58,7 +58,7 @@ class StopSpec:
 BUILTIN_OPS = ("ping", "allocate", "release", "run", "stop")
 
 
-def _alloc(args: dict[str, Any], job: str) -> Allocation:
+def _alloc(args: dict[str, Any], job: str) -> CgroupLimits:
     cpus = arg(args, "cpus", (int, float), required=False)
     if cpus is not None and not (0.01 <= cpus <= 4096):
         raise PayloadError(f"cpus must be between 0.01 and 4096 cores, got {cpus}")
@@ -73,7 +73,7 @@ def _alloc(args: dict[str, Any], job: str) -> Allocation:
     mem = arg(args, "memory_bytes", int, required=False)
     if mem is not None and not (1 << 20 <= mem <= 1 << 50):
         raise PayloadError(f"memory_bytes must be between 1 MiB and 1 PiB, got {mem}")
-    return Allocation(job=job, cpus=cpus, cpuset=cpuset, memory_bytes=mem)
+    return CgroupLimits(job=job, cpus=cpus, cpuset=cpuset, memory_bytes=mem)
 
 
 def _job(args: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """Donor reclaim: a pure state machine that decides which lent slabs to take back.
 
-Events carry an id (``stimulus_id``) and a time ``t`` (seconds, any monotonic
-clock the shell chooses); the core keeps no clock of its own.  Decisions tell
+Events start with an id (``stimulus_id``) and a time ``now`` (seconds, any
+monotonic clock the shell chooses); the core keeps no clock of its own.  Each
+decision carries the ``stimulus_id`` of the event that caused it.  Decisions tell
 the shell to notify a consumer that a slab is being evicted (with a deadline to
 move its data), or to unmap a slab whose deadline passed.
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class PressureSample:
     stimulus_id: str
-    t: float
+    now: float
     mem_available: int
     psi_some_avg10: float | None = None
 
@@ -27,7 +28,7 @@ class PressureSample:
 @dataclass(frozen=True)
 class SlabLent:
     stimulus_id: str
-    t: float
+    now: float
     slab: int
     consumer: str
     nbytes: int
@@ -36,9 +37,9 @@ class SlabLent:
 @dataclass(frozen=True)
 class SlabAccessed:
     stimulus_id: str
-    t: float
+    now: float
     slab: int
-    last_access: float  # same clock as t
+    last_access: float  # same clock as now
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SlabReturned:
     """The consumer unmapped the slab (its ack), or the shell unmapped it."""
 
     stimulus_id: str
-    t: float
+    now: float
     slab: int
 
 
@@ -55,14 +56,16 @@ class ReclaimRequested:
     """An operator (or a test) asks for ``nbytes`` back now."""
 
     stimulus_id: str
-    t: float
+    now: float
     nbytes: int
 
 
 @dataclass(frozen=True)
 class Tick:
+    """Time passed: slabs whose eviction deadline is over are unmapped."""
+
     stimulus_id: str
-    t: float
+    now: float
 
 
 Event = PressureSample | SlabLent | SlabAccessed | SlabReturned | ReclaimRequested | Tick
@@ -109,7 +112,7 @@ class ReclaimCore:
 
     def handle(self, ev: Event) -> list[Decision]:
         if isinstance(ev, SlabLent):
-            self.leases[ev.slab] = _Lease(ev.slab, ev.consumer, ev.nbytes, ev.t)
+            self.leases[ev.slab] = _Lease(ev.slab, ev.consumer, ev.nbytes, ev.now)
             return []
         if isinstance(ev, SlabAccessed):
             lease = self.leases.get(ev.slab)
@@ -120,7 +123,7 @@ class ReclaimCore:
             self.leases.pop(ev.slab, None)
             return []
         if isinstance(ev, ReclaimRequested):
-            return self._evict(ev.nbytes, ev.t, "requested", ev.stimulus_id)
+            return self._evict(ev.nbytes, ev.now, "requested", ev.stimulus_id)
         if isinstance(ev, PressureSample):
             return self._pressure(ev)
         if isinstance(ev, Tick):
@@ -135,19 +138,19 @@ class ReclaimCore:
         shortfall = self.headroom_bytes - ev.mem_available
         out: list[Decision] = []
         if shortfall > 0:
-            out += self._evict(shortfall, ev.t, f"MemAvailable {ev.mem_available} under headroom "
+            out += self._evict(shortfall, ev.now, f"MemAvailable {ev.mem_available} under headroom "
                                                 f"{self.headroom_bytes}", ev.stimulus_id)
         psi = ev.psi_some_avg10
-        if psi is not None and psi > self.psi_threshold and ev.t - self.last_psi_evict >= self.psi_cooldown_s:
+        if psi is not None and psi > self.psi_threshold and ev.now - self.last_psi_evict >= self.psi_cooldown_s:
             if not out and not self.evicting:
-                out += self._evict(1, ev.t, f"PSI some avg10 {psi:.1f} > {self.psi_threshold:.1f}",
+                out += self._evict(1, ev.now, f"PSI some avg10 {psi:.1f} > {self.psi_threshold:.1f}",
                                    ev.stimulus_id)
             if out:
-                self.last_psi_evict = ev.t
-        out += self._expire(Tick(ev.stimulus_id, ev.t))
+                self.last_psi_evict = ev.now
+        out += self._expire(Tick(ev.stimulus_id, ev.now))
         return out
 
-    def _evict(self, nbytes: int, t: float, reason: str, sid: str) -> list[Decision]:
+    def _evict(self, nbytes: int, now: float, reason: str, sid: str) -> list[Decision]:
         """Notify the least recently used slabs until ``nbytes`` (beyond what is already going) is covered."""
         pending = sum(lease.nbytes for lease in self.leases.values() if lease.evict_deadline is not None)
         need = nbytes - pending
@@ -156,7 +159,7 @@ class ReclaimCore:
                             key=lambda x: (x.last_access, x.slab)):
             if need <= 0:
                 break
-            lease.evict_deadline = t + self.deadline_s
+            lease.evict_deadline = now + self.deadline_s
             need -= lease.nbytes
             out.append(NotifyEvict(lease.slab, lease.consumer, self.deadline_s, reason, sid))
             self.log.append((sid, f"evict {lease.slab} ({reason})"))
@@ -165,7 +168,7 @@ class ReclaimCore:
     def _expire(self, ev: Tick) -> list[Decision]:
         out: list[Decision] = []
         for lease in sorted(self.leases.values(), key=lambda x: x.slab):
-            if lease.evict_deadline is not None and ev.t >= lease.evict_deadline:
+            if lease.evict_deadline is not None and ev.now >= lease.evict_deadline:
                 out.append(ForceUnmap(lease.slab, lease.consumer, "eviction deadline passed", ev.stimulus_id))
                 self.log.append((ev.stimulus_id, f"unmap {lease.slab} after deadline"))
                 del self.leases[lease.slab]
@@ -181,25 +184,25 @@ class LeaseBook:
     expiry: dict[str, float] = field(default_factory=dict)
     ttl: dict[str, float] = field(default_factory=dict)
 
-    def renew(self, consumer: str, t: float, ttl_s: float) -> None:
-        self.expiry[consumer] = max(self.expiry.get(consumer, float("-inf")), t + ttl_s)
+    def renew(self, consumer: str, now: float, ttl_s: float) -> None:
+        self.expiry[consumer] = max(self.expiry.get(consumer, float("-inf")), now + ttl_s)
         self.ttl[consumer] = ttl_s
 
-    def touch(self, consumer: str, t: float) -> None:
-        """Data-plane use at time ``t`` renews too: a consumer reading and writing its slabs is alive,
+    def touch(self, consumer: str, now: float) -> None:
+        """Data-plane use at time ``now`` renews too: a consumer reading and writing its slabs is alive,
         even if its renewals (over MQTT) do not get through."""
         if consumer in self.expiry:
-            self.expiry[consumer] = max(self.expiry[consumer], t + self.ttl[consumer])
+            self.expiry[consumer] = max(self.expiry[consumer], now + self.ttl[consumer])
 
-    def grace(self, t: float) -> None:
-        """Every consumer gets a full lease from ``t``: after the donor was cut off from the
+    def grace(self, now: float) -> None:
+        """Every consumer gets a full lease from ``now``: after the donor was cut off from the
         broker, nobody's renewals could arrive, so none may expire for that."""
         for c in self.expiry:
-            self.expiry[c] = max(self.expiry[c], t + self.ttl[c])
+            self.expiry[c] = max(self.expiry[c], now + self.ttl[c])
 
-    def expired(self, t: float) -> list[str]:
+    def expired(self, now: float) -> list[str]:
         """Consumers whose lease ran out (they are forgotten)."""
-        gone = sorted(c for c, until in self.expiry.items() if t >= until)
+        gone = sorted(c for c, until in self.expiry.items() if now >= until)
         for c in gone:
             del self.expiry[c]
             self.ttl.pop(c, None)

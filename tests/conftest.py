@@ -1,20 +1,27 @@
-"""Shared fixtures: real MQTT brokers (mosquitto and the embedded amqtt) on free ports.
+"""Shared fixtures for the whole suite: real MQTT brokers and real node daemons.
 
-Every broker is a real process, started on a free loopback port and stopped
-by pid at the end of the test that asked for it.
+- ``mosquitto``, ``amqtt_broker``, ``broker`` (both, parametrised): a broker process on a
+  free loopback port (:class:`BrokerProc`: ``url``, ``stop()``, ``start()`` again on the same port);
+- ``node_daemons``: a factory that starts ``dlshare node`` processes (:class:`NodeProc`).
+
+Every process is real, started on free loopback ports and stopped by pid at the end of
+the test that asked for it.  Port and waiting helpers come from :mod:`nodesvc.bus.procs`
+(``free_port``, ``wait_port``, ``wait_until``, ``until``, ``stop_proc``); import them from there.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
 
-from nodesvc.bus.procs import free_port, stop_proc, wait_port  # noqa: F401  (re-exported for tests)
+from nodesvc.bus.procs import free_port, stop_proc, wait_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -77,3 +84,70 @@ def broker(request, tmp_path):
     b = BrokerProc(request.param, free_port(), tmp_path).start()
     yield b
     b.stop()
+
+
+class NodeProc:
+    """A real ``dlshare node`` daemon process, logging to ``log_path``."""
+
+    def __init__(self, broker_url: str, node_id: str, tmp: Path, args: tuple[str, ...], interval: float,
+                 env: Mapping[str, str] | None) -> None:
+        self.node_id = node_id
+        self.log_path = tmp / f"node-{node_id}.log"
+        self.state_dir = tmp / f"state-{node_id}"
+        self.argv = [PY, "-m", "nodesvc.cli", "node", "--broker", broker_url, "--node-id", node_id,
+                     "--interval", str(interval), "--metrics-listen", "127.0.0.1:0", *args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "DLSHARE_NODE_STATE_DIR": str(self.state_dir),
+                     **(env or {})})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill9(self) -> None:
+        """SIGKILL, as a crash: the broker publishes the daemon's Last Will."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """A clean stop (it publishes its offline state), killed after ``timeout`` s."""
+        stop_proc(self.proc, sig, timeout)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+NodeFactory = Callable[..., NodeProc]
+
+
+@pytest.fixture
+def node_daemons(tmp_path) -> NodeFactory:
+    """A factory of real node daemons; every one still running is stopped at the end of the test.
+
+    ``start(broker_url: str, node_id: str, *args: str, interval: float = 0.5,
+    env: Mapping[str, str] | None = None) -> NodeProc`` runs
+    ``python -m nodesvc.cli node --broker BROKER_URL --node-id NODE_ID --interval INTERVAL
+    --metrics-listen 127.0.0.1:0 *ARGS`` from the repository root.  ``args`` come last, so they
+    may override those flags (``"--metrics-listen", "127.0.0.1:-1"`` turns metrics off) and add
+    others (``"--fake-gpus", "2"``, ``"--allow-run"``, ``"--lend"``).  ``env`` adds to the test's
+    environment (config keys as ``DLSHARE_<SECTION>_<KEY>``); the daemon's state directory is
+    ``tmp_path/state-NODE_ID`` (``DLSHARE_NODE_STATE_DIR``), its log ``tmp_path/node-NODE_ID.log``
+    (:meth:`NodeProc.output`).  It returns at once: wait for the daemon's retained ``online``
+    state (or its metrics port) before talking to it.
+    """
+    started: list[NodeProc] = []
+
+    def start(broker_url: str, node_id: str, *args: str, interval: float = 0.5,
+              env: Mapping[str, str] | None = None) -> NodeProc:
+        node = NodeProc(broker_url, node_id, tmp_path, args, interval, env)
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()

@@ -1,9 +1,20 @@
-"""The one console script, ``dlshare``.
+"""Floor 3, the top: the one console script, ``dlshare``.
 
 Each package contributes its subcommands from its own module, which defines
 ``register(sub)`` and calls :func:`add_command` for each command.  A command's
 flags that set config keys are declared with :func:`config_flag`, so the
 precedence defaults < file < environment < flags holds everywhere.
+
+- :mod:`~nodesvc.cli.node`: ``dlshare node`` (runs :mod:`nodesvc.daemon`);
+- :mod:`~nodesvc.cli.broker`: ``dlshare broker`` (the embedded amqtt broker);
+- :mod:`~nodesvc.cli.status`: ``dlshare status`` (the cluster from retained state);
+- :mod:`~nodesvc.cli.up` and :mod:`~nodesvc.cli.tour`: ``dlshare up [--tour]``;
+- :mod:`~nodesvc.cli.output`: shared console output.
+
+May import: every floor below (:mod:`nodesvc.bus`, the libraries and cores, the shells
+:mod:`nodesvc.daemon`, ``aggregator.server``, ``scheduler.service``) and the other packages'
+command modules, which it loads by name (:data:`COMMAND_MODULES`; ``bench.cli`` too, so nothing
+imports ``bench``).  Nothing below floor 3 may import this package.
 """
 
 from __future__ import annotations

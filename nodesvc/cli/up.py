@@ -22,11 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodesvc.bus import config
 from nodesvc import netns
-from nodesvc.bus.procs import split_hostport
+from nodesvc.bus import config
+from nodesvc.bus.procs import free_port, split_hostport, wait_port
 from nodesvc.netns import HostNet
-from nodesvc.bus.procs import wait_port
 
 log = logging.getLogger("dlshare.up")
 
@@ -75,9 +74,7 @@ def _pick(host: str, port: int) -> int:
     """The configured port, or a free one when it is taken (said in the log)."""
     if _port_free(host, port):
         return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        free = s.getsockname()[1]
+    free = free_port(host)
     log.warning("port %d on %s is in use; using %d instead", port, host, free)
     return free
 
@@ -231,13 +228,15 @@ def _run(args, cfg) -> int:
     if not console.is_terminal:
         console = Console(width=132)
     st = Stack()
-    stop = {"flag": False}
 
     def on_signal(signum, frame):
-        stop["flag"] = True
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT too, explicitly: Python installs its KeyboardInterrupt handler only when SIGINT is not
+    # ignored at start, and a shell starts background jobs (`dlshare up &`, CI runners, nohup) with
+    # SIGINT ignored; `kill -INT` would then do nothing.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
         with console.status("starting the dlshare stack..."):
             st = start(cfg, cfg["dlshare"]["log_json"])

@@ -78,7 +78,7 @@ class NodeDaemon:
         self.jobs = JobTable(n["state_dir"] or default_state_dir(self.node_id))
         self.allow_run = bool(n["allow_run"])
         self.protected_pids = protected_pids()
-        self.allocations: dict[str, cgroups.Allocation] = {}
+        self.allocations: dict[str, cgroups.CgroupLimits] = {}
         nvml = None
         if n["fake_gpus"] > 0:
             nvml = SimulatedNvml(int(n["fake_gpus"]), load=self._simulated_gpu_load)

@@ -17,12 +17,3 @@ def run_ranks(world: int, fn, timeout: float = 30.0) -> list:
         futs = [ex.submit(fn, r) for r in range(world)]
         return [f.result(timeout=timeout) for f in futs]
 
-
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

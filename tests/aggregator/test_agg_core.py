@@ -7,6 +7,7 @@ import json
 from aggregator.core import (ALL, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
                              Release, Send, Tick)
 from aggregator.protocol import HEADER_SIZE, DType, Hello, MsgType, Op, data_header, parse_header
+from tests.core_conventions import assert_core_convention
 
 
 class Conn:
@@ -30,13 +31,13 @@ def msgs(decisions, conn=None):
 def push(core, conn, rank, world, rnd, key=0, chunk=0, nbytes=16, numel=4, dtype=DType.F32, op=Op.MEAN,
          handle=1, now=0.0, nchunks=1):
     h = data_header(MsgType.PUSH, dtype, op, handle, rank, world, rnd, key, chunk, nchunks, nbytes, numel)
-    return core.handle(ChunkArrived(0, conn, h, f"buf-{conn}-{rnd}-{key}-{chunk}", now))
+    return core.handle(ChunkArrived(f"push-{conn}-{rnd}-{key}-{chunk}", now, conn, h, f"buf-{conn}-{rnd}-{key}-{chunk}"))
 
 
 def job(core, name, world, now=0.0):
     conns = [Conn(f"{name}.{r}") for r in range(world)]
     for r, c in enumerate(conns):
-        d = core.handle(Register(r, c, Hello(name, r, world), now))
+        d = core.handle(Register(f"hello-{c}", now, c, Hello(name, r, world)))
         assert msgs(d, c)[0][1].mtype == MsgType.WELCOME
     return conns, core.jobs[name].handle
 
@@ -83,7 +84,7 @@ def test_world_mismatch_is_refused_with_a_clear_error():
     core = AggregationCore("s", 5.0)
     job(core, "j", 2)
     c = Conn("x")
-    d = core.handle(Register(9, c, Hello("j", 1, 4), 0.0))
+    d = core.handle(Register("hello-x", 0.0, c, Hello("j", 1, 4)))
     (_, h, body), = msgs(d)
     assert body["code"] == "world_mismatch" and "world size 2" in body["message"]
     assert any(isinstance(x, Close) and x.conn is c for x in d)
@@ -107,7 +108,7 @@ def test_lost_worker_fails_its_jobs_rounds_and_leaves_other_jobs_alone():
     b, hb = job(core, "b", 2)
     push(core, a[0], 0, 2, 3, handle=ha)
     push(core, b[0], 0, 2, 3, handle=hb)
-    d = core.handle(ConnectionLost(1, a[1], 1.0))
+    d = core.handle(ConnectionLost("lost", 1.0, a[1]))
     errs = msgs(d)
     assert [(c, body["code"]) for c, _, body in errs] == [(a[0], "peer_lost")]
     assert "rank 1 of job a disconnected during round 3" in errs[0][2]["message"]
@@ -121,8 +122,8 @@ def test_round_timeout_names_the_missing_ranks():
     conns, hd = job(core, "j", 3)
     push(core, conns[0], 0, 3, 5, now=10.0, handle=hd)
     push(core, conns[2], 2, 3, 5, now=10.5, handle=hd)
-    assert core.handle(Tick(1, 11.9)) == []
-    d = core.handle(Tick(2, 12.0))
+    assert core.handle(Tick("t1", 11.9)) == []
+    d = core.handle(Tick("t2", 12.0))
     errs = msgs(d)
     assert len(errs) == 3 and all(b["code"] == "timeout" for _, _, b in errs)
     assert "ranks [1] never pushed" in errs[0][2]["message"]
@@ -134,7 +135,7 @@ def test_reconnecting_rank_replaces_its_old_connection():
     conns, hd = job(core, "j", 2)
     push(core, conns[0], 0, 2, 0, handle=hd)
     new = Conn("j.1b")
-    d = core.handle(Register(5, new, Hello("j", 1, 2), 0.0))
+    d = core.handle(Register("hello-again", 0.0, new, Hello("j", 1, 2)))
     assert any(isinstance(x, Close) and x.conn is conns[1] for x in d)
     assert [b["code"] for _, _, b in msgs(d, conns[0])] == ["peer_lost"]
     push(core, conns[0], 0, 2, 1, handle=hd)
@@ -146,7 +147,7 @@ def test_drain_finishes_started_rounds_and_redirects_new_ones():
     core = AggregationCore("s", 5.0)
     conns, hd = job(core, "j", 2)
     push(core, conns[0], 0, 2, 7, handle=hd)  # round 7 started here
-    d = core.handle(Drain(1, 0.0))
+    d = core.handle(Drain("drain", 0.0))
     notes = msgs(d)
     assert len(notes) == 2 and all(h.mtype == MsgType.REDIRECT and b["from_round"] == 8 for _, h, b in notes)
     # rank 1 pushes round 7 (started) and round 6 (below from_round): both stay here
@@ -164,9 +165,9 @@ def test_drain_finishes_started_rounds_and_redirects_new_ones():
 
 def test_new_job_on_a_draining_server_is_redirected_from_round_zero():
     core = AggregationCore("s", 5.0)
-    core.handle(Drain(1, 0.0))
+    core.handle(Drain("drain", 0.0))
     c = Conn("n")
-    d = core.handle(Register(2, c, Hello("new", 0, 1), 0.0))
+    d = core.handle(Register("hello-n", 0.0, c, Hello("new", 0, 1)))
     kinds = [h.mtype for _, h, _ in msgs(d)]
     assert kinds == [MsgType.WELCOME, MsgType.REDIRECT] and msgs(d)[1][2]["from_round"] == 0
 
@@ -174,8 +175,8 @@ def test_new_job_on_a_draining_server_is_redirected_from_round_zero():
 def test_last_rank_leaving_forgets_the_job():
     core = AggregationCore("s", 5.0)
     conns, _ = job(core, "j", 2)
-    core.handle(ConnectionLost(1, conns[0], 0.0, orderly=True))
-    core.handle(ConnectionLost(2, conns[1], 0.0, orderly=True))
+    core.handle(ConnectionLost("bye0", 0.0, conns[0], orderly=True))
+    core.handle(ConnectionLost("bye1", 0.0, conns[1], orderly=True))
     assert "j" not in core.jobs
     job(core, "j", 4)  # a new incarnation may use another world size
     assert core.jobs["j"].world == 4
@@ -185,11 +186,11 @@ def test_registered_layout_is_checked_at_registration_and_on_every_push():
     core = AggregationCore("s", 5.0)
     lay = ((0, 4, int(DType.F32)), (1, 8, int(DType.F16)))
     c0, c1, c2 = Conn("a"), Conn("b"), Conn("c")
-    assert msgs(core.handle(Register(1, c0, Hello("j", 0, 2, lay), 0.0)))[0][1].mtype == MsgType.WELCOME
-    d = core.handle(Register(2, c1, Hello("j", 1, 2, ((0, 4, int(DType.F32)), (1, 9, int(DType.F16)))), 0.0))
+    assert msgs(core.handle(Register("hello-a", 0.0, c0, Hello("j", 0, 2, lay))))[0][1].mtype == MsgType.WELCOME
+    d = core.handle(Register("hello-b", 0.0, c1, Hello("j", 1, 2, ((0, 4, int(DType.F32)), (1, 9, int(DType.F16))))))
     (_, _, body), = msgs(d)
     assert body["code"] == "layout_mismatch" and "key 1: job has 8 float16 elements, this rank 9" in body["message"]
-    core.handle(Register(3, c2, Hello("j", 1, 2), 0.0))  # a rank without a layout joins the registered one
+    core.handle(Register("hello-c", 0.0, c2, Hello("j", 1, 2)))  # a rank without a layout joins the registered one
     hd = core.jobs["j"].handle
     d = push(core, c0, 0, 2, 0, key=1, nbytes=16, numel=4, handle=hd)  # key 1 is float16 x 8
     (_, _, body), = msgs(d, c0)
@@ -216,7 +217,7 @@ def test_a_job_cannot_pin_more_than_its_byte_limit():
     errs = msgs(d)
     assert {b["code"] for _, _, b in errs} == {"over_limit"} and "limit of 48" in errs[0][2]["message"]
     assert core.jobs["j"].held_bytes == 48  # round 4 held nothing; rounds 1-3 still wait
-    core.handle(ConnectionLost(9, conns[1], 1.0))
+    core.handle(ConnectionLost("lost", 1.0, conns[1]))
     assert core.jobs["j"].held_bytes == 0
 
 
@@ -232,5 +233,27 @@ def test_tiny_chunks_of_a_huge_world_are_charged_for_their_bookkeeping():
     # each open unit costs 4096 + 8 * 4096 bytes, so 1 MiB allows 28 of them, not a thousand
     assert accepted == (1 << 20) // (4096 + 8 * 4096)
     assert {b["code"] for _, _, b in msgs(d)} == {"over_limit"}
-    core.handle(ConnectionLost(9, conns[0], 1.0))
+    core.handle(ConnectionLost("lost", 1.0, conns[0]))
     assert core.jobs.get("big") is None or core.jobs["big"].held_bytes == 0
+
+
+def test_events_and_decisions_follow_the_one_convention():
+    import aggregator.core
+
+    assert_core_convention(aggregator.core)
+
+
+def test_every_decision_carries_the_stimulus_id_of_its_event():
+    core = AggregationCore("s", 2.0)
+    conns, hd = job(core, "j", 2)
+    d = push(core, conns[0], 0, 2, 0, handle=hd) + push(core, conns[1], 1, 2, 0, handle=hd)
+    (red,) = d
+    assert red.stimulus_id == f"push-{conns[1]}-0-0-0"
+    push(core, conns[0], 0, 2, 1, now=1.0, handle=hd)
+    d = core.handle(Tick("tick-9", 3.0))
+    assert d and {x.stimulus_id for x in d} == {"tick-9"}
+    push(core, conns[0], 0, 2, 2, handle=hd)
+    d = core.handle(Register("hello-again", 0.0, Conn("j.1b"), Hello("j", 1, 2)))  # replaces rank 1's connection
+    assert {type(x) for x in d} >= {Send, Close, Release} and {x.stimulus_id for x in d} == {"hello-again"}
+    d = core.handle(Drain("drain-1", 0.0))
+    assert d and {x.stimulus_id for x in d} == {"drain-1"}

@@ -9,22 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from aggtest import addr
+from nodesvc.bus.procs import free_port
+from tests.aggregator.aggtest import addr
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6) -> list[dict]:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
     for rank in range(world):
         out = tmp_path / f"rank{rank}.pt"
@@ -87,10 +80,9 @@ def test_ddp_four_ranks_within_1e6_relative_on_two_servers(agg_servers, tmp_path
 
 
 def _initial() -> list[torch.Tensor]:
-    sys.path.insert(0, str(HERE))
-    import ddp_worker
+    from tests.aggregator.ddp_worker import build
 
-    return [p.detach() for p in ddp_worker.build().parameters()]
+    return [p.detach() for p in build().parameters()]
 
 
 pytestmark = pytest.mark.slow

@@ -13,39 +13,15 @@ import numpy as np
 import pytest
 
 from aggregator import AggregationError, Client
-from aggtest import addr, run_ranks
+from nodesvc.bus.procs import free_port, stop_proc, wait_port, wait_until
+from tests.aggregator.aggtest import addr, run_ranks
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"no server on {port}")
-
-
 def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=10)
+    stop_proc(proc, signal.SIGKILL)
 
 
 def test_kill_worker_mid_round_fails_its_job_fast_and_leaves_others_alone(agg_servers):
@@ -83,7 +59,8 @@ def test_kill_worker_mid_round_fails_its_job_fast_and_leaves_others_alone(agg_se
             assert worker.stdout.readline().strip() == b"ready"
             t.start()
             fut = c0.allreduce_async(np.zeros(1000, np.float32))  # round 1: rank 1 never pushes it
-            time.sleep(0.3)
+            wait_until(lambda: srv.stats()["jobs"]["victim"]["pending"], timeout=10,
+                       what="rank 0's round 1 to wait on the server")
             assert not fut.done()
             n_before = len(bystander_rounds)
             worker.send_signal(signal.SIGKILL)
@@ -93,7 +70,8 @@ def test_kill_worker_mid_round_fails_its_job_fast_and_leaves_others_alone(agg_se
             assert isinstance(exc, AggregationError) and exc.code == "peer_lost"
             assert "rank 1 of job victim disconnected during round 1" in str(exc)
             assert elapsed < 5.0
-            time.sleep(0.5)
+            wait_until(lambda: len(bystander_rounds) > n_before or bystander_err, timeout=20,
+                       what="the other job to finish a round after the kill")
         stop.set()
         t.join(timeout=20)
         assert not bystander_err, bystander_err
@@ -104,13 +82,13 @@ def test_kill_worker_mid_round_fails_its_job_fast_and_leaves_others_alone(agg_se
 
 
 def test_kill_server_then_restart_the_job_goes_on(tmp_path):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "aggregator.cli", "--listen", f"127.0.0.1:{port}", "--broker", "",
            "--round-timeout-s", "5", "--max-cores", "2"]
 
     def start() -> subprocess.Popen:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        _wait_port(port, p)
+        wait_port(port, proc=p)
         return p
 
     server = start()
@@ -147,11 +125,11 @@ def test_kill_server_then_restart_the_job_goes_on(tmp_path):
 
 
 def test_sigterm_stops_the_server_cleanly():
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "aggregator.cli", "--listen", f"127.0.0.1:{port}", "--broker", ""],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        _wait_port(port, p)
+        wait_port(port, proc=p)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=10) == 0
     finally:

@@ -11,6 +11,7 @@ from aggregator import kernel
 from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import DType
 from aggregator.scheduling import PoolController
+from nodesvc.bus.procs import wait_until
 
 
 def test_pool_grows_under_load_and_shrinks_when_idle():
@@ -33,15 +34,14 @@ def test_pool_grows_under_load_and_shrinks_when_idle():
             time.sleep(0.05)
             pool.observe(time.monotonic())
         assert pool.size >= 2
-        while len(pool.queue):
-            time.sleep(0.05)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and pool.size > 1:
-            time.sleep(0.1)
+        wait_until(lambda: not len(pool.queue), timeout=60, what="the backlog to drain")
+
+        def shrunk() -> bool:
             pool.observe(time.monotonic())
-        assert pool.size == 1
-        time.sleep(0.2)
-        assert pool._live == 1  # surplus threads exited
+            return pool.size == 1
+
+        wait_until(shrunk, timeout=5, interval=0.1, what="the idle pool to shrink to its minimum")
+        wait_until(lambda: pool._live == 1, timeout=5, what="the surplus threads to exit")
         assert pool.held_core_seconds() > 0
     finally:
         pool.stop()
@@ -53,17 +53,15 @@ def test_pool_serves_a_small_job_between_a_large_jobs_tasks():
     order: list[str] = []
     pool.start()
     try:
-        pool.submit("big", gate.wait, 1)
-        time.sleep(0.1)  # the only thread is now blocked in the gate
+        blocked = threading.Event()
+        pool.submit("big", lambda: (blocked.set(), gate.wait()), 1)
+        assert blocked.wait(5)  # the only thread is now blocked in the gate
         for _ in range(20):
             pool.submit("big", lambda: order.append("big"), 4 << 20)
         for _ in range(3):
             pool.submit("small", lambda: order.append("small"), 64 << 10)
         gate.set()
-        deadline = time.monotonic() + 5
-        while len(order) < 23 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(order) == 23
+        wait_until(lambda: len(order) == 23, timeout=10, interval=0.01, what="every task to run")
         assert order.index("small") <= 1 and order[:5].count("small") == 3
     finally:
         pool.stop()

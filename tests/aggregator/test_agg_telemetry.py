@@ -15,8 +15,9 @@ import numpy as np
 from aggregator import Client
 from aggregator.cli import resolve
 from aggregator.server import serve
-from aggtest import free_port, run_ranks
 from nodesvc.bus import config, messages
+from nodesvc.bus.procs import free_port
+from tests.aggregator.aggtest import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 

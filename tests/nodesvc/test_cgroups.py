@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from nodesvc import cgroups
-from nodesvc.cgroups import Allocation, CgroupV1, CgroupV2
+from nodesvc.cgroups import CgroupLimits, CgroupV1, CgroupV2
 
 V1 = cgroups.detect("/sys/fs/cgroup") == 1 and os.geteuid() == 0
 needs_v1 = pytest.mark.skipif(not V1, reason="needs root and a cgroup v1 hierarchy (present on the dev and CI machines)")
@@ -64,7 +64,7 @@ def _cpu_seconds(pid: int) -> float:
 def test_v1_cpu_quota_holds_busy_loop_to_half_a_core(v1):
     p = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
-        v1.apply(Allocation("cpu-half", cpus=0.5), [p.pid])
+        v1.apply(CgroupLimits("cpu-half", cpus=0.5), [p.pid])
         assert p.pid in v1.pids("cpu-half")
         assert (v1.path("cpu-half", "cpu") / "cpu.cfs_quota_us").read_text().strip() == "50000"
         time.sleep(0.3)
@@ -90,7 +90,7 @@ def test_v1_cpu_quota_holds_busy_loop_to_half_a_core(v1):
 @needs_v1
 def test_v1_memory_limit_stops_child_with_oom_kill(v1):
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(1)\n" + HOG], stdin=subprocess.PIPE)
-    v1.apply(Allocation("mem-64m", memory_bytes=64 << 20), [p.pid])
+    v1.apply(CgroupLimits("mem-64m", memory_bytes=64 << 20), [p.pid])
     assert (v1.path("mem-64m", "memory") / "memory.limit_in_bytes").read_text().strip() == str(64 << 20)
     p.stdin.write(b"x")
     p.stdin.flush()
@@ -104,7 +104,7 @@ def test_v1_memory_limit_stops_child_with_oom_kill(v1):
 def test_v1_cpuset_and_release_moves_processes_out(v1):
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        v1.apply(Allocation("pinned", cpuset="0"), [p.pid])
+        v1.apply(CgroupLimits("pinned", cpuset="0"), [p.pid])
         if "cpuset" in v1.bases:
             assert (v1.path("pinned", "cpuset") / "cpuset.cpus").read_text().strip() == "0"
             time.sleep(0.1)
@@ -138,7 +138,7 @@ def test_v2_detect_and_delegated_layout(tmp_path):
     assert cgroups.detect(tmp_path / "nothing") is None
     drv = CgroupV2(root, base="/system.slice/dlshare-node.service", group="dlshare/n1")
     drv.delegated = True  # systemd Delegate=yes: the daemon owns its service cgroup
-    g = drv.apply(Allocation("job-a", cpus=1.5, cpuset="0-1", memory_bytes=1 << 30), [])
+    g = drv.apply(CgroupLimits("job-a", cpus=1.5, cpuset="0-1", memory_bytes=1 << 30), [])
     assert g == svc / "dlshare" / "n1" / "job-a"
     # no internal processes: the daemon moved to its own leaf before controllers were enabled
     assert (svc / "dlshare-n1.daemon" / "cgroup.procs").read_text() == str(os.getpid())
@@ -157,8 +157,8 @@ def test_v2_two_daemons_in_one_cgroup_keep_separate_groups(tmp_path):
     _fake_v2(root)
     a = CgroupV2(root, base="/shared", group="dlshare/node-1")
     b = CgroupV2(root, base="/shared", group="dlshare/node-2")
-    ga = a.apply(Allocation("train-0", cpus=1.0))
-    gb = b.apply(Allocation("train-0", cpus=2.0))
+    ga = a.apply(CgroupLimits("train-0", cpus=1.0))
+    gb = b.apply(CgroupLimits("train-0", cpus=2.0))
     assert ga != gb
     assert (ga / "cpu.max").read_text() == "100000 100000" and (gb / "cpu.max").read_text() == "200000 100000"
     a.release("train-0")
@@ -172,7 +172,7 @@ def test_v2_swap_is_closed_when_the_kernel_has_it(tmp_path):
     g = drv.path("j")
     g.mkdir(parents=True)
     (g / "memory.swap.max").write_text("max")
-    drv.apply(Allocation("j", memory_bytes=64 << 20))
+    drv.apply(CgroupLimits("j", memory_bytes=64 << 20))
     assert (g / "memory.swap.max").read_text() == "0"
 
 
@@ -180,7 +180,7 @@ def test_v2_explicit_base_enables_controllers_down_the_path(tmp_path):
     root = tmp_path / "cg"
     _fake_v2(root)
     drv = CgroupV2(root, base="/dlshare")
-    drv.apply(Allocation("j", cpus=None, memory_bytes=None), [111])
+    drv.apply(CgroupLimits("j", cpus=None, memory_bytes=None), [111])
     assert "+memory" in (root / "cgroup.subtree_control").read_text()
     g = root / "dlshare" / "dlshare" / "j"
     assert (g / "cpu.max").read_text() == "max 100000"
@@ -198,7 +198,7 @@ def test_v2_oom_events_counted(tmp_path):
     root = tmp_path / "cg"
     _fake_v2(root)
     drv = CgroupV2(root, base="/dlshare")
-    drv.apply(Allocation("j", memory_bytes=64 << 20))
+    drv.apply(CgroupLimits("j", memory_bytes=64 << 20))
     (drv.path("j") / "memory.events").write_text("low 0\nhigh 3\nmax 9\noom 1\noom_kill 1\n")
     assert drv.oom_kills("j") == 1
 
@@ -207,4 +207,4 @@ def test_no_cgroups_refuses_with_reason(tmp_path):
     d = cgroups.driver(str(tmp_path / "none"))
     assert d.version == 0
     with pytest.raises(cgroups.CgroupError, match="no cgroup hierarchy"):
-        d.apply(Allocation("j", cpus=1))
+        d.apply(CgroupLimits("j", cpus=1))

@@ -1,0 +1,30 @@
+"""``dlshare status``: the cluster summarised from retained state messages, and its table."""
+
+import time
+
+from nodesvc.cli import status
+
+
+def test_summarize_status_document():
+    states = {
+        "dlshare/v1/node/a/state": {"status": "online", "ts": time.time(), "summary": {
+            "cpu_count": 8, "cpu_percent": 10.0, "memory_total_bytes": 64 << 30, "memory_available_bytes": 40 << 30,
+            "gpus": 4, "gpu_util_percent": [1, 2, 3, 4], "jobs_running": 2,
+            "donor": {"lendable_bytes": 8 << 30, "lent_bytes": 2 << 30, "lent_to": {"b": 2 << 30}}}},
+        "dlshare/v1/node/b/state": {"status": "offline", "reason": "connection lost"},
+        "dlshare/v1/agg/s1/state": {"status": "online", "summary": {"cores": 2, "min_cores": 1, "max_cores": 8,
+                                                                   "busy": 0.5, "jobs": ["j1"]}},
+        "garbage/topic": {"status": "online"},
+    }
+    doc = status.summarize(states)
+    assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
+    a, b = doc["nodes"]
+    assert a["lent_bytes"] == 2 << 30 and b["borrowed_bytes"] == 2 << 30 and a["borrowed_bytes"] == 0
+    assert b["status"] == "offline" and b["reason"] == "connection lost"
+    assert doc["aggregators"][0]["cores"] == 2
+    from rich.console import Console
+
+    c = Console(record=True, width=160)
+    status.render(doc, c)
+    text = c.export_text()
+    assert "online" in text and "offline" in text and "aggregation servers" in text

@@ -1,0 +1,51 @@
+"""The node daemon's pure core (nodesvc.node_core): command arguments into typed specs, and idempotence."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodesvc.bus import messages
+from nodesvc.bus.messages import PayloadError
+from nodesvc.node_core import AllocateSpec, ReplyCache, RunSpec, StopSpec, parse_op
+from tests.nodesvc.strategies import json_values
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["ping", "allocate", "release", "run", "stop", "nope"]),
+       st.dictionaries(st.sampled_from(["job", "pids", "cpus", "cpuset", "memory_bytes", "argv", "env", "cwd",
+                                        "signal", "gpus"]), json_values, max_size=6))
+def test_parse_op_random_args_only_payload_error(op, args):
+    try:
+        spec = parse_op(messages.Command("c", op, args))
+    except PayloadError as exc:
+        assert str(exc)
+        return
+    if isinstance(spec, AllocateSpec):
+        assert messages.valid_id(spec.alloc.job)
+    if isinstance(spec, RunSpec):
+        assert spec.argv and all(isinstance(a, str) for a in spec.argv)
+
+
+def test_parse_op_specs_and_refusals_say_why():
+    spec = parse_op(messages.Command("c1", "allocate", {"job": "j-1", "cpus": 0.5, "memory_bytes": 64 << 20}))
+    assert isinstance(spec, AllocateSpec) and spec.alloc.cpus == 0.5 and spec.alloc.memory_bytes == 64 << 20
+    with pytest.raises(PayloadError, match="out of range"):
+        parse_op(messages.Command("c", "allocate", {"job": "j", "cpus": 10**400}))
+    with pytest.raises(PayloadError, match="cannot be allocated"):
+        parse_op(messages.Command("c", "allocate", {"job": "j", "pids": [1]}))
+    with pytest.raises(PayloadError, match="job id"):
+        parse_op(messages.Command("c", "release", {"job": "../etc"}))
+    with pytest.raises(PayloadError, match="cpuset"):
+        parse_op(messages.Command("c", "allocate", {"job": "j", "cpuset": "3-1"}))
+    with pytest.raises(PayloadError, match="unknown op"):
+        parse_op(messages.Command("c", "format-disk", {}))
+    assert isinstance(parse_op(messages.Command("c", "stop", {"job": "j", "signal": "kill"})), StopSpec)
+
+
+def test_reply_cache_is_bounded_lru():
+    c = ReplyCache(capacity=2)
+    c.put("a", b"1")
+    c.put("b", b"2")
+    assert c.get("a") == b"1"
+    c.put("c", b"3")  # evicts b, the least recently used
+    assert c.get("b") is None and c.get("a") == b"1" and len(c) == 2
