@@ -1,9 +1,23 @@
-"""The reclaim core's event convention (its policy is tested with remote memory, tests/rdma/test_mem_cores.py)."""
+"""The donor's reclaim core (nodesvc.reclaim), pure: no network, a fake clock: its policy and its event convention."""
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import nodesvc.reclaim
-from nodesvc.reclaim import ForceUnmap, NotifyEvict, ReclaimCore, ReclaimRequested, SlabLent, Tick
+from nodesvc.reclaim import (
+    ForceUnmap,
+    NotifyEvict,
+    PressureSample,
+    ReclaimCore,
+    ReclaimRequested,
+    SlabAccessed,
+    SlabLent,
+    SlabReturned,
+    Tick,
+)
 from tests.core_conventions import assert_core_convention
 
 MIB = 1 << 20
@@ -22,3 +36,127 @@ def test_decisions_carry_the_stimulus_id_of_their_event():
     (unmap,) = core.handle(Tick("tick-2", 3.0))
     assert isinstance(unmap, ForceUnmap) and unmap.stimulus_id == "tick-2"
     assert core.log == [("ask-7", "evict 1 (requested)"), ("tick-2", "unmap 1 after deadline")]
+
+
+
+def core(**kw):
+    return ReclaimCore(headroom_bytes=kw.pop("headroom", 100 * MIB), psi_threshold=kw.pop("psi", 10.0),
+                       deadline_s=kw.pop("deadline", 2.0), **kw)
+
+
+def lend(c, slabs, t=0.0):
+    for s, last in slabs.items():
+        c.handle(SlabLent(f"lend{s}", t, s, f"consumer{s % 2}", 10 * MIB))
+        c.handle(SlabAccessed(f"acc{s}", t, s, last))
+
+
+def test_no_pressure_no_eviction():
+    c = core()
+    lend(c, {1: 1.0, 2: 2.0})
+    assert c.handle(PressureSample("p", 5.0, 500 * MIB, 0.0)) == []
+
+
+def test_memavailable_shortfall_evicts_lru_first_until_covered():
+    c = core()
+    lend(c, {1: 5.0, 2: 1.0, 3: 3.0, 4: 4.0})
+    out = c.handle(PressureSample("p1", 10.0, 85 * MIB, 0.0))  # 15 MiB short: two 10 MiB slabs
+    assert [d.slab for d in out] == [2, 3]
+    assert all(isinstance(d, NotifyEvict) and d.deadline_s == 2.0 and d.stimulus_id == "p1" for d in out)
+    assert out[0].consumer == "consumer0"
+    # the same shortfall again does not evict more: those two are on their way
+    assert c.handle(PressureSample("p2", 10.5, 85 * MIB, 0.0)) == []
+    # deeper shortfall: one more
+    assert [d.slab for d in c.handle(PressureSample("p3", 11.0, 75 * MIB, 0.0))] == [4]
+
+
+def test_ack_before_deadline_means_no_forced_unmap():
+    c = core()
+    lend(c, {1: 1.0, 2: 2.0})
+    c.handle(ReclaimRequested("r", 0.0, 10 * MIB))
+    c.handle(SlabReturned("ack", 0.5, 1))
+    assert c.handle(Tick("t", 5.0)) == []
+    assert c.evicting == []
+
+
+def test_deadline_forces_unmap():
+    c = core(deadline=1.0)
+    lend(c, {1: 1.0, 2: 2.0})
+    assert [d.slab for d in c.handle(ReclaimRequested("r", 0.0, 20 * MIB))] == [1, 2]
+    assert c.handle(Tick("t1", 0.9)) == []
+    out = c.handle(Tick("t2", 1.0))
+    assert [(type(d), d.slab) for d in out] == [(ForceUnmap, 1), (ForceUnmap, 2)]
+    assert c.leases == {}
+    assert ("t2", "unmap 1 after deadline") in c.log
+
+
+def test_psi_evicts_one_slab_per_cooldown():
+    c = core(psi_cooldown_s=10.0)
+    lend(c, {1: 1.0, 2: 2.0, 3: 3.0})
+    out = c.handle(PressureSample("p1", 0.0, 500 * MIB, 25.0))
+    assert [d.slab for d in out] == [1]
+    c.handle(SlabReturned("ack", 0.1, 1))
+    assert c.handle(PressureSample("p2", 5.0, 500 * MIB, 25.0)) == []  # cooling down
+    assert [d.slab for d in c.handle(PressureSample("p3", 10.0, 500 * MIB, 25.0))] == [2]
+    c.handle(SlabReturned("ack2", 10.2, 2))
+    assert c.handle(PressureSample("p4", 30.0, 500 * MIB, 5.0)) == []  # below threshold
+
+
+def test_recent_access_protects_a_slab():
+    c = core()
+    lend(c, {1: 1.0, 2: 2.0})
+    c.handle(SlabAccessed("a", 3.0, 1, 3.0))  # slab 1 is now the most recent
+    assert [d.slab for d in c.handle(ReclaimRequested("r", 4.0, 1))] == [2]
+
+
+def test_unknown_event_is_a_type_error():
+    with pytest.raises(TypeError):
+        core().handle(object())  # type: ignore[arg-type]
+
+
+@settings(deadline=None)  # a loaded shared machine must not fail a property
+@given(st.lists(st.one_of(
+    st.builds(lambda s, t: ("lend", s, t), st.integers(0, 9), st.floats(0, 100)),
+    st.builds(lambda s, t: ("ret", s, t), st.integers(0, 9), st.floats(0, 100)),
+    st.builds(lambda a, p, t: ("press", a, p, t), st.integers(0, 200), st.floats(0, 50), st.floats(0, 100)),
+    st.builds(lambda t: ("tick", t), st.floats(0, 100)),
+), max_size=60))
+def test_reclaim_invariants(ops):
+    """Whatever happens, a slab is notified at most once per lease and only unmapped after its deadline."""
+    c = core(deadline=3.0)
+    notified: dict[int, float] = {}
+    t = 0.0
+    for i, op in enumerate(ops):
+        t = max(t, op[-1])
+        if op[0] == "lend":
+            if op[1] not in c.leases:
+                c.handle(SlabLent(str(i), t, op[1], "c", 10 * MIB))
+                notified.pop(op[1], None)
+            continue
+        if op[0] == "ret":
+            c.handle(SlabReturned(str(i), t, op[1]))
+            notified.pop(op[1], None)
+            continue
+        ev = PressureSample(str(i), t, op[1] * MIB, op[2]) if op[0] == "press" else Tick(str(i), t)
+        for d in c.handle(ev):
+            if isinstance(d, NotifyEvict):
+                assert d.slab not in notified
+                notified[d.slab] = t
+            else:
+                assert d.slab in notified and t >= notified[d.slab] + 3.0
+                del notified[d.slab]
+    assert sorted(c.evicting) == sorted(notified)
+
+
+def test_lease_book_expires_only_silent_consumers():
+    from nodesvc.reclaim import LeaseBook
+
+    book = LeaseBook()
+    book.renew("a", 0.0, 10.0)
+    book.renew("b", 0.0, 10.0)
+    book.renew("b", 8.0, 10.0)  # b renews
+    book.renew("a", 1.0, 2.0)   # a shorter renewal never shortens the lease
+    assert book.expired(9.9) == []
+    assert book.expired(10.0) == ["a"]
+    assert book.expired(17.9) == []
+    assert book.expired(18.0) == ["b"]
+    assert book.expiry == {}
