@@ -139,7 +139,10 @@ def waiting_status(core: Any, rec: Any) -> str:
         reasons = core.explain(rec.job)
     except Exception:  # noqa: BLE001 - an explanation is a courtesy; never fail the plan for it
         reasons = {}
-    if not reasons or len(reasons) < sum(1 for ns in core.nodes.values() if ns.alive):
+    alive = sum(1 for ns in core.nodes.values() if ns.alive)
+    if not alive:
+        return f"{head}: no usable node in the partition"
+    if len(reasons) < alive:
         return f"{head}: behind jobs the policy ({core.profile.name}) starts first"
     common, n = Counter(reasons.values()).most_common(1)[0]
     return f"{head}: {common} ({n} of {len(reasons)} nodes)"
@@ -205,7 +208,7 @@ def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 
                 if not j.held:
                     first.append(Action("hold", j.job_id, hold_commands(j.job_id, comment), f"hold:{j.restart_count}",
                                         status=status))
-                elif t.status != status:
+                elif comment != j.comment:
                     notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}",
                                         status=status))
             continue
@@ -229,16 +232,17 @@ def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 
                                     f"hold:{j.restart_count}", status=status))
             elif explain:
                 status = waiting_status(core, rec)
-                if status != t.status:
-                    notes.append(Action("note", j.job_id, note_commands(j.job_id, with_status(j.comment, status)),
-                                        f"note:{status}", status=status))
+                comment = with_status(j.comment, status)
+                if comment != j.comment:  # Slurm's copy is the truth (a restart writes nothing new)
+                    notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}",
+                                        status=status))
         elif state is JobState.FAILED and t.rejected and j.pending:
             status = f"cannot run: {t.rejected}"
             comment = with_status(j.comment, status)
             if not j.held:
                 first.append(Action("hold", j.job_id, hold_commands(j.job_id, comment), f"hold:{j.restart_count}",
                                     status=status))
-            elif t.status != status:
+            elif comment != j.comment:
                 notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}",
                                     status=status))
     free = free_resources(book, core, snap, leaving)

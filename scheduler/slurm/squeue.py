@@ -12,6 +12,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -187,7 +188,7 @@ def parse_gres(text: str) -> tuple[GresRequest, ...]:
     """``gres:gpu:2,gres:shard:1`` / ``gres/gpu:a100:2`` / ``gpu:4(S:0),shard:16`` -> requests."""
     out = []
     for item in _split_top(str(text or "")):
-        item = re.sub(r"\(.*\)\s*\Z", "", item.strip())  # socket/index detail: gpu:4(S:0-1)
+        item = re.sub(r"\([^()]*\)\s*\Z", "", item.strip())  # socket/index detail: gpu:4(S:0-1)
         if item.startswith(("gres:", "gres/")):
             item = item[5:]
         if not item or item in ("(null)", "N/A"):
@@ -217,7 +218,7 @@ def _num(rec: dict[str, Any], key: str, default: int | None = 0, where: str = ""
         v = v.get("number", default) if v.get("set", True) else default
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
         raise SlurmJsonError(f"{where}: {key}: expected a number, got {v!r}")
     return int(v)
 
@@ -314,7 +315,10 @@ def parse_node(rec: Any) -> SlurmNode:
         raise SlurmJsonError(f"node: name: expected text, got {name!r}")
     where = f"node {name}"
     state, flags = _state(rec, "state", where)
-    flags = flags | frozenset(f.upper() for f in (rec.get("state_flags") or []) if isinstance(f, str))
+    extra = rec.get("state_flags") or []
+    if not isinstance(extra, list) or not all(isinstance(f, str) for f in extra):
+        raise SlurmJsonError(f"{where}: state_flags: expected a list of flags, got {extra!r}")
+    flags = flags | frozenset(f.upper() for f in extra)
     try:
         gres = parse_gres(_text(rec, "gres", where))
     except SlurmJsonError as exc:
