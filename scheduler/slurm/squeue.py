@@ -255,6 +255,14 @@ def _load(data: Any, what: str) -> dict[str, Any]:
             raise SlurmJsonError(f"{what}: not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise SlurmJsonError(f"{what}: expected an object")
+    errors = data.get("errors")
+    if errors:  # e.g. slurmctld down: exit status 0, an error here and an empty list of jobs
+        first = errors[0] if isinstance(errors, list) else errors
+        if isinstance(first, dict):
+            msg = f"{first.get('source', '')}: {first.get('error', '')} ({first.get('description', '')})"
+        else:
+            msg = str(first)
+        raise SlurmJsonError(f"{what}: Slurm reports an error: {msg[:300]}")
     return data
 
 

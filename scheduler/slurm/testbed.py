@@ -210,15 +210,31 @@ class LocalSlurm:
             stop_proc(p, sig, timeout=20)
 
     def stop(self) -> None:
+        if self.ctld is not None and self.ctld.poll() is None:
+            self.run("scancel", "--partition", self.partition, check=False)
         for name in list(self.slurmd):
             self.stop_node(name, signal.SIGTERM)
         self.stop_ctld()
         if self.munged is not None:
             stop_proc(self.munged)
             self.munged = None
+        self._reap_strays()
         for f in self._logs:
             f.close()
         self._logs.clear()
+
+    def _reap_strays(self) -> None:
+        """Kill what outlived its slurmd: job steps (slurmstepd) and their jobs, found by this cluster's
+        SLURM_CONF in their environment (a slurmd killed with -9 leaves them running, as on a real node)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                if mark in (d / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(d.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
 
     # ------------------------------------------------------------------ clients
 

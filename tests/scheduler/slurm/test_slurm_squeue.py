@@ -86,6 +86,17 @@ def test_bad_json_names_the_field(bad, words):
     assert words in str(exc.value)
 
 
+def test_an_error_with_an_empty_list_is_not_an_empty_queue():
+    # slurmctld down: squeue --json exits 0 with this; taking it as "no jobs" would end every job
+    down = {"meta": {}, "errors": [{"description": "Failed while looking for jobs", "error_number": -1,
+                                    "error": "Unspecified error", "source": "slurm_load_jobs"}], "jobs": []}
+    with pytest.raises(SlurmJsonError, match="slurm_load_jobs: Unspecified error"):
+        parse_jobs(down)
+    with pytest.raises(SlurmJsonError, match="Slurm reports an error"):
+        parse_nodes({**down, "nodes": []})
+    assert parse_jobs({"meta": {}, "errors": [], "jobs": []}) == []
+
+
 def test_text_input_and_not_json():
     assert parse_jobs(json.dumps({"jobs": [job_json(4)]}))[0].job_id == "4"
     with pytest.raises(SlurmJsonError):
