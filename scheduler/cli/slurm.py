@@ -28,7 +28,9 @@ config.register_section("slurm", {
     "retry_s": 10.0,  # an scontrol action Slurm refused is tried again after this long
     "status_s": 10.0,  # how often the reasons of waiting jobs are refreshed in their comments
     "respect_requests": False,  # hand each job's own CPU/memory request to the core as its minimum
-    "gpu_slots": 2,  # gres.conf declares each GPU of the partition's nodes as this many count-only gpu GRES
+    "gpu_slots": 2,  # gres.conf lists each GPU of the partition's nodes this many times (co-location slots)
+    "telemetry": False,  # feed telemetry of `dlshare node` beside slurmd (dlshare.broker) to the core
+    "telemetry_s": 30.0,  # at most one node report per node this often
 })
 
 
@@ -56,20 +58,28 @@ def build_shell(cfg):
     s = cfg["slurm"]
     if not s["partition"]:
         raise config.ConfigError("slurm.partition must name a partition")
-    for key in ("poll_s", "retry_s", "status_s", "gpu_slots"):
+    for key in ("poll_s", "retry_s", "status_s", "gpu_slots", "telemetry_s"):
         if not s[key] > 0:
             raise config.ConfigError(f"slurm.{key} must be > 0, got {s[key]!r}")
     try:
         core = SchedulerState(s["profile"], predictors=_predictors(s["predictors"]))
     except (ValueError, OSError) as exc:
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
+    feed = None
+    if s["telemetry"]:
+        from scheduler.slurm.telemetry import TelemetryFeed
+
+        feed = TelemetryFeed(cfg["dlshare"]["broker"], client_id=f"dlshare-slurm-{s['partition']}")
     shell = SlurmShell(core, s["partition"], s["journal"] or _default_journal(s["partition"]),
                        SlurmCLI(s["slurm_conf"]), poll_s=s["poll_s"], retry_s=s["retry_s"], status_s=s["status_s"],
-                       respect_requests=s["respect_requests"], gpu_slots=s["gpu_slots"], predictors=s["predictors"])
+                       respect_requests=s["respect_requests"], gpu_slots=s["gpu_slots"], predictors=s["predictors"],
+                       telemetry=feed, telemetry_s=s["telemetry_s"])
     try:
         shell.recover()
     except (JournalError, ValueError) as exc:
         raise config.ConfigError(f"journal: {exc}") from None
+    if feed is not None:
+        feed.start()
     return shell
 
 
@@ -112,6 +122,9 @@ def register(sub) -> None:
     config_flag(p, "--poll", "slurm", "poll_s", type=float, help="seconds between reads of the queue (default 1)")
     config_flag(p, "--gpu-slots", "slurm", "gpu_slots", type=int,
                 help="count-only gpu GRES per physical GPU on the partition's nodes (default 2)")
+    config_flag(p, "--telemetry", "slurm", "telemetry", action="store_const", const=True,
+                help="feed telemetry of `dlshare node` beside slurmd (from --broker) to the core")
+    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL (for --telemetry)")
     config_flag(p, "--predictors", "slurm", "predictors", choices=["data", "default"],
                 help="predictors at start (default data)")
     p.add_argument("--once", action="store_true", help="one poll and its actions, then exit")

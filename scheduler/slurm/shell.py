@@ -68,7 +68,7 @@ class SlurmShell:
     def __init__(self, core: SchedulerState, partition: str, journal: str | Path, cli: SlurmCLI | None = None, *,
                  poll_s: float = 1.0, retry_s: float = 10.0, status_s: float = 10.0, respect_requests: bool = False,
                  gpu_slots: int = 2, clock: Callable[[], float] = time.time, fsync: bool = True,
-                 predictors: str = "") -> None:
+                 predictors: str = "", telemetry: Any = None, telemetry_s: float = 30.0) -> None:
         self.core = core
         self.partition = partition
         self.cli = cli or SlurmCLI()
@@ -84,6 +84,10 @@ class SlurmShell:
         self.clock = clock
         self.predictors = predictors
         self.stats = Stats()
+        self.telemetry = telemetry  # a TelemetryFeed (dlshare node beside slurmd), or None
+        self.telemetry_s = telemetry_s
+        self._fed: dict[str, float] = {}  # node -> receive time of the telemetry last fed
+        self._fed_at: dict[str, float] = {}  # node -> core time it was fed
         self.wakeup_at = math.inf
         self._last_explain = -math.inf
         self.last_snapshot: Snapshot | None = None
@@ -179,6 +183,8 @@ class SlurmShell:
                 t.running_seen_at = snap.taken_at
                 self.stats.latency_s.append(max(0.0, snap.taken_at - t.placed_at))
         events = observe(self.book, self.core, snap, now)
+        if self.telemetry is not None:
+            events += self._telemetry_events(events, now)
         if now >= self.wakeup_at:
             self.wakeup_at = math.inf
             events.append(core_io.tick(self.book.sid("tick", "", now), now))
@@ -206,6 +212,21 @@ class SlurmShell:
                 done.append(a)
         forget_done(self.book, self.core, (j.job_id for j in snap.jobs))
         return done
+
+    def _telemetry_events(self, events: list[Any], now: float) -> list[Any]:
+        """Node reports from the latest telemetry, at most one per node every ``telemetry_s``."""
+        nodes = [getattr(ev, "node", None) for ev in events]
+        touched = {n.id if hasattr(n, "id") else n for n in nodes if n is not None}
+        out = []
+        for node, (fields, at) in sorted(self.telemetry.take(self._fed).items()):
+            ns = self.core.nodes.get(node)
+            if ns is None or not ns.alive or node in touched:
+                continue  # unknown, lost, or reported by Slurm in this very step (its resources win)
+            if now - self._fed_at.get(node, -math.inf) < self.telemetry_s:
+                continue
+            out.append(core_io.node_report(self.book.sid("telemetry", node, now), now, ns.node, **fields))
+            self._fed[node], self._fed_at[node] = at, now
+        return out
 
     def _carry_out(self, a: Action, now: float, jobs: dict[str, Any]) -> bool:
         t = self.book.jobs[a.job]
@@ -243,9 +264,11 @@ class SlurmShell:
             if self.wakeup_at < math.inf:
                 wait = min(wait, self.wakeup_at - self.clock())
             stop.wait(max(0.0, wait))
-        self.journal.close()
+        self.close()
 
     def close(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
         self.journal.close()
 
 

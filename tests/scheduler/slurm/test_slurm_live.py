@@ -147,3 +147,32 @@ def test_unplaceable_and_bad_jobs_stay_held_with_a_reason(slurm, tmp_path):
     assert sh.core.records[bad].job.batch_size == 20
     assert sh.core.records[big].job.state is JobState.FAILED
     sh.close()
+
+
+def test_telemetry_of_dlshare_node_beside_slurmd_reaches_the_core(slurm, tmp_path, mosquitto):
+    import subprocess
+    import sys
+
+    from nodesvc.bus.procs import stop_proc
+    from scheduler.slurm.telemetry import TelemetryFeed
+
+    node = subprocess.Popen([sys.executable, "-m", "nodesvc.cli", "node", "--broker", mosquitto.url, "--node-id", "n2",
+                             "--interval", "0.5", "--no-enforce", "--fake-gpus", "4"],
+                            stdout=open(tmp_path / "node.log", "wb"), stderr=subprocess.STDOUT)
+    feed = TelemetryFeed(mosquitto.url)
+    feed.start()
+    sh = make_shell(slurm, tmp_path, "fifo", telemetry=feed, telemetry_s=0.5)
+    try:
+        drive(sh, lambda: sh.core.nodes.get("n2") is not None and sh.core.nodes["n2"].cpu_percent is not None,
+              timeout=60, what="n2's telemetry in the core")
+        ns = sh.core.nodes["n2"]
+        assert len(ns.gpu_util) == 4 and ns.memory_available_bytes > 0
+        assert sh.core.nodes["n1"].cpu_percent is None  # no daemon beside n1's slurmd
+        # a malformed telemetry payload is dropped with a log line; the shell goes on
+        subprocess.run(["mosquitto_pub", "-p", str(mosquitto.port), "-t", "dlshare/v1/node/n1/telemetry",
+                        "-m", "{not json"], check=True, timeout=10)
+        drive(sh, lambda: feed.rejected >= 1, timeout=20, what="the bad payload rejected")
+        assert sh.core.nodes["n1"].cpu_percent is None
+    finally:
+        sh.close()
+        stop_proc(node)

@@ -313,3 +313,44 @@ def test_release_held_gives_jobs_their_own_request_back(tmp_path):
     assert not jb.held and jb.cpus == 2 and jb.memory_mb == 1000 and jb.comment == "" and jb.admin_comment == ""
     cmds = restore_commands(jb, None)
     assert cmds[0][:3] == ("scontrol", "update", f"JobId={b}") and len(cmds) == 1
+
+
+class FakeFeed:
+    """TelemetryFeed's face: the latest telemetry per node, with its receive time."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, tuple[dict, float]] = {}
+
+    def take(self, since):
+        return {n: v for n, v in self.latest.items() if v[1] > since.get(n, float("-inf"))}
+
+    def stop(self) -> None:
+        pass
+
+
+def test_telemetry_becomes_node_reports_at_most_every_telemetry_s(tmp_path):
+    from scheduler.slurm.telemetry import report_fields
+
+    payload = {"node": "n1", "cpu": {"count": 12, "percent": 37.5}, "memory": {"total_bytes": 10, "available_bytes": 7},
+               "gpus": {"devices": [{"index": 0, "util_percent": 80}, {"index": 1, "util_percent": None}, "junk"]}}
+    fields = report_fields(payload)
+    assert fields == {"gpu_util": (80.0,), "cpu_percent": 37.5, "memory_available_bytes": 7}
+    slurm = FakeSlurm(nodes=2)
+    feed = FakeFeed()
+    clock = Clock()
+    sh = make_shell(slurm, tmp_path / "j", clock=clock, telemetry=feed, telemetry_s=30.0)
+    sh.step()  # nodes registered from Slurm
+    feed.latest["n1"] = (fields, 1.0)
+    feed.latest["ghost"] = (fields, 1.0)  # a node daemon whose id is no Slurm node: ignored
+    sh.step()
+    assert sh.core.nodes["n1"].cpu_percent == 37.5 and sh.core.nodes["n1"].gpu_util == (80.0,)
+    feed.latest["n1"] = ({**fields, "cpu_percent": 90.0}, 2.0)
+    clock.t += 5
+    sh.step()
+    assert sh.core.nodes["n1"].cpu_percent == 37.5  # too soon after the last report
+    clock.t += 30
+    sh.step()
+    assert sh.core.nodes["n1"].cpu_percent == 90.0
+    # the reports are journaled events: a restart rebuilds the same figures
+    sh2 = make_shell(slurm, tmp_path / "j", clock=clock)
+    assert sh2.core.nodes["n1"].cpu_percent == 90.0
