@@ -133,8 +133,12 @@ def live_run(mode: str, trace: list[Any], root: Path, nodes: int, kill_at_s: flo
     ids: dict[str, str] = {}
     kills = 0
     try:
-        if proc is not None:  # let it read the (empty) queue once before the first job
-            time.sleep(1.0)
+        if proc is not None:  # ready once its journal exists (the predictors are trained before it is written)
+            from nodesvc.bus.procs import wait_until
+
+            wait_until(lambda: (work / "journal").exists() or proc.poll() is not None, timeout=300,
+                       what="dlshare slurm ready", interval=0.2)
+            time.sleep(0.5)
         t0 = time.time()
         for t in trace:
             while (now := time.time()) < t0 + t.arrival_s:

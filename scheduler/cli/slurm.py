@@ -34,15 +34,20 @@ config.register_section("slurm", {
 })
 
 
-def _predictors(kind: str):
-    from scheduler import Predictors
+def _predictors(kind: str, journal: str):
+    """The predictor bundle; the trained one is kept beside the journal (scheduler.slurm.cache)."""
+    from pathlib import Path
+
+    from scheduler import Predictors, data
+    from scheduler.slurm.cache import cached, data_key
 
     if kind == "default":
         return Predictors.default()
     if kind != "data":
         raise config.ConfigError(f"slurm.predictors must be 'data' or 'default', not {kind!r}")
     try:
-        return Predictors.from_data()
+        files = [data.data_dir() / rel for rel in data.FILES]
+        return cached(Path(journal + ".predictors"), data_key(files), Predictors.from_data)
     except (OSError, ValueError, RuntimeError) as exc:
         raise config.ConfigError(f"slurm.predictors = 'data': the shared data is not usable ({exc}); "
                                  "run `dlshare data fetch` or set predictors = 'default'") from None
@@ -61,8 +66,9 @@ def build_shell(cfg):
     for key in ("poll_s", "retry_s", "status_s", "gpu_slots", "telemetry_s"):
         if not s[key] > 0:
             raise config.ConfigError(f"slurm.{key} must be > 0, got {s[key]!r}")
+    journal = s["journal"] or _default_journal(s["partition"])
     try:
-        core = SchedulerState(s["profile"], predictors=_predictors(s["predictors"]))
+        core = SchedulerState(s["profile"], predictors=_predictors(s["predictors"], journal))
     except (ValueError, OSError) as exc:
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
     feed = None
@@ -70,7 +76,7 @@ def build_shell(cfg):
         from scheduler.slurm.telemetry import TelemetryFeed
 
         feed = TelemetryFeed(cfg["dlshare"]["broker"], client_id=f"dlshare-slurm-{s['partition']}")
-    shell = SlurmShell(core, s["partition"], s["journal"] or _default_journal(s["partition"]),
+    shell = SlurmShell(core, s["partition"], journal,
                        SlurmCLI(s["slurm_conf"]), poll_s=s["poll_s"], retry_s=s["retry_s"], status_s=s["status_s"],
                        respect_requests=s["respect_requests"], gpu_slots=s["gpu_slots"], predictors=s["predictors"],
                        telemetry=feed, telemetry_s=s["telemetry_s"])

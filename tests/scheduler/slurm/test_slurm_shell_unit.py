@@ -354,3 +354,25 @@ def test_telemetry_becomes_node_reports_at_most_every_telemetry_s(tmp_path):
     # the reports are journaled events: a restart rebuilds the same figures
     sh2 = make_shell(slurm, tmp_path / "j", clock=clock)
     assert sh2.core.nodes["n1"].cpu_percent == 90.0
+
+
+def test_predictor_cache_builds_once_per_key(tmp_path):
+    from scheduler.slurm.cache import cached, data_key
+
+    built = []
+
+    def build():
+        built.append(1)
+        return {"model": len(built)}
+
+    f = tmp_path / "data.csv"
+    f.write_text("x")
+    key = data_key([f])
+    p = tmp_path / "j.predictors"
+    assert cached(p, key, build) == {"model": 1}
+    assert cached(p, key, build) == {"model": 1} and len(built) == 1  # a restart loads it
+    assert oct(p.stat().st_mode & 0o777) == "0o600"
+    f.write_text("changed data")
+    assert cached(p, data_key([f]), build) == {"model": 2}  # new data: trained again
+    p.write_bytes(b"not a pickle")
+    assert cached(p, data_key([f]), build) == {"model": 3}  # damaged: trained again, never fatal
