@@ -31,6 +31,7 @@ config.register_section("slurm", {
     "gpu_slots": 2,  # gres.conf lists each GPU of the partition's nodes this many times (co-location slots)
     "telemetry": False,  # feed telemetry of `dlshare node` beside slurmd (dlshare.broker) to the core
     "telemetry_s": 30.0,  # at most one node report per node this often
+    "start_timeout_s": 120.0,  # a released job Slurm has not started by then is placed again
 })
 
 
@@ -63,7 +64,7 @@ def build_shell(cfg):
     s = cfg["slurm"]
     if not s["partition"]:
         raise config.ConfigError("slurm.partition must name a partition")
-    for key in ("poll_s", "retry_s", "status_s", "gpu_slots", "telemetry_s"):
+    for key in ("poll_s", "retry_s", "status_s", "gpu_slots", "telemetry_s", "start_timeout_s"):
         if not s[key] > 0:
             raise config.ConfigError(f"slurm.{key} must be > 0, got {s[key]!r}")
     journal = s["journal"] or _default_journal(s["partition"])
@@ -79,7 +80,7 @@ def build_shell(cfg):
     shell = SlurmShell(core, s["partition"], journal,
                        SlurmCLI(s["slurm_conf"]), poll_s=s["poll_s"], retry_s=s["retry_s"], status_s=s["status_s"],
                        respect_requests=s["respect_requests"], gpu_slots=s["gpu_slots"], predictors=s["predictors"],
-                       telemetry=feed, telemetry_s=s["telemetry_s"])
+                       telemetry=feed, telemetry_s=s["telemetry_s"], start_timeout_s=s["start_timeout_s"])
     try:
         shell.recover()
     except (JournalError, ValueError) as exc:

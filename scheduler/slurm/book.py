@@ -122,6 +122,7 @@ class Book:
     partition: str
     respect_requests: bool = False  # hand the job's own CPU/memory request to the core as its minimum
     gpu_slots: int = 1  # count-only gpu GRES per physical GPU on the partition's nodes (README, "Slurm")
+    start_timeout_s: float = 120.0  # a released job Slurm has not started by then is placed again
     jobs: dict[str, Tracked] = field(default_factory=dict)
     seq: int = 0  # events made so far (part of every stimulus id)
     new: list[Tracked] = field(default_factory=list)  # tracked since the shell last journaled them
@@ -258,6 +259,14 @@ def observe(book: Book, core: Any, snap: Snapshot, now: float) -> list[Any]:
               and not any(sh.node in lost_now for sh in rec.shards)):
             events.append(core_io.placement_failed(book.sid("requeued", j.job_id, now), now, j.job_id,
                                                    f"requeued by Slurm ({j.reason})"))
+        elif (state is JobState.RUNNING and j.pending and not j.held and t.released_at is not None
+              and t.released_restart == j.restart_count and now - t.released_at > book.start_timeout_s):
+            # Released, but Slurm does not start it (its view of the node differs from the core's):
+            # the placement failed; the core places it again (or it waits, held again).
+            events.append(core_io.placement_failed(book.sid("unstarted", j.job_id, now), now, j.job_id,
+                                                   f"Slurm did not start it within {book.start_timeout_s:g}s "
+                                                   f"({j.reason})"))
+            t.released_restart = t.released_at = None
     for jid, t in book.jobs.items():
         if jid in seen or not t.in_core:
             continue

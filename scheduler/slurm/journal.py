@@ -8,8 +8,9 @@ One JSON object a line, appended and fsync'ed before any ``scontrol`` call that 
   replaying them into a fresh core rebuilds its state exactly (same events, same decisions);
 * ``{"t": "job", "id": .., "original": {...}, "comment": .., "name": .., "foreign": ..}``: a job
   seen for the first time, with its request as it was then (restored when dlshare is taken out);
-* ``{"t": "rel", "id": .., "restart": N, "key": ..}``: dlshare is about to release the job at Slurm
-  restart count N (a later, higher count means Slurm requeued it itself).
+* ``{"t": "rel", "id": .., "restart": N, "key": .., "at": T}``: dlshare is about to release the job at
+  Slurm restart count N (a later, higher count means Slurm requeued it itself) at time T (a job Slurm
+  has not started ``start_timeout_s`` later is placed again).
 
 A torn last line (the crash happened while writing it) is dropped; any other bad line is an error
 that names the line, since skipping it could forget a job.

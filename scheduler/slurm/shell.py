@@ -68,12 +68,14 @@ class SlurmShell:
     def __init__(self, core: SchedulerState, partition: str, journal: str | Path, cli: SlurmCLI | None = None, *,
                  poll_s: float = 1.0, retry_s: float = 10.0, status_s: float = 10.0, respect_requests: bool = False,
                  gpu_slots: int = 2, clock: Callable[[], float] = time.time, fsync: bool = True,
-                 predictors: str = "", telemetry: Any = None, telemetry_s: float = 30.0) -> None:
+                 predictors: str = "", telemetry: Any = None, telemetry_s: float = 30.0,
+                 start_timeout_s: float = 120.0) -> None:
         self.core = core
         self.partition = partition
         self.cli = cli or SlurmCLI()
         self.journal = Journal(journal, fsync=fsync)
-        self.book = Book(partition, respect_requests=respect_requests, gpu_slots=gpu_slots)
+        self.book = Book(partition, respect_requests=respect_requests, gpu_slots=gpu_slots,
+                         start_timeout_s=start_timeout_s)
         prof = core.profile
         if prof.share != "never" and prof.max_share > gpu_slots:
             log.warning("slurm: profile %s co-locates up to %d jobs per GPU but the nodes declare %d GPU slots per "
@@ -120,6 +122,7 @@ class SlurmShell:
                 t = self.book.jobs.get(str(rec["id"]))
                 if t is not None:
                     t.released_restart = int(rec["restart"])
+                    t.released_at = float(rec.get("at", 0.0)) or None
             elif kind == "ev":
                 ev = event_from_dict(rec["ev"])
                 self._feed(ev, replay=True)
@@ -204,7 +207,8 @@ class SlurmShell:
         if rel:
             jobs = {j.job_id: j for j in snap.jobs}
             for a in rel:
-                self.journal.append({"t": "rel", "id": a.job, "restart": jobs[a.job].restart_count, "key": a.key})
+                self.journal.append({"t": "rel", "id": a.job, "restart": jobs[a.job].restart_count, "key": a.key,
+                                     "at": now})
             self.journal.sync()
         done = []
         for a in actions:

@@ -97,7 +97,7 @@ def test_slurmctld_restart_while_dlshare_runs(slurm, tmp_path):
     t = threading.Thread(target=sh.run, args=(stop,), daemon=True)
     t.start()
     try:
-        first = [submit(c, log, 4, 6.0) for _ in range(4)]  # three run, one waits for GPUs
+        first = [submit(c, log, 4, 4.0) for _ in range(4)]  # three run, one waits for GPUs
         wait_until(lambda: len(runs(log)[0]) == 3, timeout=30, what="three jobs running")
         c.stop_ctld()
         wait_until(lambda: sh.stats.unavailable > 0, timeout=30, what="the shell finding slurmctld gone")

@@ -154,6 +154,26 @@ def test_slurm_requeue_is_held_and_placed_again(tmp_path):
     assert slurm.starts[a] == 2
 
 
+def test_a_release_slurm_never_starts_is_placed_again(tmp_path):
+    slurm = FakeSlurm(nodes=2, gpus=1, slots=1)
+    clock = Clock()
+    a = slurm.submit("A")
+    sh = make_shell(slurm, tmp_path / "j", clock=clock)
+    sh.step()
+    first = job(slurm, a).required_nodes
+    slurm.nodes[first[0]]["real_memory"] = 1  # Slurm's view of the node differs: it will not start there
+    assert slurm.schedule() == []
+    clock.t += 60
+    sh.step()
+    assert job(slurm, a).required_nodes == first  # still within start_timeout_s (120 s)
+    clock.t += 61
+    sh.step()  # placed again (the core remembers nothing against the node; it may pick either)
+    assert sh.stats.refused == 0 and sh.core.records[a].job.state is JobState.RUNNING
+    assert sum(1 for c in slurm.commands if c[1] == "update" and any(x.startswith("NodeList=") for x in c)) == 2
+    slurm.nodes[first[0]]["real_memory"] = 256000
+    assert slurm.schedule() == [a]
+
+
 def test_node_down_requeues_and_places_elsewhere(tmp_path):
     slurm = FakeSlurm(nodes=2, gpus=1, slots=1)
     a = slurm.submit("A")
