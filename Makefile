@@ -7,7 +7,9 @@ BIN     := $(VENV)/bin
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # mosquitto: the production broker, tested for real. redis-server: a benchmark baseline.
 # chromium: the status-page browser test. iproute2: network namespaces for multi-host tests.
-APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux
+# slurm-wlm + munge: the real Slurm (slurmctld, several slurmd on one host) that `dlshare slurm` is tested
+# and benchmarked against; its basic plugins carry job_submit/lua (liblua5.1), gres/shard and `squeue --json`.
+APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge
 PYTEST_ARGS ?=
 
 .PHONY: all demo test lint deps sysdeps ext bench bench-quick clean

@@ -18,6 +18,7 @@ BENCHES = {
     "agg": "bench.agg",
     "sched": "bench.sched",
     "sched-service": "bench.sched_service",
+    "slurm": "bench.slurm",
 }
 
 

@@ -41,6 +41,7 @@ COMMAND_MODULES = [
     "aggregator.cli",
     "scheduler.cli.sim",
     "scheduler.cli.service",
+    "scheduler.cli.slurm",
     "bench.cli",
 ]
 
