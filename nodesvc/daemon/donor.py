@@ -71,6 +71,10 @@ config.register_section("donor", {
     "port": 0,                     # 0: any free port
     "advertise": "",               # host consumers connect to (default: listen)
     "threads": 2,                  # slab-server worker threads
+    "max_connections": 4096,       # slab-server connections (never above RLIMIT_NOFILE - 64)
+    "max_connections_per_peer": 256,  # from one peer address
+    "idle_timeout_s": 60.0,        # a connection with no valid token is closed this long after it opened
+    "frame_timeout_s": 10.0,       # an incomplete request, or unread responses, this long: closed
     "max_slabs": 256,
     "psi_threshold": 10.0,         # PSI memory some avg10 (%) that starts reclaim
     "reclaim_deadline_s": 2.0,     # time a consumer gets to move an evicted slab
@@ -165,7 +169,10 @@ class DonorExtension:
         from rdma.native_mem import SlabServer
 
         self.ctx = ctx
-        self.server = SlabServer(self.cfg["listen"], int(self.cfg["port"]), int(self.cfg["threads"]))
+        c = self.cfg
+        self.server = SlabServer(c["listen"], int(c["port"]), int(c["threads"]), int(c["max_connections"]),
+                                 float(c["idle_timeout_s"]), float(c["frame_timeout_s"]),
+                                 int(c["max_connections_per_peer"]))
         host = self.cfg["advertise"] or self.cfg["listen"]
         self.addr = f"{host}:{self.server.port}"
         log.info("lending memory: slab server on %s, %d-byte slabs", self.addr, self.slab_bytes)
