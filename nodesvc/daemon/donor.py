@@ -62,6 +62,10 @@ from nodesvc.reclaim import (
 log = logging.getLogger("dlshare.donor")
 
 GIB = 1 << 30
+# Bounds of the commands' numbers: every one is finite, so 1e308 s or 10**30 bytes is refused.
+MAX_LEASE_S = 7 * 86400.0   # consumers renew every few seconds; a lease over a week is a unit mistake
+MAX_PAUSE_S = 86400.0       # a drain for maintenance: a day at most (send it again to extend)
+MAX_RECLAIM_BYTES = 1 << 50  # 1 PiB: more than any node's memory
 
 config.register_section("donor", {
     "slab_bytes": GIB,             # DESIGN.md: 1 GiB slabs (Infiniswap's slab size); tests use small ones
@@ -257,12 +261,8 @@ class DonorExtension:
         from rdma.native_mem import Region, random_token
 
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
-        count = messages.arg(args, "count", int, required=False, default=1)
-        lease_s = messages.arg(args, "lease_s", float, required=False, default=0.0)
-        if not 1 <= count <= 1024:
-            raise PayloadError("'count' must be between 1 and 1024")
-        if lease_s < 0:
-            raise PayloadError("'lease_s' must not be negative")
+        count = messages.bounded(args, "count", 1, 1024, int, required=False, default=1)
+        lease_s = messages.bounded(args, "lease_s", 0.0, MAX_LEASE_S, required=False, default=0.0)
         granted: list[tuple[int, bytes, Any]] = []
         async with self._lock:
             available = self._slabs_available(self.lendable_bytes())
@@ -316,7 +316,7 @@ class DonorExtension:
             items = [args]
         checked = []
         for item in items:
-            slab = messages.arg(item, "slab", int)
+            slab = messages.bounded(item, "slab", 0, (1 << 16) - 1, int)
             token = messages.arg(item, "token", str)
             lease = self.leases.get(slab)
             if lease is None:
@@ -335,7 +335,7 @@ class DonorExtension:
     async def cmd_renew(self, args: dict[str, Any]) -> dict[str, Any]:
         """Extend ``consumer``'s lease by ``lease_s``; answers how many slabs it holds here."""
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
-        lease_s = messages.arg(args, "lease_s", float)
+        lease_s = messages.bounded(args, "lease_s", 0.0, MAX_LEASE_S)
         if lease_s <= 0:
             raise PayloadError("'lease_s' must be positive")
         held = sorted(s for s, x in self.leases.items() if x.consumer == consumer)
@@ -345,12 +345,8 @@ class DonorExtension:
 
     async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
         """Take ``bytes`` back now; ``pause_s`` also stops lending for that long (a drain)."""
-        nbytes = messages.arg(args, "bytes", int, required=False, default=self.slab_bytes)
-        pause = messages.arg(args, "pause_s", float, required=False, default=0.0)
-        if nbytes <= 0:
-            raise PayloadError("'bytes' must be positive")
-        if pause < 0:
-            raise PayloadError("'pause_s' must not be negative")
+        nbytes = messages.bounded(args, "bytes", 1, MAX_RECLAIM_BYTES, int, required=False, default=self.slab_bytes)
+        pause = messages.bounded(args, "pause_s", 0.0, MAX_PAUSE_S, required=False, default=0.0)
         if pause:
             self.paused_until = max(self.paused_until, self.clock() + pause)
         decisions = self.core.handle(ReclaimRequested(self._sid("reclaim"), self.clock(), nbytes))
