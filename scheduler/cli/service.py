@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 from nodesvc.bus import config
@@ -90,7 +89,11 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     except BinderConfigError as exc:
         raise config.ConfigError(str(exc)) from None
     store = JobStore(s["db"], synchronous=s["synchronous"])
-    token = load_or_create_token(s["db"], s["token"])
+    try:
+        token = load_or_create_token(s["db"], s["token"])
+    except ValueError as exc:
+        store.close()
+        raise config.ConfigError(str(exc)) from None
     try:
         predictors = _predictors(s["predictors"])
         core = SchedulerState(s["profile"], predictors=predictors)
@@ -152,13 +155,50 @@ def _client(cfg):
     return SchedulerClient(_url(cfg), token)
 
 
+MAX_SPEC_BYTES = 16 << 20  # the largest valid spec (256 args and 128 variables of 4 KiB) is ~1.6 MB
+
+
+def _read_spec(name: str) -> dict[str, Any]:
+    """A job spec file (``-``: stdin): one JSON object of finite numbers; any problem is a
+    ValueError naming the file."""
+    where = "stdin" if name == "-" else name
+    try:
+        if name == "-":
+            raw = sys.stdin.buffer.read(MAX_SPEC_BYTES + 1)
+        else:
+            with open(name, "rb") as fh:
+                raw = fh.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"job spec {where}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise ValueError(f"job spec {where}: larger than {MAX_SPEC_BYTES >> 20} MiB")
+
+    def finite(text: str) -> float:
+        v = float(text)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError(f"job spec {where}: {text} is not a finite number")
+        return v
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"job spec {where}: {name} is not JSON")
+
+    try:
+        spec = json.loads(raw.decode("utf-8-sig"), parse_float=finite, parse_constant=no_constant)
+    except UnicodeDecodeError:
+        raise ValueError(f"job spec {where}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"job spec {where}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ValueError(f"job spec {where}: nested too deeply") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"job spec {where}: must hold a JSON object, not {type(spec).__name__}")
+    return spec
+
+
 def _spec_from_args(args) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if args.spec:
-        text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
-        spec = json.loads(text)
-        if not isinstance(spec, dict):
-            raise ValueError("the job spec file must hold a JSON object")
+        spec = _read_spec(args.spec)
     for key in ("id", "name", "kind", "model", "batch_size", "gpus", "cpus", "priority", "cwd"):
         v = getattr(args, key.replace("-", "_"), None)
         if v is not None:
