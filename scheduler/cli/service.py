@@ -40,6 +40,12 @@ config.register_section("sched", {
     "k8s_token_file": "/var/run/secrets/kubernetes.io/serviceaccount/token",  # re-read per bind; empty: no token
     "k8s_ca_file": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",  # empty: the system CAs
     "k8s_timeout_s": 4.0,  # per Binding request; keep below the extender's httpTimeout (5s)
+    # The HTTP API's ceilings (README, Security): larger bodies get 413, connections beyond the cap 503,
+    # a request not all in within request_timeout_s of its first byte is dropped, an idle one after keep_alive_s.
+    "max_body_bytes": 8 << 20,
+    "max_connections": 256,
+    "request_timeout_s": 10.0,
+    "keep_alive_s": 5.0,
 })
 
 
@@ -77,6 +83,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from nodesvc.bus.procs import split_hostport
     from scheduler import SchedulerState
     from scheduler.service.api import create_app
+    from scheduler.service.http_limits import server_options
     from scheduler.service.live import SchedulerService
     from scheduler.service.store import JobStore, load_or_create_token
 
@@ -84,6 +91,10 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
 
     s = cfg["sched"]
     host, port = split_hostport(s["listen"], 7800)
+    for key, lo, hi in (("max_body_bytes", 1 << 10, 1 << 30), ("max_connections", 1, 1 << 16),
+                        ("request_timeout_s", 0.1, 3600.0), ("keep_alive_s", 0.1, 3600.0)):
+        if not lo <= s[key] <= hi:
+            raise config.ConfigError(f"sched.{key} must be between {lo:g} and {hi:g}, got {s[key]!r}")
     try:
         binder = binder_from_config(s)
     except BinderConfigError as exc:
@@ -103,9 +114,10 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     service = SchedulerService(store, core=core, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
     service.k8s_binder = binder
-    app = create_app(service, token, k8s_open=s["k8s_open"])
+    app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"])
+    limits = server_options(s["max_connections"], s["request_timeout_s"], s["keep_alive_s"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           lifespan="off"))
+                                           lifespan="off", **limits))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
