@@ -218,3 +218,12 @@ def test_absurd_pod_quantities_are_extender_errors(api, cpu):
     r = httpx.post(f"{api.url}/k8s/filter", json=args, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert r.status_code in (200, 400), r.text
     assert "quantity" in r.json()["Error"], r.text
+
+
+def test_oversized_headers_are_refused(api):
+    """Promise: the service buffers at most 16 KiB of a header block still incomplete (uvicorn's h11
+    limit; one read of up to 256 KiB is parsed whole): past it, a 400 at once, not a wait."""
+    with socket.create_connection(("127.0.0.1", api.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000)  # never finished
+        assert _read_status(s, 5) == 400
+    assert _status(api.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n") == 200

@@ -354,3 +354,30 @@ def test_descriptor_ceiling_follows_the_process_limit():
         assert 0 < srv.max_connections <= max(1, soft - 64)
     finally:
         srv.stop()
+
+
+def test_a_token_holder_gives_big_buffers_back_when_it_idles(slab_server):
+    """Promise: the input buffer a single 16 MiB WRITE grew is given back once the connection idles
+    (about a second), so a peer between bursts pins a 64 KiB buffer, not 16 MiB and more."""
+    from rdma.native_mem import Region, random_token
+
+    srv, _ = slab_server(idle_timeout_s=0, frame_timeout_s=0)  # no timeouts: the sweep runs each second
+    big, tok = Region(16 * MiB), random_token()
+    srv.add_slab(2, big, tok)
+    big.view()[:] = 1  # the slab's own pages are in before the measure
+    segs = tuple(wire.Segment(i * MiB, MiB) for i in range(16))
+    frame = wire.encode_request(wire.Request(wire.OP_WRITE, 1, 2, tok, segs, bytes(16 * MiB)))
+    me = psutil.Process()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(frame)  # one frame: the server buffers all of it before it writes the slab
+            s.settimeout(10)
+            status, hdr = wire.parse_response_header(recv_exact(s, wire.RESP_HDR.size))
+            assert hdr.status == wire.OK
+            after_write = me.memory_info().rss
+            wait_until(lambda: after_write - me.memory_info().rss >= 8 * MiB, 8,
+                       "the server to give back the 16 MiB input buffer of an idle connection")
+            assert _ping(s) == wire.OK  # and the connection still works
+    finally:
+        srv.remove_slab(2)
+        big.release()
