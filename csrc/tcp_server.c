@@ -199,12 +199,14 @@ static int out_of_descriptors(worker *w) {
     if (w->spare_fd >= 0) {
         close(w->spare_fd);
         int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
+        int none_pending = fd < 0 && (errno == EAGAIN || errno == EWOULDBLOCK); /* another worker took it */
         if (fd >= 0) {
             close(fd);
             DLS_ADD(&s->n.refused, 1);
         }
         w->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-        if (fd >= 0 && w->spare_fd >= 0) return 1;
+        if (w->spare_fd >= 0 && fd >= 0) return 1;
+        if (w->spare_fd >= 0 && none_pending) return 0;
     }
     pause_listener(w);
     return 0;
