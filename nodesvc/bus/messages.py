@@ -187,9 +187,9 @@ def bounded(args: dict[str, Any], name: str, lo: float, hi: float, kind: type = 
             default: Any = None) -> Any:
     """A number argument (``kind`` float or int) within [lo, hi]: every number a command takes
     has finite bounds, so that 1e308 seconds or 10**30 bytes is refused, not obeyed."""
-    v = arg(args, name, kind, required, default)
-    if v is None or v is default:
-        return v
+    if args.get(name) is None:
+        return arg(args, name, kind, required, default)  # missing: an error, or the default as given
+    v = arg(args, name, kind)
     if not (math.isfinite(v) and lo <= v <= hi):
         raise PayloadError(f"argument {name!r} must be between {lo:g} and {hi:g}, got {v!r:.40}")
     return v
