@@ -9,6 +9,8 @@
 
 #define DLS_MAX_SLAB_ID 65536
 #define DLS_MAX_CONNECTIONS 4096 /* per server; more are closed on accept */
+#define DLS_MAX_PER_PEER 256     /* per peer address (IPv4, or IPv6 address) */
+#define DLS_FD_RESERVE 64        /* descriptors left to the rest of the process: connections <= RLIMIT_NOFILE - this */
 #define DLS_IDLE_TIMEOUT_MS 60000  /* default: no bytes for this long, never authenticated */
 #define DLS_FRAME_TIMEOUT_MS 10000 /* default: an incomplete frame pending this long */
 
@@ -20,28 +22,40 @@ typedef struct dls_slab_stats {
     uint64_t reads, writes, bytes_read, bytes_written;
 } dls_slab_stats;
 
+/* refused: connections closed on accept (over a cap, or out of descriptors);
+ * refused_per_peer: of those, over the per-address cap; fd_exhausted: accepts
+ * that failed for want of a descriptor (EMFILE/ENFILE). */
 typedef struct dls_server_counters {
     uint64_t connections, open_connections, requests, errors, bad_frames, bytes_in, bytes_out, refused;
+    uint64_t refused_per_peer, fd_exhausted;
 } dls_server_counters;
 
 /* Listen on host:port (port 0 picks a free one) with `nthreads` workers, closing
- * connections beyond `max_conns` on accept (0: DLS_MAX_CONNECTIONS). */
+ * connections beyond `max_conns` on accept (0: DLS_MAX_CONNECTIONS; never more
+ * than RLIMIT_NOFILE - DLS_FD_RESERVE). */
 dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len);
-/* The same, with the timeouts that free places held by idle or stalled peers
- * (<= 0 turns one off; dls_server_start uses the defaults above):
- * - idle_timeout_ms: a connection that never sent a request with a valid token
- *   and has received no bytes for this long is closed.  Connections that did
- *   are never closed for idling (consumers keep theirs open between bursts);
+/* The same, with a per-address cap and the timeouts that free places held by
+ * idle or stalled peers (dls_server_start uses the defaults above):
+ * - max_per_peer: connections from one peer address beyond this are closed on
+ *   accept (<= 0: DLS_MAX_PER_PEER);
+ * - idle_timeout_ms: a connection that has not sent a request with a valid
+ *   token this long after it opened is closed, whatever it sent (a PING needs
+ *   no token).  Connections that did are never closed for idling (consumers
+ *   keep theirs open between bursts).  <= 0: off;
  * - frame_timeout_ms: a connection with an incomplete request pending for this
  *   long (its first byte arrived that long ago) is closed, whoever it is,
- *   unless it is the server that waits, with responses still unsent.
+ *   unless it is the server that waits, with responses still unsent; and one
+ *   whose queued responses the peer has not read any of for this long is
+ *   closed too (a peer that stops reading pins them).  <= 0: off.
  * A WRITE is checked (flags, slab, token, bounds) as soon as its header and
  * descriptors are in; a refused one gets its error status and its payload is
  * dropped as it arrives, unbuffered, so a peer without a valid token never
  * makes the server hold more than a small fixed buffer. */
-dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int64_t idle_timeout_ms,
-                                int64_t frame_timeout_ms, char *err, size_t err_len);
+dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int max_per_peer,
+                                int64_t idle_timeout_ms, int64_t frame_timeout_ms, char *err, size_t err_len);
 int dls_server_port(const dls_server *s);
+/* The connection cap in force (max_conns after the RLIMIT_NOFILE bound). */
+int dls_server_max_connections(const dls_server *s);
 void dls_server_stop(dls_server *s);
 /* Serve [base, base+size) as slab `id` under `token` (16 bytes).  0, or an error status. */
 int dls_server_add_slab(dls_server *s, uint32_t id, void *base, uint64_t size, const uint8_t *token);

@@ -17,6 +17,13 @@ cgroup) instead of writing at the root of the hierarchy.
 
 A process that exceeds ``memory_bytes`` is killed by the kernel's OOM killer
 (v1: ``memory.oom_control`` counts it; v2: ``memory.events`` ``oom_kill``).
+
+``apply`` is all or nothing: when a step fails (a cpuset the node lacks, a process the kernel
+will not move), the groups it made are removed, the limits it changed are written back and the
+processes it moved go back where they were.  Each driver remembers where every process it moved
+came from, and ``release`` puts it back there (a process forked inside the group goes where its
+job's first process came from); where that group is gone, or the daemon restarted since, the
+process goes to the daemon's own cgroup (v1) or its daemon leaf (v2).
 """
 
 from __future__ import annotations
@@ -83,6 +90,47 @@ def _read(path: Path) -> str:
         raise CgroupError(f"reading {path}: {os.strerror(exc.errno or 0)}") from exc
 
 
+class _Change:
+    """What one ``apply`` did so far, to undo if a later step fails: groups it made, files it
+    rewrote (with their old contents), processes it moved (with where they were)."""
+
+    def __init__(self, kernel_file: str) -> None:
+        self.kernel_file = kernel_file
+        self.made: list[Path] = []
+        self.rewritten: list[tuple[Path, str]] = []
+        self.moved: list[tuple[Path, str]] = []  # (the cgroup.procs it came from, pid)
+        self.new_origins: list[tuple[str, int]] = []  # (job, pid) first recorded by this apply
+
+    def mkdir(self, g: Path) -> None:
+        if not g.is_dir():
+            g.mkdir()
+            self.made.append(g)
+
+    def write(self, path: Path, value: str) -> None:
+        if path.parent not in self.made and path.exists():
+            self.rewritten.append((path, _read(path)))
+        _write(path, value)
+
+    def undo(self, origins: dict[str, dict[int, dict[str, str]]]) -> None:
+        for procs, pid in reversed(self.moved):
+            try:
+                _write(procs, pid)
+            except CgroupError as exc:
+                log.warning("undoing a failed allocation: %s", exc)
+        for path, old in reversed(self.rewritten):
+            try:
+                _write(path, old)
+            except CgroupError as exc:
+                log.warning("undoing a failed allocation: %s", exc)
+        for g in reversed(self.made):
+            try:
+                _remove_group(g, self.kernel_file)
+            except CgroupError as exc:
+                log.warning("undoing a failed allocation: %s", exc)
+        for job, pid in self.new_origins:
+            origins.get(job, {}).pop(pid, None)
+
+
 def detect(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> int | None:
     """2 for a unified (v2) hierarchy, 1 for v1 controllers, None when neither is usable."""
     r = Path(root)
@@ -126,6 +174,7 @@ class CgroupV2:
         self.base = self.top / group
         self.leaf = self.top / (group.replace("/", "-") + ".daemon")
         self.memory_high_ratio = memory_high_ratio
+        self.origins: dict[str, dict[int, dict[str, str]]] = {}  # job -> pid -> {"": its cgroup before}
         self._ready = False
 
     def _enable(self, node: Path) -> None:
@@ -169,37 +218,47 @@ class CgroupV2:
 
     def apply(self, alloc: CgroupLimits, pids: list[int] = ()) -> Path:
         self._prepare()
-        g = self.path(alloc.job)
-        g.mkdir(exist_ok=True)
-        if alloc.cpuset is not None:
-            _write(g / "cpuset.cpus", alloc.cpuset)
-        if alloc.cpus is not None:
-            quota = max(1000, int(alloc.cpus * CFS_PERIOD_US))
-            _write(g / "cpu.max", f"{quota} {CFS_PERIOD_US}")
-        else:
-            _write(g / "cpu.max", f"max {CFS_PERIOD_US}")
-        if alloc.memory_bytes is not None:
-            high = int(alloc.memory_bytes * self.memory_high_ratio)
-            _write(g / "memory.high", str(high))
-            _write(g / "memory.max", str(int(alloc.memory_bytes)))
-            if (g / "memory.swap.max").exists():
-                _write(g / "memory.swap.max", "0")  # over the limit means stopped, not swapped
-        else:
-            _write(g / "memory.high", "max")
-            _write(g / "memory.max", "max")
-            if (g / "memory.swap.max").exists():
-                _write(g / "memory.swap.max", "max")
-        self.add_pids(alloc.job, pids)
+        change = _Change("cgroup.events")
+        try:
+            g = self.path(alloc.job)
+            change.mkdir(g)
+            if alloc.cpuset is not None:
+                change.write(g / "cpuset.cpus", alloc.cpuset)
+            if alloc.cpus is not None:
+                quota = max(1000, int(alloc.cpus * CFS_PERIOD_US))
+                change.write(g / "cpu.max", f"{quota} {CFS_PERIOD_US}")
+            else:
+                change.write(g / "cpu.max", f"max {CFS_PERIOD_US}")
+            if alloc.memory_bytes is not None:
+                high = int(alloc.memory_bytes * self.memory_high_ratio)
+                change.write(g / "memory.high", str(high))
+                change.write(g / "memory.max", str(int(alloc.memory_bytes)))
+                if (g / "memory.swap.max").exists():
+                    change.write(g / "memory.swap.max", "0")  # over the limit means stopped, not swapped
+            else:
+                change.write(g / "memory.high", "max")
+                change.write(g / "memory.max", "max")
+                if (g / "memory.swap.max").exists():
+                    change.write(g / "memory.swap.max", "max")
+            self.add_pids(alloc.job, pids, change)
+        except BaseException:
+            change.undo(self.origins)
+            raise
         return g
 
-    def add_pids(self, job: str, pids) -> None:
+    def _procs(self, controller: str, path: str) -> Path:
+        return self.root / path.lstrip("/") / "cgroup.procs"
+
+    def add_pids(self, job: str, pids, change: _Change | None = None) -> None:
         for pid in pids:
+            origin = own_cgroup(2, f"/proc/{int(pid)}/cgroup")
             try:
                 _write(self.path(job) / "cgroup.procs", str(int(pid)))
             except CgroupError as exc:
                 if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH:
                     continue  # exited meanwhile
                 raise
+            _moved(self, job, int(pid), origin, change)
 
     def pids(self, job: str) -> list[int]:
         f = self.path(job) / "cgroup.procs"
@@ -215,10 +274,12 @@ class CgroupV2:
         return _oom_kill_count(self.path(job) / "memory.events")
 
     def release(self, job: str) -> None:
+        origins = self.origins.pop(job, {})
         g = self.path(job)
         if not g.exists():
             return
-        _empty_and_remove(g, self.leaf / "cgroup.procs", kernel_file="cgroup.events")
+        _empty_and_remove(g, lambda pid: _homes(self, origins, pid, "") + [self.leaf / "cgroup.procs"],
+                          kernel_file="cgroup.events")
 
 
 class CgroupV1:
@@ -238,6 +299,9 @@ class CgroupV1:
             self.bases[c] = mount / rel
         if "cpu" not in self.bases and "memory" not in self.bases:
             raise CgroupError(f"no cgroup v1 cpu or memory controller under {self.root}")
+        # Where a process with no known origin goes on release: the daemon's own cgroups.
+        self.fallback = {c: self._procs(c, own.get(c, "/")) for c in self.bases}
+        self.origins: dict[str, dict[int, dict[str, str]]] = {}  # job -> pid -> controller -> its cgroup before
         self._ready = False
 
     def _prepare(self) -> None:
@@ -263,51 +327,70 @@ class CgroupV1:
 
     def apply(self, alloc: CgroupLimits, pids: list[int] = ()) -> dict[str, Path]:
         self._prepare()
+        change = _Change("tasks")
+        try:
+            out = self._apply(alloc, change)
+            self.add_pids(alloc.job, pids, change)
+        except BaseException:
+            change.undo(self.origins)
+            raise
+        return out
+
+    def _apply(self, alloc: CgroupLimits, change: _Change) -> dict[str, Path]:
         out = {}
         for c, b in self.bases.items():
             g = b / alloc.job
-            g.mkdir(exist_ok=True)
+            change.mkdir(g)
             out[c] = g
         if "cpu" in out:
             g = out["cpu"]
-            _write(g / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+            change.write(g / "cpu.cfs_period_us", str(CFS_PERIOD_US))
             quota = -1 if alloc.cpus is None else max(1000, int(alloc.cpus * CFS_PERIOD_US))
-            _write(g / "cpu.cfs_quota_us", str(quota))
+            change.write(g / "cpu.cfs_quota_us", str(quota))
         if "cpuset" in out:
             g = out["cpuset"]
             self._inherit_cpuset(g)
             if alloc.cpuset is not None:
-                _write(g / "cpuset.cpus", alloc.cpuset)
+                change.write(g / "cpuset.cpus", alloc.cpuset)
         if "memory" in out:
             g = out["memory"]
             limit = -1 if alloc.memory_bytes is None else int(alloc.memory_bytes)
             memsw = g / "memory.memsw.limit_in_bytes"
             if limit == -1:
                 if memsw.exists():
-                    _write(memsw, "-1")
-                _write(g / "memory.limit_in_bytes", "-1")
+                    change.write(memsw, "-1")
+                change.write(g / "memory.limit_in_bytes", "-1")
             else:
                 # memsw must stay >= the memory limit: lower the memory limit first, raise memsw after.
                 try:
-                    _write(g / "memory.limit_in_bytes", str(limit))
+                    change.write(g / "memory.limit_in_bytes", str(limit))
                     if memsw.exists():
-                        _write(memsw, str(limit))
+                        change.write(memsw, str(limit))
                 except CgroupError:
                     if memsw.exists():
-                        _write(memsw, str(limit))
-                    _write(g / "memory.limit_in_bytes", str(limit))
-        self.add_pids(alloc.job, pids)
+                        change.write(memsw, str(limit))
+                    change.write(g / "memory.limit_in_bytes", str(limit))
         return out
 
-    def add_pids(self, job: str, pids) -> None:
+    def _procs(self, controller: str, path: str) -> Path:
+        return self.root / controller / path.lstrip("/") / "cgroup.procs"
+
+    def add_pids(self, job: str, pids, change: _Change | None = None) -> None:
         for pid in pids:
+            origin = own_cgroup(1, f"/proc/{int(pid)}/cgroup")
+            moved: dict[str, str] = {}
             for c, b in self.bases.items():
                 try:
                     _write(b / job / "cgroup.procs", str(int(pid)))
                 except CgroupError as exc:
                     if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.ESRCH:
                         break
+                    _moved(self, job, int(pid), moved, change)  # undo the controllers it did join
                     raise
+                if c in origin:
+                    moved[c] = origin[c]
+            else:
+                _moved(self, job, int(pid), moved, change)
 
     def pids(self, job: str) -> list[int]:
         for b in self.bases.values():
@@ -324,10 +407,12 @@ class CgroupV1:
         return _oom_kill_count(b / job / "memory.oom_control") if b else 0
 
     def release(self, job: str) -> None:
+        origins = self.origins.pop(job, {})
         for c, b in self.bases.items():
             g = b / job
             if g.exists():
-                _empty_and_remove(g, b.parent / "cgroup.procs", kernel_file="tasks")
+                _empty_and_remove(g, lambda pid, c=c: _homes(self, origins, pid, c) + [self.fallback[c]],
+                                  kernel_file="tasks")
 
 
 class NoCgroups:
@@ -368,18 +453,49 @@ def _oom_kill_count(f: Path) -> int:
     return 0
 
 
-def _empty_and_remove(g: Path, target_procs: Path, kernel_file: str) -> None:
-    """Move the group's processes to ``target_procs``, then remove the group.
+def _moved(drv, job: str, pid: int, origin: dict[str, str], change: _Change | None) -> None:
+    """Record where ``pid`` was before it joined ``job`` (the first time only: a process moved
+    twice into the same job came from where it was before the first move)."""
+    known = drv.origins.setdefault(job, {})
+    if pid not in known:
+        known[pid] = dict(origin)
+        if change is not None:
+            change.new_origins.append((job, pid))
+    if change is not None:
+        change.moved.extend((drv._procs(c, path), str(pid)) for c, path in origin.items())
+
+
+def _homes(drv, origins: dict[int, dict[str, str]], pid: int, controller: str) -> list[Path]:
+    """Where a released process goes for one controller: where it came from, else where its
+    job's first process came from (a child forked in the group)."""
+    origin = origins.get(pid) or next(iter(origins.values()), {})
+    path = origin.get(controller)
+    return [drv._procs(controller, path)] if path is not None else []
+
+
+def _empty_and_remove(g: Path, targets, kernel_file: str) -> None:
+    """Move the group's processes out (each to the first of ``targets(pid)`` that takes it), then
+    remove the group.
 
     ``kernel_file`` is one the kernel always creates in a group; where it is
     missing this is a fake tree (tests), whose regular files must go first.
     """
     procs = g / "cgroup.procs"
     for pid in (_read(procs).split() if procs.exists() else []):
-        try:
-            _write(target_procs, pid)
-        except CgroupError:
+        for target in targets(int(pid)):
+            if target.parent == g:
+                continue
+            try:
+                _write(target, pid)
+                break
+            except CgroupError:
+                continue
+        else:
             log.warning("could not move pid %s out of %s", pid, g)
+    _remove_group(g, kernel_file)
+
+
+def _remove_group(g: Path, kernel_file: str) -> None:
     try:
         g.rmdir()
     except OSError as exc:

@@ -133,6 +133,27 @@ def parse_op(cmd: Command, protected_pids: frozenset[int] = frozenset({1})) -> A
     raise PayloadError(f"unknown op {cmd.op!r}")
 
 
+def thread_groups(pids: tuple[int, ...], tgid_of: dict[int, int | None],
+                  protected_pids: frozenset[int]) -> tuple[int, ...]:
+    """The processes an allocate of ``pids`` moves: each id resolved to its thread group
+    (``tgid_of``, read by the shell from /proc; None: no such task any more, dropped).
+
+    A thread id written to ``cgroup.procs`` moves its whole process, so ids are checked as
+    processes: a thread of init, the daemon or an ancestor is refused like the process.
+    """
+    out: set[int] = set()
+    for pid in pids:
+        tgid = tgid_of.get(pid)
+        if tgid is None:
+            continue
+        if tgid in protected_pids:
+            which = f"pid {pid}" if tgid == pid else f"thread {pid} of process {tgid}"
+            raise PayloadError(f"{which} is init, the node daemon or one of its ancestors "
+                               f"(process {tgid}) and cannot be allocated")
+        out.add(tgid)
+    return tuple(sorted(out))
+
+
 class ReplyCache:
     """Bounded memory of replies by command id (oldest forgotten first)."""
 

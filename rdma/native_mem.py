@@ -6,6 +6,7 @@ released (cffi API mode releases it around every call).
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ REGION_HUGE = lib.DLS_REGION_HUGE
 REGION_LOCK = lib.DLS_REGION_LOCK
 REGION_POPULATE = lib.DLS_REGION_POPULATE
 LOCAL_CRC = lib.DLS_F_LOCAL_CRC
+MAX_TIMEOUT_S = 86400.0  # a slab-server timeout above a day is a unit mistake
 
 
 class RemoteMemoryError(OSError):
@@ -95,21 +97,36 @@ class SlabServer:
     """The C slab server (epoll worker threads); slabs are added and removed from Python."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 2, max_connections: int = 0,
-                 idle_timeout_s: float | None = 60.0, frame_timeout_s: float | None = 10.0) -> None:
-        """``idle_timeout_s``: close a connection that never sent a request with a valid
-        token and has sent no bytes for this long.  ``frame_timeout_s``: close any
-        connection whose incomplete request has been pending this long.  0 or None
-        turns one off; the C server checks them on a sweep every quarter timeout."""
+                 idle_timeout_s: float | None = 60.0, frame_timeout_s: float | None = 10.0,
+                 max_connections_per_peer: int = 0) -> None:
+        """``idle_timeout_s``: close a connection that has not sent a request with a valid
+        token this long after it opened, whatever it sent.  ``frame_timeout_s``: close any
+        connection whose incomplete request has been pending this long, or whose responses
+        its peer has not read any of for this long.  0 or None turns one off; the C server
+        checks them on a sweep every quarter timeout.  ``max_connections`` (0: 4096, never
+        above RLIMIT_NOFILE - 64; the cap in force is :attr:`max_connections`) and
+        ``max_connections_per_peer`` (0: 256 per peer address) close connections beyond
+        them on accept."""
         def ms(t: float | None) -> int:
-            return 0 if not t or t <= 0 else max(1, int(round(float(t) * 1000)))
+            if not t or t <= 0:
+                return 0
+            if not math.isfinite(t) or t > MAX_TIMEOUT_S:
+                raise ValueError(f"a slab-server timeout must be at most {MAX_TIMEOUT_S:g} s, got {t}")
+            return max(1, int(round(float(t) * 1000)))
 
+        for name, n in (("threads", threads), ("max_connections", max_connections),
+                        ("max_connections_per_peer", max_connections_per_peer)):
+            if not 0 <= int(n) < 1 << 31:
+                raise ValueError(f"{name} must be between 0 and 2**31-1, got {n}")
         err = ffi.new("char[256]")
         self._s = lib.dls_server_start_ex(host.encode(), int(port), int(threads), int(max_connections),
-                                          ms(idle_timeout_s), ms(frame_timeout_s), err, 256)
+                                          int(max_connections_per_peer), ms(idle_timeout_s), ms(frame_timeout_s),
+                                          err, 256)
         if self._s == ffi.NULL:
             raise OSError(f"slab server on {host}:{port}: {ffi.string(err).decode()}")
         self.host = host
         self.port = int(lib.dls_server_port(self._s))
+        self.max_connections = int(lib.dls_server_max_connections(self._s))
         self._lock = threading.Lock()
 
     def add_slab(self, slab_id: int, region: Region, token: bytes, nbytes: int | None = None) -> None:
@@ -135,7 +152,7 @@ class SlabServer:
         lib.dls_server_get_counters(self._s, c)
         return {k: int(getattr(c, k)) for k in
                 ("connections", "open_connections", "requests", "errors", "bad_frames", "bytes_in", "bytes_out",
-                 "refused")}
+                 "refused", "refused_per_peer", "fd_exhausted")}
 
     def stop(self) -> None:
         with self._lock:

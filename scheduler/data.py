@@ -3,14 +3,18 @@
 Resolution order: ``$DLSHARE_DATA``; else ``../shared/data`` beside the
 checkout; else the user cache (``$XDG_CACHE_HOME/dlshare/data``) that
 ``dlshare data fetch`` fills (:mod:`scheduler.fetch`).  Files are never
-committed to the project.  The loaders cache their result per path.
+committed to the project.  The loaders cache their result per path.  A file
+that is not what it should be (not UTF-8, not JSON, a cell that is not a finite
+number within its bound) is a :class:`DataFormatError` naming the file and row.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +28,43 @@ FILES = (
 )
 
 
+MAX_DATA_BYTES = 256 << 20  # the largest shared file is a few MB
+MAX_RUNTIME_S = 1e9         # philly/runtimes.csv tops out at 4.6e6 s; 31 years is garbage
+
+
 class DataError(FileNotFoundError):
     """A data file is missing; the message says where it looked and how to fetch it."""
+
+
+class DataFormatError(ValueError):
+    """A data file that cannot be used as what it should be; the message names the file and row."""
+
+
+def read_text(p: str | os.PathLike[str]) -> str:
+    """A data file as text: UTF-8 (a byte-order mark dropped), at most MAX_DATA_BYTES."""
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_DATA_BYTES + 1)
+    except OSError as exc:
+        raise DataFormatError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_DATA_BYTES:
+        raise DataFormatError(f"{p}: larger than {MAX_DATA_BYTES >> 20} MiB")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        row = raw.count(b"\n", 0, exc.start) + 1
+        raise DataFormatError(f"{p}: row {row}: not UTF-8 text") from None
+
+
+def _number(text: str, p: Any, row: int, column: str, bound: float = math.inf) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise DataFormatError(f"{p}: row {row}: column {column}: not a number: {text[:40]!r}") from None
+    if not (math.isfinite(v) and abs(v) <= bound):
+        raise DataFormatError(f"{p}: row {row}: column {column}: {text[:40]!r} is not a finite number"
+                              + (f" within +-{bound:g}" if bound < math.inf else ""))
+    return v
 
 
 def cache_dir() -> Path:
@@ -80,8 +119,15 @@ def resolve_trace(name: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _json(p: str) -> Any:
-    with open(p) as f:
-        return json.load(f)
+    def no_constants(name: str) -> Any:
+        raise DataFormatError(f"{p}: {name} is not a number JSON allows")
+
+    try:
+        return json.loads(read_text(p), parse_constant=no_constants)
+    except json.JSONDecodeError as exc:
+        raise DataFormatError(f"{p}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise DataFormatError(f"{p}: nested too deeply") from None
 
 
 def gavel_throughputs() -> dict[str, Any]:
@@ -96,9 +142,18 @@ def synergy_sensitivity() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=None)
 def _runtimes(p: str) -> np.ndarray:
-    with open(p) as f:
-        rows = csv.DictReader(f)
-        vals = [float(r["runtime"]) for r in rows]
+    rows = csv.reader(io.StringIO(read_text(p), newline=""))
+    try:
+        header = next(rows)
+        if "runtime" not in header:
+            raise DataFormatError(f"{p}: row 1: no column 'runtime' (header {header[:8]})")
+        i = header.index("runtime")
+        vals = [_number(r[i] if i < len(r) else "", p, n, "runtime", MAX_RUNTIME_S)
+                for n, r in enumerate(rows, start=2) if r]
+    except StopIteration:
+        raise DataFormatError(f"{p}: empty file") from None
+    except csv.Error as exc:
+        raise DataFormatError(f"{p}: {exc}") from None
     return np.asarray([v for v in vals if v > 0], dtype=float)
 
 
@@ -110,32 +165,33 @@ def philly_runtimes() -> np.ndarray:
 def colocation_util(p: str | Path | None = None) -> tuple[list[str], np.ndarray, np.ndarray]:
     """iadeep/colocation_util.csv: (model names, X of SM%/mem% per model, sum_interference)."""
     p = Path(p) if p is not None else path("iadeep/colocation_util.csv")
-    with open(p, newline="") as f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise ValueError(f"{p}: empty file") from None
-        for col in ("sum_interference",):
-            if col not in header:
-                raise ValueError(f"{p}: missing column {col!r}")
-        feat = [h for h in header if h.endswith("_sm") or h.endswith("_mem")]
-        models = [h[:-3] for h in feat if h.endswith("_sm")]
-        for m in models:
-            if f"{m}_mem" not in header:
-                raise ValueError(f"{p}: column {m}_sm has no {m}_mem")
-        idx = {h: i for i, h in enumerate(header)}
-        xs, ys = [], []
+    reader = csv.reader(io.StringIO(read_text(p), newline=""))
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise DataFormatError(f"{p}: empty file") from None
+    except csv.Error as exc:
+        raise DataFormatError(f"{p}: row 1: {exc}") from None
+    for col in ("sum_interference",):
+        if col not in header:
+            raise DataFormatError(f"{p}: missing column {col!r}")
+    feat = [h for h in header if h.endswith("_sm") or h.endswith("_mem")]
+    models = [h[:-3] for h in feat if h.endswith("_sm")]
+    for m in models:
+        if f"{m}_mem" not in header:
+            raise DataFormatError(f"{p}: column {m}_sm has no {m}_mem")
+    idx = {h: i for i, h in enumerate(header)}
+    xs, ys = [], []
+    try:
         for n, row in enumerate(reader, start=2):
             if not row:
                 continue
             if len(row) != len(header):
-                raise ValueError(f"{p}: row {n} has {len(row)} fields, the header has {len(header)}")
-            try:
-                x = [float(row[idx[f"{m}_sm"]]) for m in models] + [float(row[idx[f"{m}_mem"]]) for m in models]
-                y = float(row[idx["sum_interference"]])
-            except ValueError as exc:
-                raise ValueError(f"{p}: row {n}: {exc}") from None
-            xs.append(x)
-            ys.append(y)
+                raise DataFormatError(f"{p}: row {n} has {len(row)} fields, the header has {len(header)}")
+            # utilisations are percentages, interference a small ratio: 1e6 bounds both generously
+            xs.append([_number(row[idx[f"{m}_sm"]], p, n, f"{m}_sm", 1e6) for m in models]
+                      + [_number(row[idx[f"{m}_mem"]], p, n, f"{m}_mem", 1e6) for m in models])
+            ys.append(_number(row[idx["sum_interference"]], p, n, "sum_interference", 1e6))
+    except csv.Error as exc:
+        raise DataFormatError(f"{p}: {exc}") from None
     return models, np.asarray(xs, dtype=float).reshape(-1, 2 * len(models)), np.asarray(ys, dtype=float)

@@ -33,6 +33,7 @@ A profile is TOML.  The packaged ones live in ``scheduler/profiles/NAME.toml``
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -42,6 +43,12 @@ from typing import Any
 from scheduler import plugins
 
 SHARE_MODES = ("never", "when_full", "always")
+MAX_PROFILE_BYTES = 1 << 20
+MAX_WEIGHT = 1e6
+MAX_ARG = 1e12  # any number in a plugin's args: seconds, counts, weights (finite, within +-1e12)
+# placement key -> (least, most): finite bounds, each far above any real cluster's need
+_PLACEMENT_BOUNDS = {"max_share": (1, 64), "share_max_gpus": (0, 1 << 17), "nodes_to_score_percent": (0, 100),
+                     "min_run_s": (0, 1e9), "scan_limit": (1, 10 ** 7)}
 
 
 class ProfileError(ValueError):
@@ -135,8 +142,11 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
     pct = float(_typed(pl, "nodes_to_score_percent", (int, float), 0.0, label))
     min_run = float(_typed(pl, "min_run_s", (int, float), 0.0, label))
     scan_limit = _typed(pl, "scan_limit", int, 1000, label)
-    if max_share < 1 or share_max_gpus < 0 or not 0 <= pct <= 100 or min_run < 0 or scan_limit < 1:
-        raise ProfileError(f"profile {label}: placement values out of range")
+    for key, v in (("max_share", max_share), ("share_max_gpus", share_max_gpus), ("nodes_to_score_percent", pct),
+                   ("min_run_s", min_run), ("scan_limit", scan_limit)):
+        lo, hi = _PLACEMENT_BOUNDS[key]
+        if not (_finite(v) and lo <= v <= hi):
+            raise ProfileError(f"profile {label}: placement.{key} must be between {lo:g} and {hi:g}, got {v!r}")
     name = data.get("name", label)
     if not isinstance(name, str) or not name:
         raise ProfileError(f"profile {label}: name must be a non-empty string")
@@ -155,9 +165,16 @@ def _read(name_or_path: str | Path) -> tuple[str, str]:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
         try:
-            return p.read_text(), str(p)
+            with open(p, "rb") as fh:
+                raw = fh.read(MAX_PROFILE_BYTES + 1)
         except OSError as exc:
-            raise ProfileError(f"profile {p}: cannot read: {exc}") from None
+            raise ProfileError(f"profile {p}: cannot read: {exc.strerror or exc}") from None
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise ProfileError(f"profile {p}: larger than {MAX_PROFILE_BYTES >> 10} KiB")
+        try:
+            return raw.decode("utf-8-sig"), str(p)
+        except UnicodeDecodeError:
+            raise ProfileError(f"profile {p}: not UTF-8 text (a profile is TOML)") from None
     name = str(name_or_path)
     res = resources.files("scheduler") / "profiles" / f"{name}.toml"
     if not name.replace("_", "").replace("-", "").isalnum() or not res.is_file():
@@ -192,7 +209,29 @@ def _spec(v: Any, label: str, where: str, weighted: bool) -> PluginSpec:
     args = v.get("args", {})
     if not isinstance(args, dict):
         raise ProfileError(f"profile {label}: {where}.args must be a table")
+    _check_numbers(args, label, f"{where}.args")
     weight = v.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-        raise ProfileError(f"profile {label}: {where}.weight must be a number >= 0")
+    if (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight)
+            or not 0 <= weight <= MAX_WEIGHT):
+        raise ProfileError(f"profile {label}: {where}.weight must be a number from 0 to {MAX_WEIGHT:g}, got {weight!r}")
     return PluginSpec(v["plugin"], dict(args), float(weight))
+
+
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _check_numbers(v: Any, label: str, where: str) -> None:
+    """Every number in a plugin's args is finite and within +-MAX_ARG (TOML has inf and nan)."""
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _check_numbers(x, label, f"{where}.{k}")
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_numbers(x, label, f"{where}[{i}]")
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        if not (_finite(v) and abs(v) <= MAX_ARG):
+            raise ProfileError(f"profile {label}: {where} must be a finite number within +-{MAX_ARG:g}, got {v!r}")

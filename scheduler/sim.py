@@ -71,6 +71,9 @@ class Cluster:
             raise ValueError(f"cluster {text!r}: expected NODESxGPUS or NODESxGPUS:CORES:MEMGB") from None
         if n < 1 or g < 1 or cores < 1 or mem <= 0 or len(rest) > 2:
             raise ValueError(f"cluster {text!r}: sizes must be positive")
+        # Finite bounds: 1e400 GB or 10**8 nodes is a typo, not a cluster to build in memory.
+        if n > 100_000 or g > 64 or cores > 4096 or not mem <= 65536:
+            raise ValueError(f"cluster {text!r}: at most 100000 nodes of 64 GPUs, 4096 cores and 65536 GB each")
         return cls(n, g, cores, mem)
 
     def make_nodes(self) -> list[Node]:

@@ -9,7 +9,10 @@ Two formats are read (the header decides):
   model's Synergy profile (at the GPU-proportional CPU/memory share).
 
 Any bad row raises :class:`TraceError` naming the file, the row (1-based,
-header = row 1) and the column.
+header = row 1) and the column.  Files are UTF-8 (a byte-order mark is
+ignored), at most ``MAX_TRACE_BYTES``; every number has a finite bound
+(``MAX_*`` below), since a trace row beyond them is a unit mistake or garbage and
+would make the simulator print nonsense (a mean JCT of 1e304 h, nan utilisations).
 """
 
 from __future__ import annotations
@@ -23,6 +26,17 @@ from typing import Any
 
 PHILLY = ("job_id", "arrival_s", "model", "batch_size", "num_gpus", "total_steps", "isolated_duration_s")
 SYNERGY = ("job_id", "model", "arrival_h", "iterations", "num_gpus")
+
+# Bounds, each far above the public traces (Philly vc_0e4a51/vc_103959: arrivals < 8e6 s, durations
+# < 1.8e6 s, 8 GPUs, batch 8192, 1.3e8 steps; Synergy: 2.3e6 iterations).
+MAX_TRACE_BYTES = 256 << 20  # ~5M rows; Philly's whole 117k-job trace is ~10 MB
+MAX_SECONDS = 1e9            # arrivals and durations: 31 years
+MAX_GPUS = 1 << 17           # more GPUs than the largest cluster built
+MAX_BATCH = 1 << 24
+MAX_STEPS = 10 ** 12
+MAX_NAME = 256               # job ids and model names
+_BOUND = {"arrival_s": MAX_SECONDS, "arrival_h": MAX_SECONDS / 3600, "isolated_duration_s": MAX_SECONDS,
+          "num_gpus": MAX_GPUS, "batch_size": MAX_BATCH, "total_steps": MAX_STEPS, "iterations": MAX_STEPS}
 
 
 class TraceError(ValueError):
@@ -49,7 +63,7 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
                 sensitivity: dict[str, Any] | None = None) -> list[TraceJob]:
     """Parse trace CSV ``text``.  ``throughputs`` (Gavel's v100 table) and
     ``sensitivity`` (Synergy's models) are used to reject unknown models."""
-    reader = csv.reader(io.StringIO(text, newline=""))
+    reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""))
     try:
         header = [h.strip() for h in next(reader)]
     except StopIteration:
@@ -84,6 +98,8 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
                 raise TraceError(f"{source}: row {n}: column {name}: not a {typ.__name__}: {raw!r}") from None
             if typ in (int, float) and (not math.isfinite(v) or v < 0):
                 raise TraceError(f"{source}: row {n}: column {name}: must be finite and >= 0, got {raw!r}")
+            if v > _BOUND.get(name, math.inf):
+                raise TraceError(f"{source}: row {n}: column {name}: {raw!r} is above the bound {_BOUND[name]:g}")
             if typ is int and float(raw) != int(float(raw)):
                 raise TraceError(f"{source}: row {n}: column {name}: not a whole number: {raw!r}")
             return v
@@ -91,6 +107,8 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
         jid = row[col["job_id"]].strip()
         if not jid:
             raise TraceError(f"{source}: row {n}: empty job_id")
+        if len(jid) > MAX_NAME or len(row[col["model"]]) > MAX_NAME:
+            raise TraceError(f"{source}: row {n}: job_id and model are at most {MAX_NAME} characters")
         if jid in seen:
             raise TraceError(f"{source}: row {n}: duplicate job_id {jid!r}")
         seen.add(jid)
@@ -118,8 +136,8 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
                 if prof is None:
                     raise TraceError(f"{source}: row {n}: unknown model {model!r} (not in synergy/sensitivity.json)")
             dur = steps * float(prof["iter_time_s"]) if prof else float(steps)
-        if dur <= 0:
-            raise TraceError(f"{source}: row {n}: duration must be > 0")
+        if not 0 < dur <= MAX_SECONDS:
+            raise TraceError(f"{source}: row {n}: duration {dur:g} s must be > 0 and at most {MAX_SECONDS:g}")
         out.append(TraceJob(jid, arrival, model, bs, gpus, steps, dur))
     if not out:
         raise TraceError(f"{source}: no jobs")
@@ -140,13 +158,28 @@ def _rows(reader: Any, source: str) -> Any:
         yield n, row
 
 
+def decode_trace(raw: bytes, source: str = "<trace>") -> str:
+    """Trace bytes as text: UTF-8, a byte-order mark dropped; bytes that are not UTF-8 are a
+    :class:`TraceError` naming the row they are on."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        row = raw.count(b"\n", 0, exc.start) + 1
+        raise TraceError(f"{source}: row {row}: not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}); "
+                         "a trace is a CSV file") from None
+
+
 def load_trace(path: str | Path, *, check_models: bool = True) -> list[TraceJob]:
-    """Read and parse a trace file (see :func:`parse_trace`)."""
+    """Read and parse a trace file (see :func:`parse_trace`); at most MAX_TRACE_BYTES are read."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with open(p, "rb") as fh:
+            raw = fh.read(MAX_TRACE_BYTES + 1)
     except OSError as exc:
-        raise TraceError(f"{p}: cannot read: {exc}") from None
+        raise TraceError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_TRACE_BYTES:
+        raise TraceError(f"{p}: larger than {MAX_TRACE_BYTES >> 20} MiB, the most a trace may be")
+    text = decode_trace(raw, str(p))
     thr = sens = None
     if check_models:
         from scheduler import data

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
 from typing import Any
 
 GLOBAL = "dlshare"
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred lines; more is the wrong file
+# Every float setting is seconds, a percentage or a ratio: inf, nan or beyond 1e9 (31 years of
+# seconds) is a unit mistake, refused rather than obeyed.
+MAX_FLOAT_SETTING = 1e9
 
 _SECTIONS: dict[str, dict[str, Any]] = {
     GLOBAL: {
@@ -63,7 +68,7 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
             if kind is int:
                 return int(text, 0)
             if kind is float:
-                return float(text)
+                value = float(text)  # checked for range below
             if kind is list:
                 parsed = json.loads(text) if text.startswith("[") else [p for p in text.split(",") if p]
                 if not isinstance(parsed, list):
@@ -71,8 +76,14 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
                 return parsed
         except ValueError:
             raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not (math.isfinite(value) and abs(value) <= MAX_FLOAT_SETTING):
+            raise ConfigError(f"{where}: expected a finite number within +-{MAX_FLOAT_SETTING:g}, got {value!r}")
+        return value
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{where}: expected bool, got {value!r}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -124,14 +135,7 @@ def load(
     cfg = defaults()
     path = path or env.get("DLSHARE_CONFIG")
     if path:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path}: {exc}") from None
-        _merge(cfg, data, f"config file {path}")
+        _merge(cfg, _read_toml(path), f"config file {path}")
     _env_layer(cfg, env)
     for sec, values in (flags or {}).items():
         for key, value in values.items():
@@ -141,6 +145,28 @@ def load(
                 raise ConfigError(f"flag sets unknown key {sec}.{key}")
             cfg[sec][key] = _coerce(value, _SECTIONS[sec][key], f"flag --{key.replace('_', '-')}")
     return cfg
+
+
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's tables: UTF-8 TOML (a byte-order mark is ignored), at most MAX_CONFIG_BYTES."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES >> 10} KiB; is it the right file?")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"config file {path}: line {line}: not UTF-8 text") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
 
 
 def _toml_value(v: Any) -> str:

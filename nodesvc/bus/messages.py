@@ -8,6 +8,7 @@ raise :class:`PayloadError` with a message fit to send back to the sender.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,10 @@ SCHEMA = 1
 PREFIX = "dlshare/v1"
 MAX_PAYLOAD = 1 << 20  # a control message larger than 1 MiB is refused unparsed
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_OP_RE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+# \Z, not $: "$" also matches before a final newline, and "job\n" is no id.
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
+_OP_RE = re.compile(r"[a-z][a-z0-9_-]{0,63}\Z")
+_ID_FIELD = re.compile(r'"id"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.){1,128}")')
 
 
 class PayloadError(ValueError):
@@ -83,6 +86,8 @@ def decode(payload: bytes | bytearray | str) -> dict[str, Any]:
         raise PayloadError(f"payload is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise PayloadError("payload is nested too deeply") from None
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise PayloadError(f"payload is not usable JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise PayloadError(f"payload must be a JSON object, not {type(obj).__name__}")
     schema = obj.get("schema")
@@ -124,11 +129,20 @@ def parse_command(payload: bytes | str) -> Command:
 
 
 def command_id_of(payload: bytes | str) -> str | None:
-    """Best-effort id of a payload that failed to parse, for the error reply."""
+    """Best-effort id of a payload that failed to parse, for the error reply.  A payload that is
+    not JSON as a whole (too deep, a giant number, cut short) may still name its id near the
+    start: then the first ``"id": "..."`` is taken."""
     try:
         obj = json.loads(payload)
-    except Exception:  # noqa: BLE001 - any garbage means "no id"
-        return None
+    except Exception:  # noqa: BLE001 - any garbage: look for an id the sender can match
+        text = payload[:65536]
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("utf-8", "replace")
+        m = _ID_FIELD.search(text) if isinstance(text, str) else None
+        try:
+            obj = {"id": json.loads(m.group(1))} if m else None
+        except ValueError:
+            obj = None
     cid = obj.get("id") if isinstance(obj, dict) else None
     return cid if isinstance(cid, str) and 0 < len(cid) <= 128 else None
 
@@ -166,6 +180,18 @@ def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...], required
             raise PayloadError(f"argument {name!r} is out of range") from None
     if not isinstance(v, kinds):
         raise PayloadError(f"argument {name!r} must be {_kname(kinds)}, not {type(v).__name__}")
+    return v
+
+
+def bounded(args: dict[str, Any], name: str, lo: float, hi: float, kind: type = float, required: bool = True,
+            default: Any = None) -> Any:
+    """A number argument (``kind`` float or int) within [lo, hi]: every number a command takes
+    has finite bounds, so that 1e308 seconds or 10**30 bytes is refused, not obeyed."""
+    if args.get(name) is None:
+        return arg(args, name, kind, required, default)  # missing: an error, or the default as given
+    v = arg(args, name, kind)
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise PayloadError(f"argument {name!r} must be between {lo:g} and {hi:g}, got {v!r:.40}")
     return v
 
 

@@ -62,6 +62,10 @@ from nodesvc.reclaim import (
 log = logging.getLogger("dlshare.donor")
 
 GIB = 1 << 30
+# Bounds of the commands' numbers: every one is finite, so 1e308 s or 10**30 bytes is refused.
+MAX_LEASE_S = 7 * 86400.0   # consumers renew every few seconds; a lease over a week is a unit mistake
+MAX_PAUSE_S = 86400.0       # a drain for maintenance: a day at most (send it again to extend)
+MAX_RECLAIM_BYTES = 1 << 50  # 1 PiB: more than any node's memory
 
 config.register_section("donor", {
     "slab_bytes": GIB,             # DESIGN.md: 1 GiB slabs (Infiniswap's slab size); tests use small ones
@@ -71,6 +75,10 @@ config.register_section("donor", {
     "port": 0,                     # 0: any free port
     "advertise": "",               # host consumers connect to (default: listen)
     "threads": 2,                  # slab-server worker threads
+    "max_connections": 4096,       # slab-server connections (never above RLIMIT_NOFILE - 64)
+    "max_connections_per_peer": 256,  # from one peer address
+    "idle_timeout_s": 60.0,        # a connection with no valid token is closed this long after it opened
+    "frame_timeout_s": 10.0,       # an incomplete request, or unread responses, this long: closed
     "max_slabs": 256,
     "psi_threshold": 10.0,         # PSI memory some avg10 (%) that starts reclaim
     "reclaim_deadline_s": 2.0,     # time a consumer gets to move an evicted slab
@@ -165,7 +173,10 @@ class DonorExtension:
         from rdma.native_mem import SlabServer
 
         self.ctx = ctx
-        self.server = SlabServer(self.cfg["listen"], int(self.cfg["port"]), int(self.cfg["threads"]))
+        c = self.cfg
+        self.server = SlabServer(c["listen"], int(c["port"]), int(c["threads"]), int(c["max_connections"]),
+                                 float(c["idle_timeout_s"]), float(c["frame_timeout_s"]),
+                                 int(c["max_connections_per_peer"]))
         host = self.cfg["advertise"] or self.cfg["listen"]
         self.addr = f"{host}:{self.server.port}"
         log.info("lending memory: slab server on %s, %d-byte slabs", self.addr, self.slab_bytes)
@@ -250,12 +261,8 @@ class DonorExtension:
         from rdma.native_mem import Region, random_token
 
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
-        count = messages.arg(args, "count", int, required=False, default=1)
-        lease_s = messages.arg(args, "lease_s", float, required=False, default=0.0)
-        if not 1 <= count <= 1024:
-            raise PayloadError("'count' must be between 1 and 1024")
-        if lease_s < 0:
-            raise PayloadError("'lease_s' must not be negative")
+        count = messages.bounded(args, "count", 1, 1024, int, required=False, default=1)
+        lease_s = messages.bounded(args, "lease_s", 0.0, MAX_LEASE_S, required=False, default=0.0)
         granted: list[tuple[int, bytes, Any]] = []
         async with self._lock:
             available = self._slabs_available(self.lendable_bytes())
@@ -309,7 +316,7 @@ class DonorExtension:
             items = [args]
         checked = []
         for item in items:
-            slab = messages.arg(item, "slab", int)
+            slab = messages.bounded(item, "slab", 0, (1 << 16) - 1, int)
             token = messages.arg(item, "token", str)
             lease = self.leases.get(slab)
             if lease is None:
@@ -328,7 +335,7 @@ class DonorExtension:
     async def cmd_renew(self, args: dict[str, Any]) -> dict[str, Any]:
         """Extend ``consumer``'s lease by ``lease_s``; answers how many slabs it holds here."""
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
-        lease_s = messages.arg(args, "lease_s", float)
+        lease_s = messages.bounded(args, "lease_s", 0.0, MAX_LEASE_S)
         if lease_s <= 0:
             raise PayloadError("'lease_s' must be positive")
         held = sorted(s for s, x in self.leases.items() if x.consumer == consumer)
@@ -338,12 +345,8 @@ class DonorExtension:
 
     async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
         """Take ``bytes`` back now; ``pause_s`` also stops lending for that long (a drain)."""
-        nbytes = messages.arg(args, "bytes", int, required=False, default=self.slab_bytes)
-        pause = messages.arg(args, "pause_s", float, required=False, default=0.0)
-        if nbytes <= 0:
-            raise PayloadError("'bytes' must be positive")
-        if pause < 0:
-            raise PayloadError("'pause_s' must not be negative")
+        nbytes = messages.bounded(args, "bytes", 1, MAX_RECLAIM_BYTES, int, required=False, default=self.slab_bytes)
+        pause = messages.bounded(args, "pause_s", 0.0, MAX_PAUSE_S, required=False, default=0.0)
         if pause:
             self.paused_until = max(self.paused_until, self.clock() + pause)
         decisions = self.core.handle(ReclaimRequested(self._sid("reclaim"), self.clock(), nbytes))

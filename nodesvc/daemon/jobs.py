@@ -79,6 +79,19 @@ class JobProcess:
         return self.last_usage
 
 
+def tgid_of(pid: int) -> int | None:
+    """The thread group (process) of task ``pid``, which may be a thread id; None when no such
+    task exists (any more).  /proc/<tid> resolves thread ids too, though it does not list them."""
+    try:
+        with open(f"/proc/{int(pid)}/status") as fh:
+            for line in fh:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def private_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` (mode 0700) or check that an existing one is ours and private.
 

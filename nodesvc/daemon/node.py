@@ -21,9 +21,10 @@ from nodesvc.bus import messages
 from nodesvc.bus.mqtt import Bus
 from nodesvc.extension import NodeContext
 from nodesvc.gpu import GpuProbe, SimulatedNvml
-from nodesvc.daemon.jobs import JobTable
+from nodesvc.daemon.jobs import JobTable, tgid_of
 from nodesvc.daemon.metrics import NodeMetrics
-from nodesvc.node_core import BUILTIN_OPS, AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op
+from nodesvc.node_core import (BUILTIN_OPS, AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op,
+                               thread_groups)
 
 log = logging.getLogger("dlshare.node")
 
@@ -264,11 +265,14 @@ class NodeDaemon:
         if isinstance(spec, Ping):
             return {"node": self.node_id, "ts": time.time()}
         if isinstance(spec, AllocateSpec):
-            where = self.cgroups.apply(spec.alloc, list(spec.pids))
+            # Checked as processes: writing a thread id to cgroup.procs moves its whole process.
+            pids = thread_groups(spec.pids, {p: tgid_of(p) for p in spec.pids}, self.protected_pids)
+            where = self.cgroups.apply(spec.alloc, list(pids))
             self.allocations[spec.alloc.job] = spec.alloc
-            if spec.pids:
-                self.jobs.adopt(spec.alloc.job, list(spec.pids), spec.alloc.memory_bytes)
-            return {"job": spec.alloc.job, "cgroup_version": self.cgroups.version, "cgroup": _paths(where)}
+            if pids:
+                self.jobs.adopt(spec.alloc.job, list(pids), spec.alloc.memory_bytes)
+            return {"job": spec.alloc.job, "cgroup_version": self.cgroups.version, "cgroup": _paths(where),
+                    "pids": list(pids)}
         if isinstance(spec, ReleaseSpec):
             self.cgroups.release(spec.job)
             existed = self.allocations.pop(spec.job, None) is not None
@@ -296,7 +300,8 @@ class NodeDaemon:
             return {"job": spec.job, "pid": jp.popen.pid, "log": jp.log_path}
         if isinstance(spec, StopSpec):
             try:
-                sent = self.jobs.signal(spec.job, spec.signal, self.cgroups.pids(spec.job))
+                members = [p for p in self.cgroups.pids(spec.job) if p not in self.protected_pids]
+                sent = self.jobs.signal(spec.job, spec.signal, members)
             except KeyError:
                 raise messages.PayloadError(f"no job {spec.job!r} on node {self.node_id}") from None
             return {"job": spec.job, "signalled": sent}

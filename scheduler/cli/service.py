@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
 from nodesvc.bus import config
@@ -41,6 +40,12 @@ config.register_section("sched", {
     "k8s_token_file": "/var/run/secrets/kubernetes.io/serviceaccount/token",  # re-read per bind; empty: no token
     "k8s_ca_file": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",  # empty: the system CAs
     "k8s_timeout_s": 4.0,  # per Binding request; keep below the extender's httpTimeout (5s)
+    # The HTTP API's ceilings (README, Security): larger bodies get 413, connections beyond the cap 503,
+    # a request not all in within request_timeout_s of its first byte is dropped, an idle one after keep_alive_s.
+    "max_body_bytes": 8 << 20,
+    "max_connections": 256,
+    "request_timeout_s": 10.0,
+    "keep_alive_s": 5.0,
 })
 
 
@@ -78,6 +83,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from nodesvc.bus.procs import split_hostport
     from scheduler import SchedulerState
     from scheduler.service.api import create_app
+    from scheduler.service.http_limits import server_options
     from scheduler.service.live import SchedulerService
     from scheduler.service.store import JobStore, load_or_create_token
 
@@ -85,12 +91,20 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
 
     s = cfg["sched"]
     host, port = split_hostport(s["listen"], 7800)
+    for key, lo, hi in (("max_body_bytes", 1 << 10, 1 << 30), ("max_connections", 1, 1 << 16),
+                        ("request_timeout_s", 0.1, 3600.0), ("keep_alive_s", 0.1, 3600.0)):
+        if not lo <= s[key] <= hi:
+            raise config.ConfigError(f"sched.{key} must be between {lo:g} and {hi:g}, got {s[key]!r}")
     try:
         binder = binder_from_config(s)
     except BinderConfigError as exc:
         raise config.ConfigError(str(exc)) from None
     store = JobStore(s["db"], synchronous=s["synchronous"])
-    token = load_or_create_token(s["db"], s["token"])
+    try:
+        token = load_or_create_token(s["db"], s["token"])
+    except ValueError as exc:
+        store.close()
+        raise config.ConfigError(str(exc)) from None
     try:
         predictors = _predictors(s["predictors"])
         core = SchedulerState(s["profile"], predictors=predictors)
@@ -100,9 +114,10 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     service = SchedulerService(store, core=core, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
     service.k8s_binder = binder
-    app = create_app(service, token, k8s_open=s["k8s_open"])
+    app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"])
+    limits = server_options(s["max_connections"], s["request_timeout_s"], s["keep_alive_s"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           lifespan="off"))
+                                           lifespan="off", **limits))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -152,13 +167,50 @@ def _client(cfg):
     return SchedulerClient(_url(cfg), token)
 
 
+MAX_SPEC_BYTES = 16 << 20  # the largest valid spec (256 args and 128 variables of 4 KiB) is ~1.6 MB
+
+
+def _read_spec(name: str) -> dict[str, Any]:
+    """A job spec file (``-``: stdin): one JSON object of finite numbers; any problem is a
+    ValueError naming the file."""
+    where = "stdin" if name == "-" else name
+    try:
+        if name == "-":
+            raw = sys.stdin.buffer.read(MAX_SPEC_BYTES + 1)
+        else:
+            with open(name, "rb") as fh:
+                raw = fh.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"job spec {where}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise ValueError(f"job spec {where}: larger than {MAX_SPEC_BYTES >> 20} MiB")
+
+    def finite(text: str) -> float:
+        v = float(text)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError(f"job spec {where}: {text} is not a finite number")
+        return v
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"job spec {where}: {name} is not JSON")
+
+    try:
+        spec = json.loads(raw.decode("utf-8-sig"), parse_float=finite, parse_constant=no_constant)
+    except UnicodeDecodeError:
+        raise ValueError(f"job spec {where}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"job spec {where}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ValueError(f"job spec {where}: nested too deeply") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"job spec {where}: must hold a JSON object, not {type(spec).__name__}")
+    return spec
+
+
 def _spec_from_args(args) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if args.spec:
-        text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
-        spec = json.loads(text)
-        if not isinstance(spec, dict):
-            raise ValueError("the job spec file must hold a JSON object")
+        spec = _read_spec(args.spec)
     for key in ("id", "name", "kind", "model", "batch_size", "gpus", "cpus", "priority", "cwd"):
         v = getattr(args, key.replace("-", "_"), None)
         if v is not None:

@@ -82,6 +82,20 @@ def _data(args, cfg) -> int:
     return 0
 
 
+def _overhead_s(text: str) -> float:
+    """--restart-overhead: finite seconds, at most a day."""
+    import argparse
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(v) and 0 <= v <= 86400):
+        raise argparse.ArgumentTypeError(f"must be between 0 and 86400 seconds, got {text}")
+    return v
+
+
 def register(sub) -> None:
     from nodesvc.cli import add_command
 
@@ -92,7 +106,7 @@ def register(sub) -> None:
     p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB]")
     p.add_argument("--profile", default="dlshare", help="profile name(s), comma-separated, or a TOML path")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--restart-overhead", type=float, default=0.0, metavar="S", help="seconds lost per resume")
+    p.add_argument("--restart-overhead", type=_overhead_s, default=0.0, metavar="S", help="seconds lost per resume")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--train", metavar="CSV", help="predictor: training rows (colocation_util.csv format)")
     p.add_argument("--test", metavar="CSV", help="predictor: test rows")

@@ -22,6 +22,7 @@ from starlette.routing import Match
 
 from scheduler.service import k8s, status_page
 from scheduler.service.http_checks import BAD_BODY, known_query
+from scheduler.service.http_limits import BodyLimit
 from scheduler.service.live import SchedulerService
 from scheduler.service.models import ApiCluster, ApiError, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState
 from scheduler.service.store import ConflictError
@@ -44,8 +45,13 @@ JobIdPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z
                                description="the job's id")]
 
 
-def create_app(service: SchedulerService, token: str, k8s_open: bool = False) -> FastAPI:
-    """``k8s_open``: serve ``/k8s/*`` without the token.  kube-scheduler's extender client sends
+MAX_BODY_BYTES = 8 << 20  # the largest valid job spec is ~1.6 MB; kube-scheduler's NodeList of ~1000 nodes fits
+
+
+def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """``max_body_bytes``: larger request bodies get a 413 before they are read or parsed.
+    ``k8s_open``: serve ``/k8s/*`` without the token.  kube-scheduler's extender client sends
     no Authorization header, so a cluster either fronts the extender with a proxy that adds it,
     or opens these three read-mostly endpoints and restricts who can reach them (NetworkPolicy)."""
     app = FastAPI(
@@ -175,4 +181,5 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False) ->
         return HTMLResponse(status_page.render(service.cluster(), [j.as_api() for j in jobs], tok, refresh))
 
     k8s.add_routes(app, service, [] if k8s_open else auth)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before the body is read
     return app

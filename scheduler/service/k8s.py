@@ -33,7 +33,7 @@ import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import Any
 from urllib.parse import quote
 
@@ -47,6 +47,7 @@ from scheduler.service.http_checks import BAD_BODY, known_query
 log = logging.getLogger("dlshare.sched.k8s")
 
 MAX_EXTENDER_PRIORITY = 10  # k8s.io/kube-scheduler/extender/v1: MaxExtenderPriority
+MAX_QUANTITY = 2 ** 63  # resource.Quantity is int64-backed (k8s.io/apimachinery): nothing larger is real
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 ANNOTATION_PREFIX = "dlshare.io/"
 DEFAULT_CPUS = 0.1  # a container with no CPU request
@@ -89,7 +90,7 @@ def parse_quantity(q: Any) -> float:
     if isinstance(q, bool):
         raise ExtenderError(f"quantity {q!r} is not a number")
     if isinstance(q, (int, float)):
-        if not (0 <= q < float("inf")):
+        if not (0 <= q <= MAX_QUANTITY):
             raise ExtenderError(f"resource quantity {q!r} must be a finite non-negative number")
         return float(q)
     if not isinstance(q, str):
@@ -99,10 +100,10 @@ def parse_quantity(q: Any) -> float:
         raise ExtenderError(f"cannot parse resource quantity {q!r}")
     try:
         val = Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2) or ""])
-    except InvalidOperation:
-        raise ExtenderError(f"cannot parse resource quantity {q!r}") from None
-    if val < 0 or not val.is_finite():
-        raise ExtenderError(f"resource quantity {q!r} must be a finite non-negative number")
+    except DecimalException:  # InvalidOperation, or Overflow for 1e999999999
+        raise ExtenderError(f"cannot parse resource quantity {q[:40]!r}") from None
+    if val < 0 or not val.is_finite() or val > MAX_QUANTITY:
+        raise ExtenderError(f"resource quantity {q[:40]!r} must be a non-negative number below 2**63")
     return float(val)
 
 

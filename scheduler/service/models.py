@@ -45,20 +45,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no false for 0
 
 
-_Feature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+def _feature(most: float) -> Any:
+    """A graph feature: finite, from 0 to ``most`` (1e308 FLOPs would reach the predictors)."""
+    return Annotated[float, Field(ge=0, le=most, allow_inf_nan=False)]
+
+
+_Fraction = _feature(1.0)
 
 
 class ApiGraphFeatures(_Strict):
-    """Computation-graph features (``torch.fx`` on CPU), as the utilisation predictor takes them."""
+    """Computation-graph features (``torch.fx`` on CPU), as the utilisation predictor takes them.
+    Bounds: far above any model trained today (GPT-3 scale is ~1e11 parameters, ~1e18 FLOPs a batch)."""
 
-    flops: _Feature | None = None
-    params: _Feature | None = None
-    activation_bytes: _Feature | None = None
-    conv_frac: _Feature | None = None
-    linear_frac: _Feature | None = None
-    attn_frac: _Feature | None = None
-    norm_frac: _Feature | None = None
-    layers: _Feature | None = None
+    flops: _feature(1e21) | None = None
+    params: _feature(1e13) | None = None
+    activation_bytes: _feature(float(1 << 50)) | None = None
+    conv_frac: _Fraction | None = None
+    linear_frac: _Fraction | None = None
+    attn_frac: _Fraction | None = None
+    norm_frac: _Fraction | None = None
+    layers: _feature(1e6) | None = None
 
 
 class ApiJobSpec(_Strict):

@@ -364,7 +364,10 @@ def load_or_create_token(db_path: str, configured: str = "") -> str:
     if tpath is None:
         return secrets.token_urlsafe(32)
     if tpath.exists():
-        tok = tpath.read_text().strip()
+        try:
+            tok = tpath.read_bytes()[:4096].decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"token file {tpath} does not hold a text token; remove it to have a new one made")
         if tok:
             return tok
     tpath.parent.mkdir(parents=True, exist_ok=True)

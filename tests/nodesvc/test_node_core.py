@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
-from nodesvc.node_core import AllocateSpec, ReplyCache, RunSpec, StopSpec, parse_op
+from nodesvc.node_core import AllocateSpec, ReplyCache, RunSpec, StopSpec, parse_op, thread_groups
 from tests.nodesvc.strategies import json_values
 
 
@@ -49,3 +49,13 @@ def test_reply_cache_is_bounded_lru():
     assert c.get("a") == b"1"
     c.put("c", b"3")  # evicts b, the least recently used
     assert c.get("b") is None and c.get("a") == b"1" and len(c) == 2
+
+
+def test_thread_groups_resolve_threads_and_refuse_those_of_protected_processes():
+    protected = frozenset({1, 100})
+    # 201 is a thread of process 200, 300 is gone: the allocation moves process 200, once
+    assert thread_groups((200, 201, 300), {200: 200, 201: 200, 300: None}, protected) == (200,)
+    with pytest.raises(PayloadError, match="thread 101 of process 100"):
+        thread_groups((200, 101), {200: 200, 101: 100}, protected)
+    with pytest.raises(PayloadError, match="pid 100 "):
+        thread_groups((100,), {100: 100}, protected)

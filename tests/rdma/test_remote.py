@@ -230,7 +230,8 @@ def test_donor_survives_bad_commands(mosquitto, donor_factory, control_factory):
     ctl = control_factory(mosquitto.url)
     wait_until(lambda: "donor0" in ctl.donors(), 20, "the donor")
     for op, args, msg in [("map", {}, "missing"), ("map", {"consumer": 3}, "must be str"),
-                          ("unmap", {"slab": 99999, "token": "00"}, "not lent"),
+                          ("unmap", {"slab": 999, "token": "00"}, "not lent"),
+                          ("unmap", {"slab": 99999, "token": "00"}, "between 0 and 65535"),  # no such slab id
                           ("unmap", {"slab": "x", "token": "00"}, "must be int"),
                           ("reclaim", {"bytes": "lots"}, "must be int"),
                           ("no_such_op", {}, "no_such_op")]:

@@ -71,6 +71,27 @@ def test_good_command_and_errors():
     assert messages.command_id_of(b'{"id":"x1","schema":9}') == "x1"
 
 
+def test_ids_end_where_they_end_and_unparsable_commands_still_name_theirs():
+    for bad in ("job\n", "job\r", "a/b", "", "a" * 129, ".x"):
+        assert not messages.valid_id(bad), bad
+    deep = b'{"schema":1,"id":"d1","op":"allocate","args":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    huge = b'{"schema":1,"id":"h\\"1","op":"x","args":{"n":' + b"9" * 5000 + b"}}"
+    for raw, cid in ((deep, "d1"), (huge, 'h"1'), (b'{"id":"c1","op":"x","args":{', "c1"), (b"\xff", None)):
+        with pytest.raises(PayloadError):
+            messages.parse_command(raw)
+        assert messages.command_id_of(raw) == cid
+
+
+def test_bounded_numbers():
+    assert messages.bounded({"x": 2}, "x", 0, 5) == 2.0
+    assert messages.bounded({}, "x", 0, 5, required=False, default=0.0) == 0.0
+    for v in (float("inf"), 1e308, -1, 10**400):
+        with pytest.raises(PayloadError, match="'x'"):
+            messages.bounded({"x": v}, "x", 0, 5)
+    with pytest.raises(PayloadError, match="'n'"):
+        messages.bounded({"n": 10**30}, "n", 0, 5, int)
+
+
 def test_oversized_payload_refused_unparsed():
     with pytest.raises(PayloadError, match="exceeds"):
         messages.decode(b" " * (messages.MAX_PAYLOAD + 1))
