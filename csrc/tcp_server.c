@@ -229,15 +229,15 @@ static void accept_all(worker *w) {
             return;
         }
         if (DLS_LOAD(&s->n.open_connections) >= (uint64_t)s->max_conns) {
+            DLS_ADD(&s->n.refused, 1); /* counted before the close: whoever sees the close sees it */
             close(fd); /* a flood of connections must not exhaust the donor */
-            DLS_ADD(&s->n.refused, 1);
             continue;
         }
         dls_peer_key key = dls_peer_key_of(&ss);
         if (!dls_peers_admit(&s->peers, &key)) {
-            close(fd); /* nor may one address take every place */
             DLS_ADD(&s->n.refused, 1);
             DLS_ADD(&s->n.refused_per_peer, 1);
+            close(fd); /* nor may one address take every place */
             continue;
         }
         int one = 1;
