@@ -140,6 +140,11 @@ class SimResult:
     events: int
     decisions: int
     wall_s: float
+    slowdown: np.ndarray = field(default_factory=lambda: np.zeros(0))  # JCT / isolated duration, per job
+
+    @property
+    def worst_slowdown(self) -> float | None:
+        return float(self.slowdown.max()) if len(self.slowdown) else None
 
     def metrics(self) -> dict[str, Any]:
         h = 3600.0
@@ -150,6 +155,8 @@ class SimResult:
             "avg_jct_h": float(jct.mean() / h) if len(jct) else None,
             "median_jct_h": float(np.median(jct) / h) if len(jct) else None,
             "p99_jct_h": float(np.percentile(jct, 99) / h) if len(jct) else None,
+            "p99_slowdown": float(np.percentile(self.slowdown, 99)) if len(self.slowdown) else None,
+            "worst_slowdown": self.worst_slowdown,
             "makespan_h": self.makespan_s / h,
             "avg_queueing_h": float(self.queueing_s.mean() / h) if len(self.queueing_s) else None,
             "gpu_util": self.gpu_util, "cpu_util": self.cpu_util, "mem_util": self.mem_util,
@@ -352,6 +359,8 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         bar[0].stop()
     done = [sj for sj in jobs.values() if sj.finished is not None and state.records[sj.job.id].job.state is JobState.DONE]
     jct = np.asarray([sj.finished - sj.job.arrival for sj in done], dtype=float)
+    iso = np.asarray([sj.job.duration or 0.0 for sj in done], dtype=float)
+    slowdown = jct[iso > 0] / iso[iso > 0]
     queueing = np.asarray([state.records[sj.job.id].queueing_delay for sj in done], dtype=float)
     makespan = (max(sj.finished for sj in done) - first) if done else 0.0
     span = max(makespan, 1e-9)
@@ -360,7 +369,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         makespan_s=makespan, gpu_util=busy_area / (total_gpus * span), cpu_util=cpu_area / (total_cores * span),
         mem_util=mem_area / (total_mem * span),
         preemptions=sum(r.preemptions for r in state.records.values()), failed=len(jobs) - len(done),
-        events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall,
+        events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall, slowdown=slowdown,
     )
 
 
