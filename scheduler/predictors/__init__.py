@@ -67,7 +67,7 @@ class Predictors:
     alone_util: dict[str, tuple[float, float]] = field(default_factory=dict)
     default_util: tuple[float, float] = (50.0, 25.0)
     colocation: Any = None
-    update_every: int = 10  # new measured pairs between two refits of the co-location predictor
+    update_every: int = 25  # new measured pairs between two refits of the co-location predictor (a refit: ~2 s)
     _memo: dict[tuple, float] = field(default_factory=dict, repr=False)
     _spec: dict[str, tuple[int, float, bool, str]] = field(default_factory=dict, repr=False)
     _pair_seen: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict, repr=False)
