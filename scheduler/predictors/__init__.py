@@ -174,7 +174,7 @@ class Predictors:
             if self.colocation is not None and jobs is not None and len(jobs) == 2:
                 pa, pb = self.solo_profile(jobs[0]), self.solo_profile(jobs[1])
                 if pa is not None and pb is not None:
-                    key = ("pair", pa, pb)
+                    key = ("pair", _memo_key(pa), _memo_key(pb))
                     got = self._memo.get(key)
                     if got is None:  # a model call costs ~1 ms: remember it per pair of profiles
                         got = self._memo[key] = self.colocation.predict_one(pa, pb)
@@ -191,6 +191,12 @@ class Predictors:
             else:
                 out = [v if v == v else self.pairs.prior_speed for v in out]
         return out
+
+
+def _memo_key(p: Any) -> tuple:
+    """A profile as a dict key: NaN (unknown) never equals itself, so it becomes None."""
+    return tuple(None if isinstance(v, float) and v != v else v for v in
+                 (p.gpu_util, p.gmem_util, p.gmem_mib, p.batch_size, p.amp, p.model))
 
 
 @functools.lru_cache(maxsize=4)

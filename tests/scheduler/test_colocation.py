@@ -134,3 +134,20 @@ def test_lucid_loaders_name_the_bad_row(tmp_path):
     bad.write_text("model1,speed1\nA,1\n")
     with pytest.raises(ValueError, match="missing columns"):
         data.lucid_colocation(bad)
+
+
+def test_bundle_asks_the_model_once_per_pair_of_profiles_even_with_unknown_footprints(lucid):
+    from scheduler.events import JobSample
+
+    pairs, speeds, _ = lucid
+    model = CoLocationPredictor(iterations=30).fit(pairs[:300], speeds[:300])
+    calls = []
+    real = model.predict_one
+    model.predict_one = lambda a, b: calls.append(1) or real(a, b)
+    p = Predictors(colocation=model)
+    a, b = Job("a", "X", 32), Job("b", "Y", 64)  # no declared GPU memory: NaN in the profile
+    p.observe(a.job_type, (), JobSample(sm_percent=40.0, mem_percent=10.0))
+    p.observe(b.job_type, (), JobSample(sm_percent=70.0, mem_percent=30.0))
+    first = p.colocated_speeds(a.job_type, [b.job_type], a, [b])
+    assert p.colocated_speeds(a.job_type, [b.job_type], a, [b]) == first
+    assert len(calls) == 1
