@@ -406,12 +406,14 @@ def _solo_profiles() -> Any:
 
 
 def _colocation() -> Any:
-    from scheduler.predictors import trained_colocation
+    from scheduler import data
+    from scheduler.predictors import LazyCoLocation
 
     try:
-        return trained_colocation()
-    except (OSError, ValueError):  # no Lucid data: unknown pairs fall back on the prior
+        data.path("lucid/colocation.csv"), data.path("lucid/solo.csv")
+    except OSError:  # no Lucid data: unknown pairs fall back on the prior
         return None
+    return LazyCoLocation()  # trained on first use: FIFO and friends never pay for it
 
 
 def oracle_predictors(truth: GroundTruth) -> Any:

@@ -38,7 +38,7 @@ def _sim(args, cfg) -> int:
     from nodesvc.cli.output import markdown_table
 
     print(markdown_table(results, ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h",
-                                   "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
+                                   "p99_slowdown", "worst_slowdown", "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
                                    "preemptions", "sim_wall_s"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

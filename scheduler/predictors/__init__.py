@@ -206,6 +206,30 @@ def _trained(seed: int) -> Any:
     return CoLocationPredictor.from_data(seed=seed)
 
 
+class LazyCoLocation:
+    """The co-location predictor, trained on lucid/ at its first use, so a run whose
+    profile never shares a GPU never pays for the training (a few seconds)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._model: Any = None
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            self._model = trained_colocation(self.seed)
+        return self._model
+
+    def predict_one(self, a: Any, b: Any) -> tuple[float, float]:
+        return self.model.predict_one(a, b)
+
+    def predict(self, pairs: Any) -> Any:
+        return self.model.predict(pairs)
+
+    def update(self, pairs: Any, speeds: Any) -> None:
+        self.model.update(pairs, speeds)
+
+
 def trained_colocation(seed: int = 0) -> Any:
     """A private copy of the co-location predictor trained on lucid/ (trained once per process)."""
     return copy.deepcopy(_trained(seed))
