@@ -24,7 +24,7 @@ import numpy as np
 FILES = (
     "philly/vc_0e4a51.csv", "philly/vc_103959.csv", "philly/runtimes.csv", "gavel/throughputs.json",
     "iadeep/colocation_util.csv", "iadeep/offline_info.csv", "synergy/sensitivity.json",
-    "synergy/static_100job.csv",
+    "synergy/static_100job.csv", "lucid/colocation.csv", "lucid/solo.csv",
 )
 
 
@@ -195,3 +195,61 @@ def colocation_util(p: str | Path | None = None) -> tuple[list[str], np.ndarray,
     except csv.Error as exc:
         raise DataFormatError(f"{p}: {exc}") from None
     return models, np.asarray(xs, dtype=float).reshape(-1, 2 * len(models)), np.asarray(ys, dtype=float)
+
+
+LUCID_SOLO = ("model", "dataset", "batchsize", "amp", "speed", "gpu_util", "gmem_util", "gmem")
+LUCID_PAIR = ("model1", "dataset1", "batchsize1", "amp1", "speed1", "model2", "dataset2", "batchsize2", "amp2", "speed2")
+
+
+def _lucid_rows(p: Path, need: tuple[str, ...]) -> list[dict[str, Any]]:
+    with open(p, newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = [h.strip() for h in next(reader)]
+        except StopIteration:
+            raise ValueError(f"{p}: empty file") from None
+        missing = [c for c in need if c not in header]
+        if missing:
+            raise ValueError(f"{p}: missing columns {missing} (expected Lucid's {', '.join(need)})")
+        rows = []
+        for n, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) != len(header):
+                raise ValueError(f"{p}: row {n} has {len(row)} fields, the header has {len(header)}")
+            d = dict(zip(header, row))
+            out: dict[str, Any] = {}
+            for c in need:
+                v = d[c].strip()
+                if c.startswith(("model", "dataset")):
+                    if not v:
+                        raise ValueError(f"{p}: row {n}: empty {c}")
+                    out[c] = v
+                    continue
+                try:
+                    x = float(v)
+                except ValueError:
+                    raise ValueError(f"{p}: row {n}: {c} = {v!r} is not a number") from None
+                if not np.isfinite(x) or x < 0 or (c.startswith("speed") and x <= 0):
+                    raise ValueError(f"{p}: row {n}: {c} = {v!r} out of range")
+                if c.startswith(("batchsize", "amp")):
+                    if x != int(x) or (c.startswith("amp") and x not in (0, 1)):
+                        raise ValueError(f"{p}: row {n}: {c} = {v!r} must be an integer{' 0 or 1' if c.startswith('amp') else ''}")
+                    x = int(x)
+                out[c] = x
+            rows.append(out)
+    if not rows:
+        raise ValueError(f"{p}: no rows")
+    return rows
+
+
+def lucid_solo(p: str | Path | None = None) -> list[dict[str, Any]]:
+    """lucid/solo.csv (Lucid, Hu et al., ASPLOS'23): each job alone: model, dataset, batchsize,
+    amp, speed (samples/s), gpu_util %, gmem_util %, gmem (MiB)."""
+    return _lucid_rows(Path(p) if p is not None else path("lucid/solo.csv"), LUCID_SOLO)
+
+
+def lucid_colocation(p: str | Path | None = None) -> list[dict[str, Any]]:
+    """lucid/colocation.csv (Lucid, Hu et al., ASPLOS'23): two 1-GPU jobs on one GPU, each
+    described by model, dataset, batchsize, amp, with its speed normalised to running alone."""
+    return _lucid_rows(Path(p) if p is not None else path("lucid/colocation.csv"), LUCID_PAIR)

@@ -20,6 +20,7 @@ GAVEL = ("stanford-futuredata/gavel", "c4fa40097339e9608ab71fd64c8bdea96a5e4a4c"
 SYNERGY = ("msr-fiddle/synergy", "1bb2bed6edc9c5f953d0b7f0a40e4fdad053489c")
 IADEEP = ("buzy-coder/IADeep", "78ca7f67d8b04989060454d4d75f1d85af4396b1")
 ALIBABA = ("alibaba/clusterdata", "7a6c496e4f4b6ce6150be8f881cb051bf2abff42")
+LUCID = ("S-Lab-System-Group/Lucid", "63685a3ab7d15d8e940bb47ef98b6d5cca472b13")  # S-Lab License 1.0, non-commercial
 
 
 def raw_url(repo: str, commit: str, path: str) -> str:
@@ -150,6 +151,22 @@ def assemble_sensitivity(models: dict[str, str]) -> dict:
             "models": out}
 
 
+def convert_lucid_colocation(text: str) -> str:
+    """Lucid's colocate_info.csv -> lucid/colocation.csv: the pandas index column (unnamed)
+    dropped.  The shared copy also keeps only 42 of the 56 model pairs (the rest held out for
+    evaluation); that choice is not published, so a fetched copy has all 56."""
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows:
+        raise ValueError("lucid co-location file is empty")
+    drop = rows[0] and rows[0][0].strip() in ("", "Unnamed: 0", "index")
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    for r in rows:
+        if r:
+            w.writerow(r[1:] if drop else r)
+    return out.getvalue()
+
+
 def _get(url: str, timeout: float = 60.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - fixed https URLs
         return resp.read().decode()
@@ -178,6 +195,8 @@ def fetch(dest: Path, log: Callable[[str], None] = print, get: Callable[[str], s
     put("iadeep/colocation_util.csv",
         convert_colocation(get(raw_url(*IADEEP, "iadeep-scheduler-extender/csv/interference_util.csv"))))
     put("iadeep/offline_info.csv", get(raw_url(*IADEEP, "iadeep-scheduler-extender/csv/offline_info.csv")))
+    put("lucid/colocation.csv", convert_lucid_colocation(get(raw_url(*LUCID, "simulation/data/colocate_info.csv"))))
+    put("lucid/solo.csv", get(raw_url(*LUCID, "simulation/analyzer/single_data.csv")))
     put("synergy/static_100job.csv",
         convert_synergy_trace(get(raw_url(*SYNERGY, "simulator/deploy_trace/static_100job_6_3_1100.0"))))
     listing = json.loads(get(f"https://api.github.com/repos/{SYNERGY[0]}/contents/simulator/models?ref={SYNERGY[1]}"))

@@ -58,8 +58,12 @@ class Job:
     duration: float | None = None
     features: dict[str, float] | None = None
     gpu_memory_bytes: int = 0
+    batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.batch_sizes = tuple(int(b) for b in (self.batch_sizes or ()))
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"job {self.id}: batch_sizes must be >= 1")
         if not self.id:
             raise ValueError("job id must not be empty")
         if self.gpus < 1:
@@ -82,7 +86,7 @@ class Job:
             "cpus": self.cpus, "memory_bytes": self.memory_bytes, "priority": self.priority,
             "arrival": self.arrival, "attained_service": self.attained_service,
             "state": self.state.value, "duration": self.duration, "features": self.features,
-            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes, "batch_sizes": list(self.batch_sizes),
         }
 
     @classmethod

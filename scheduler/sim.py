@@ -15,9 +15,16 @@ Ground truth:
 * CPU/memory: a model with a Synergy profile runs at its profiled speed for
   the cores and memory it was given (1.0 at the GPU-proportional share of
   Synergy's servers); other models are insensitive.
-* Co-located jobs' measured speeds reach the core as :class:`NodeReport`
-  samples ``report_delay_s`` after they start sharing: the online path the
-  live service feeds from telemetry.
+* Telemetry reaches the core as :class:`NodeReport` samples
+  ``report_delay_s`` after a job starts: its speed when it shares a GPU, its
+  utilisation when it runs alone (Lucid's solo profile of the same model
+  family, :mod:`scheduler.predictors.lucid_proxy`; Gavel published none).
+  That is the online path the live service feeds from telemetry.
+
+Decisions use only what a live system would know: by default the predictors
+hold the co-location model trained on Lucid's runs (features: solo profiles)
+and learn the pairs they see during the run; :func:`oracle_predictors` knows
+every pair's true speeds instead, to measure what prediction costs.
 
 Events are kept in one heap; the core is called once per distinct time with
 all events of that time.  Finishing times are rescheduled (with a version
@@ -86,10 +93,14 @@ class Cluster:
 class GroundTruth:
     """How fast jobs really run (see the module docstring)."""
 
-    def __init__(self, throughputs: dict[str, Any] | None, sensitivity: Any | None) -> None:
+    def __init__(self, throughputs: dict[str, Any] | None, sensitivity: Any | None, solo: Any | None = None) -> None:
         self.thr = throughputs or {}
         self.sens = sensitivity
+        self.solo = solo  # GavelSoloProfiles: what a node reports for a job alone
         self._pair: dict[tuple[str, str], tuple[float, float] | None] = {}
+
+    def solo_telemetry(self, job: Job) -> Any:
+        return self.solo.profile(job.model, job.batch_size) if self.solo is not None else None
 
     def key(self, job: Job) -> str:
         return str((gavel_type(job.model, job.batch_size), job.gpus))
@@ -143,6 +154,11 @@ class SimResult:
     events: int
     decisions: int
     wall_s: float
+    slowdown: np.ndarray = field(default_factory=lambda: np.zeros(0))  # JCT / isolated duration, per job
+
+    @property
+    def worst_slowdown(self) -> float | None:
+        return float(self.slowdown.max()) if len(self.slowdown) else None
 
     def metrics(self) -> dict[str, Any]:
         h = 3600.0
@@ -153,6 +169,8 @@ class SimResult:
             "avg_jct_h": float(jct.mean() / h) if len(jct) else None,
             "median_jct_h": float(np.median(jct) / h) if len(jct) else None,
             "p99_jct_h": float(np.percentile(jct, 99) / h) if len(jct) else None,
+            "p99_slowdown": float(np.percentile(self.slowdown, 99)) if len(self.slowdown) else None,
+            "worst_slowdown": self.worst_slowdown,
             "makespan_h": self.makespan_s / h,
             "avg_queueing_h": float(self.queueing_s.mean() / h) if len(self.queueing_s) else None,
             "gpu_util": self.gpu_util, "cpu_util": self.cpu_util, "mem_util": self.mem_util,
@@ -170,7 +188,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
              predictors: Any = None, truth: GroundTruth | None = None, report_delay_s: float = 60.0,
              restart_overhead_s: float = 0.0, progress: bool = False, trace_name: str = "",
              on_decision: Callable[[Any], None] | None = None) -> SimResult:
-    """Run ``trace`` on ``cluster`` under ``profile``; seeded and reproducible."""
+    """Run ``trace`` on ``cluster`` under ``profile``; seeded and reproducible.
+    ``predictors``: default, what a live system knows (see the module docstring);
+    ``"oracle"``: every pair's true speeds; or a :class:`Predictors` of your own."""
     from scheduler import data
     from scheduler.predictors import Predictors
     from scheduler.predictors.sensitivity import SensitivityModel
@@ -178,9 +198,11 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
     t_wall = time.perf_counter()
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     if truth is None:
-        truth = GroundTruth(data.gavel_throughputs()["v100"], SensitivityModel.from_data())
+        truth = GroundTruth(data.gavel_throughputs()["v100"], SensitivityModel.from_data(), _solo_profiles())
     if predictors is None:
-        predictors = Predictors(sensitivity=SensitivityModel.from_data())
+        predictors = Predictors(sensitivity=SensitivityModel.from_data(), colocation=_colocation())
+    elif predictors == "oracle":
+        predictors = oracle_predictors(truth)
     state = SchedulerState(prof, cluster.make_nodes(), predictors=predictors, rng=random.Random(seed))
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
@@ -243,6 +265,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
             _, _, kind, payload = heapq.heappop(heap)
             if kind == _ARRIVE:
                 job = _job_of(payload)
+                tel = truth.solo_telemetry(job)
+                if tel is not None:  # the footprint a launcher declares (or the first run measures)
+                    job.gpu_memory_bytes = int(tel.gmem_mib * (1 << 20))
                 jobs[job.id] = _SimJob(job, payload.duration_s, last=t)
                 batch.append(JobArrived(f"arrive:{job.id}", t, job))
             elif kind == _FINISH:
@@ -274,7 +299,13 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                     sj = jobs[jid]
                     if sj.speed > 0:
                         rf = truth.resource_factor(sj.job, sj.cpus, sj.memory)
-                        samples[jid] = JobSample(speed=sj.speed / rf if rf > 0 else sj.speed)
+                        speed = sj.speed / rf if rf > 0 else sj.speed
+                        tel = truth.solo_telemetry(sj.job)
+                        alone = all(len(ns.residents[g]) == 1 for g in range(len(ns.residents)) if jid in ns.residents[g])
+                        if alone and tel is not None:
+                            samples[jid] = JobSample(sm_percent=tel.sm_percent, mem_percent=tel.mem_percent, speed=speed)
+                        else:
+                            samples[jid] = JobSample(speed=speed)
                 if samples:
                     batch.append(NodeReport(f"report:{nid}:{t:.3f}", t, ns.node, jobs=samples))
         if not batch:
@@ -311,11 +342,10 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                     sj.remaining += restart_overhead_s
                 for s in d.shards:
                     touched[s.node] = None
-                if d.colocated_with:
-                    for s in d.shards:
-                        if s.node not in report_pending:
-                            report_pending.add(s.node)
-                            push(t + report_delay_s, _REPORT, s.node)
+                for s in d.shards:  # telemetry: solo utilisation, or the speeds of a shared GPU
+                    if s.node not in report_pending:
+                        report_pending.add(s.node)
+                        push(t + report_delay_s, _REPORT, s.node)
             elif isinstance(d, Preempt):
                 sj = jobs[d.job]
                 alloc_cpus -= sj.cpus
@@ -355,6 +385,8 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         bar[0].stop()
     done = [sj for sj in jobs.values() if sj.finished is not None and state.records[sj.job.id].job.state is JobState.DONE]
     jct = np.asarray([sj.finished - sj.job.arrival for sj in done], dtype=float)
+    iso = np.asarray([sj.job.duration or 0.0 for sj in done], dtype=float)
+    slowdown = jct[iso > 0] / iso[iso > 0]
     queueing = np.asarray([state.records[sj.job.id].queueing_delay for sj in done], dtype=float)
     makespan = (max(sj.finished for sj in done) - first) if done else 0.0
     span = max(makespan, 1e-9)
@@ -363,8 +395,44 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         makespan_s=makespan, gpu_util=busy_area / (total_gpus * span), cpu_util=cpu_area / (total_cores * span),
         mem_util=mem_area / (total_mem * span),
         preemptions=sum(r.preemptions for r in state.records.values()), failed=len(jobs) - len(done),
-        events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall,
+        events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall, slowdown=slowdown,
     )
+
+
+def _solo_profiles() -> Any:
+    from scheduler.predictors.lucid_proxy import GavelSoloProfiles
+
+    try:
+        return GavelSoloProfiles.from_data()
+    except (OSError, ValueError):  # no Lucid data: jobs report no solo utilisation
+        return None
+
+
+def _colocation() -> Any:
+    from scheduler import data
+    from scheduler.predictors import LazyCoLocation
+
+    try:
+        data.path("lucid/colocation.csv"), data.path("lucid/solo.csv")
+    except OSError:  # no Lucid data: unknown pairs fall back on the prior
+        return None
+    return LazyCoLocation()  # trained on first use: FIFO and friends never pay for it
+
+
+def oracle_predictors(truth: GroundTruth) -> Any:
+    """Predictors that know every pair's true speeds (Gavel's measurements) from
+    the start: the yardstick for what prediction costs."""
+    from scheduler.predictors import Predictors
+    from scheduler.predictors.sensitivity import SensitivityModel
+
+    class Oracle(Predictors):
+        def colocated_speeds(self, new_type, resident_types, new_job=None, residents=()):
+            if new_job is not None and len(residents) == 1:
+                p = truth.pair(new_job, residents[0])
+                return [0.0, 0.0] if p is None else [p[0], p[1]]
+            return super().colocated_speeds(new_type, resident_types, new_job, residents)
+
+    return Oracle(sensitivity=SensitivityModel.from_data())
 
 
 def _progress(total: int) -> tuple[Any, Any] | None:
@@ -419,4 +487,4 @@ def _mix() -> list[tuple[str, int, int]]:
         return [("ResNet-18", 32, 1), ("Transformer", 128, 1), ("LM", 20, 4), ("ResNet-50", 64, 2)]
 
 
-__all__ = ["Cluster", "GroundTruth", "SimResult", "simulate", "synthetic_trace", "GiB"]
+__all__ = ["Cluster", "GroundTruth", "SimResult", "oracle_predictors", "simulate", "synthetic_trace", "GiB"]

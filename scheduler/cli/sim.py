@@ -38,7 +38,7 @@ def _sim(args, cfg) -> int:
     from nodesvc.cli.output import markdown_table
 
     print(markdown_table(results, ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h",
-                                   "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
+                                   "p99_slowdown", "worst_slowdown", "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
                                    "preemptions", "sim_wall_s"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -47,27 +47,75 @@ def _sim(args, cfg) -> int:
 
 
 def _predictor(args) -> int:
-    from scheduler import data
-    from scheduler.predictors.interference import InterferencePredictor, mape, rows_to_sets
-
+    """Train on --train, test on --test, print MAPE and MAE.  The header decides the format:
+    Lucid co-location rows (``model1 ... speed2``, joined with solo profiles from --solo, by
+    default lucid/solo.csv in the data directory) or IADeep utilisation sets
+    (``..._sm, ..._mem, sum_interference``)."""
     if not args.train or not args.test:
         print("dlshare sim predictor: --train CSV and --test CSV are required", file=sys.stderr)
         return 2
     try:
-        m1, x1, y1 = data.colocation_util(args.train)
-        m2, x2, y2 = data.colocation_util(args.test)
+        kinds = {_format(args.train), _format(args.test)}
+        if len(kinds) != 1:
+            raise ValueError("--train and --test are in different formats")
+        res = _lucid(args) if kinds == {"lucid"} else _iadeep(args)
     except (OSError, ValueError) as exc:
         print(f"dlshare sim predictor: {exc}", file=sys.stderr)
         return 2
-    p = InterferencePredictor(seed=args.seed).fit(rows_to_sets(m1, x1), y1)
-    pred = p.predict(rows_to_sets(m2, x2))
-    import numpy as np
-
-    res = {"train_rows": len(y1), "test_rows": len(y2), "mape": mape(y2, pred), "mae": float(np.mean(np.abs(pred - y2)))}
     print(json.dumps(res, indent=2))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0
+
+
+def _format(path: str) -> str:
+    with open(path, newline="") as f:
+        header = f.readline().strip().split(",")
+    if {"model1", "model2", "speed1", "speed2"} <= set(header):
+        return "lucid"
+    if "sum_interference" in header:
+        return "iadeep"
+    raise ValueError(f"{path}: neither Lucid co-location rows (model1..speed2) nor IADeep sets (sum_interference)")
+
+
+def _lucid(args) -> dict:
+    import numpy as np
+
+    from scheduler.predictors.colocation import CoLocationPredictor, lucid_pairs, mape, plain_features
+
+    p1, s1, g1 = lucid_pairs(args.train, args.solo)
+    p2, s2, g2 = lucid_pairs(args.test, args.solo)
+    model = CoLocationPredictor(seed=args.seed).fit(p1, s1)
+    pred = model.predict(p2).ravel()
+    y = np.asarray(s2, dtype=float).ravel()
+    from sklearn.ensemble import RandomForestRegressor
+
+    sides = [(a, b) for a, b in p1] + [(b, a) for a, b in p1]
+    ytr = np.concatenate([np.asarray(s1)[:, 0], np.asarray(s1)[:, 1]])
+    forest = RandomForestRegressor(n_estimators=100, random_state=args.seed, n_jobs=1)
+    forest.fit(np.asarray([plain_features(a, b) for a, b in sides]), ytr)
+    fp = np.stack([forest.predict(np.asarray([plain_features(a, b) for a, b in p2])),
+                   forest.predict(np.asarray([plain_features(b, a) for a, b in p2]))], axis=1).ravel()
+    const = np.full_like(y, float(np.median(ytr)))
+    return {"format": "lucid", "train_rows": len(p1), "test_rows": len(p2),
+            "test_pairs": len(set(g2)), "test_pairs_seen_in_training": len(set(g2) & set(g1)),
+            "mape": mape(y, pred), "mae": float(np.mean(np.abs(pred - y))),
+            "forest_mape": mape(y, fp), "constant_mape": mape(y, const)}
+
+
+def _iadeep(args) -> dict:
+    import numpy as np
+
+    from scheduler import data
+    from scheduler.predictors.interference import InterferencePredictor, mape, rows_to_sets
+
+    m1, x1, y1 = data.colocation_util(args.train)
+    m2, x2, y2 = data.colocation_util(args.test)
+    p = InterferencePredictor(seed=args.seed).fit(rows_to_sets(m1, x1), y1)
+    pred = p.predict(rows_to_sets(m2, x2))
+    return {"format": "iadeep", "train_rows": len(y1), "test_rows": len(y2), "mape": mape(y2, pred),
+            "mae": float(np.mean(np.abs(pred - y2)))}
 
 
 def _data(args, cfg) -> int:
@@ -108,8 +156,11 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restart-overhead", type=_overhead_s, default=0.0, metavar="S", help="seconds lost per resume")
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--train", metavar="CSV", help="predictor: training rows (colocation_util.csv format)")
-    p.add_argument("--test", metavar="CSV", help="predictor: test rows")
+    p.add_argument("--train", metavar="CSV", help="predictor: training rows (Lucid colocation.csv or IADeep "
+                   "colocation_util.csv format)")
+    p.add_argument("--test", metavar="CSV", help="predictor: test rows, same format")
+    p.add_argument("--solo", metavar="CSV", help="predictor: Lucid solo profiles (default: lucid/solo.csv in the "
+                   "data directory)")
     d = add_command(sub, "data", _data, "shared data files for the scheduler")
     d.add_argument("action", choices=["fetch"])
     d.add_argument("--dest", metavar="DIR", help="where to write (default: the user cache)")

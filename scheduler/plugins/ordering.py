@@ -10,6 +10,7 @@ import numpy as np
 
 from scheduler.framework import Context, QueueSort, register
 from scheduler.model import JobRecord, JobState
+from scheduler.plugins.tail import BoostedArrival
 
 
 def _tiebreak(rec: JobRecord) -> tuple[float, str]:
@@ -206,16 +207,22 @@ class Gittins(_Preemptive):
     pseudo-jobs plus the run times of finished jobs of that type: history-based
     priors, learned online, never from a job's own duration.
     ``starve_factor``: Tiresias's starvation guard (0 = off).
+    ``boost``: bound the tail with boosted arrival times
+    (:mod:`scheduler.plugins.tail`): jobs run in order of arrival minus a head
+    start that grows with their index, up to ``boost`` x the mean run time of
+    finished jobs (0 = off: plain index order).
     """
 
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
                  quantum_s: float = 360.0, starve_factor: float = 0.0, per_type: bool = False,
-                 prior_weight: float = 20.0) -> None:
+                 prior_weight: float = 20.0, boost: float = 0.0) -> None:
         super().__init__(quantum_s)
-        if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0:
-            raise ValueError("starve_factor, learn_weight must be >= 0 and prior_weight > 0")
+        if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0 or boost < 0:
+            raise ValueError("starve_factor, learn_weight, boost must be >= 0 and prior_weight > 0")
         self.starve_factor = float(starve_factor)
-        self.table = GittinsTable(_load_prior(prior))
+        samples = _load_prior(prior)
+        self.table = GittinsTable(samples)
+        self.boost = BoostedArrival(boost, float(np.mean(samples))) if boost else None
         self.learn = learn
         self.learn_weight = float(learn_weight)
         self.per_type = per_type
@@ -229,6 +236,8 @@ class Gittins(_Preemptive):
 
     def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
         run_time = rec.job.attained_service / rec.job.gpus
+        if self.boost is not None:
+            self.boost.observe(run_time)
         if self.per_type:
             tab = self.types.get(self._type(rec))
             if tab is None:
@@ -249,6 +258,8 @@ class Gittins(_Preemptive):
                 and ctx.now - rec.queued_since > self.starve_factor * max(t, self.quantum_s)):
             return (-rec.job.priority, -math.inf, *_tiebreak(rec))
         tab = self.types.get(self._type(rec), self.table) if self.per_type else self.table
+        if self.boost is not None:
+            return (-rec.job.priority, self.boost.rank(rec, tab(t) / rec.job.gpus), rec.job.id)
         return (-rec.job.priority, -tab(t) / rec.job.gpus, *_tiebreak(rec))
 
 
