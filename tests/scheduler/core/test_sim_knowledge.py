@@ -14,7 +14,7 @@ from scheduler.predictors.lucid_proxy import FAMILIES, GavelSoloProfiles
 from scheduler.sim import Cluster, GroundTruth, oracle_predictors, simulate
 from scheduler.trace import TraceJob
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_gavel_models_get_the_solo_profile_of_their_lucid_family():
