@@ -52,6 +52,8 @@ class NodeState:
     jobs: dict[str, int] = field(default_factory=dict)  # job -> GPUs it holds here
     demand_cpus: float = 0.0  # the allocator's minimum demands of the jobs here (kept by the core)
     demand_memory: float = 0.0
+    reserved_cpus: float = 0.0  # held by CPU-only jobs here, at their requests (kept by the core)
+    reserved_memory: int = 0
 
     def free_indices(self) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.residents) if not r)
