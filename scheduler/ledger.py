@@ -177,10 +177,11 @@ class Ledger:
                 ns.residents[g].append(job.id)
                 self.share_slots += (self.slot(ns.residents[g]) if ns.alive else 0) - before
             ns.jobs[job.id] = len(gpus)
-            if job.cpu_only:
+            if job.cpu_only:  # no GPU taken: the node keeps its place among the nodes with as many free
                 ns.reserved_cpus += job.cpus
                 ns.reserved_memory += job.memory_bytes
-            self._set_free(ns, ns.free_gpus - newly)
+            else:
+                self._set_free(ns, ns.free_gpus - newly)
             touched.append(ns)
         rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
         self._dequeue(job.id)
@@ -209,10 +210,13 @@ class Ledger:
                     self.share_slots += (self.slot(res) if ns.alive else 0) - before
                     if not res:
                         freed += 1
-            if ns.jobs.pop(job.id, None) is not None and job.cpu_only:
-                ns.reserved_cpus -= job.cpus
-                ns.reserved_memory -= job.memory_bytes
-            self._set_free(ns, ns.free_gpus + freed)
+            if job.cpu_only:
+                if ns.jobs.pop(job.id, None) is not None:
+                    ns.reserved_cpus -= job.cpus
+                    ns.reserved_memory -= job.memory_bytes
+            else:
+                ns.jobs.pop(job.id, None)
+                self._set_free(ns, ns.free_gpus + freed)
             touched.append(ns)
         if rec.run_since is not None:
             job.attained_service += job.gpus * max(0.0, self.now - rec.run_since)
