@@ -68,6 +68,15 @@ def _str(d: dict[str, Any], key: str) -> str:
     return v
 
 
+def _opt_str(d: dict[str, Any], key: str) -> str:
+    v = d.get(key, "")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise CodecError(f"{key}: expected a string, got {v!r}")
+    return v
+
+
 def event_from_dict(d: Any) -> E.Event:
     if not isinstance(d, dict):
         raise CodecError("event must be an object")
@@ -86,13 +95,16 @@ def event_from_dict(d: Any) -> E.Event:
             extra = {"reason": str(d.get("reason", ""))} if "reason" in d else {}
             if cls is E.JobFinished:
                 extra["failed"] = bool(d.get("failed", False))
+                extra["node"] = _opt_str(d, "node")
+            if cls is E.PlacementFailed:
+                extra["place_id"] = _opt_str(d, "place_id")
             return cls(**base, job=_str(d, "job"), **extra)
         if cls is E.Tick:
             return cls(**base)
         if cls is E.NodeLost:
             return cls(**base, node=_str(d, "node"))
         if cls is E.JobStarted:
-            return cls(**base, job=_str(d, "job"), node=_str(d, "node"))
+            return cls(**base, job=_str(d, "job"), node=_str(d, "node"), place_id=_opt_str(d, "place_id"))
         if cls is E.JobBound:
             if not isinstance(d.get("job"), dict):
                 raise CodecError("job: expected an object")

@@ -32,11 +32,13 @@ class JobArrived(Event):
 
 @dataclass(frozen=True)
 class JobFinished(Event):
-    """A job's processes exited: ``failed`` when the exit was abnormal."""
+    """A job's processes exited: ``failed`` when the exit was abnormal.  ``node``: where it
+    exited (refused when the job no longer runs there; empty: wherever it runs)."""
 
     job: str
     failed: bool = False
     reason: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,13 @@ class JobCancelled(Event):
 class PlacementFailed(Event):
     """A placement could not be carried out (device out of memory at start,
     node refused).  The job is requeued; when it was co-located, that pairing
-    of job types is remembered as incompatible."""
+    of job types is remembered as incompatible.  ``place_id`` (on this event and on
+    :class:`JobStarted`): the ``stimulus_id`` of the :class:`Place` it answers; the core
+    refuses an answer to an older placement of the job (empty: the current one)."""
 
     job: str
     reason: str = ""
+    place_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class JobStarted(Event):
 
     job: str
     node: str
+    place_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,7 @@ class Ledger:
                 self._set_free(ns, ns.free_gpus - newly)
             touched.append(ns)
         rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
+        rec.placed_by = stimulus_id
         self._dequeue(job.id)
         self.running[job.id] = rec
         job.state = JobState.RUNNING

@@ -151,6 +151,7 @@ class JobRecord:
     allocation: dict[str, Allocation] = field(default_factory=dict)
     speed: float = 1.0  # last measured normalised speed (1 = as fast as alone)
     external: bool = False  # run by another engine (a bound Kubernetes pod): accounted for, never started
+    placed_by: str = ""  # the stimulus_id of the event whose pass placed the current run
 
     def service(self, now: float) -> float:
         """Attained GPU-seconds at ``now`` (computed lazily, so no per-event sweep)."""

@@ -267,6 +267,9 @@ class SchedulerState:
             rec = self.job(ev.job)
             if not rec.job.state.active:
                 raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} already {rec.job.state.value}")
+            if isinstance(ev, JobFinished) and ev.node and (
+                    rec.job.state is not JobState.RUNNING or ev.node not in {sh.node for sh in rec.shards}):
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} does not run on node {ev.node!r}")
             if isinstance(ev, JobCancelled):
                 self.ledger.end(rec, JobState.FAILED, ev.stimulus_id, out, ev.reason)
             else:  # it exited where it ran; a job spread over nodes may still run on the others
@@ -277,6 +280,8 @@ class SchedulerState:
             rec = self.job(ev.job)
             if rec.job.state is not JobState.RUNNING or rec.external:
                 raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} is not running")
+            if ev.place_id and ev.place_id != rec.placed_by:
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} was placed again since {ev.place_id}")
             shared = self.ledger.co_residents(rec)
             if shared:
                 for other in shared:
@@ -286,8 +291,10 @@ class SchedulerState:
             return False
         if isinstance(ev, JobStarted):
             rec = self.job(ev.job)
-            if rec.job.state is not JobState.RUNNING or rec.external or ev.node not in {sh.node for sh in rec.shards}:
-                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} is not placed on node {ev.node!r}")
+            if (rec.job.state is not JobState.RUNNING or rec.external or ev.node not in {sh.node for sh in rec.shards}
+                    or (ev.place_id and ev.place_id != rec.placed_by)):
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} is not placed on node {ev.node!r}"
+                                     + (f" by {ev.place_id}" if ev.place_id else ""))
             self.watch.on_started(ev.job, ev.node)
             return False
         if isinstance(ev, JobBound):

@@ -132,3 +132,22 @@ def test_compact_forgets_finished_jobs_and_decides_the_same():
         return out
 
     assert run(True) == run(False)
+
+
+def test_answers_to_an_older_placement_or_from_another_node_are_refused():
+    st = state(rules=None, n=2)
+    st.handle(JobArrived("a", 0.0, Job("j", "m")))
+    first = st.records["j"].shards[0].node
+    assert st.records["j"].placed_by == "a"
+    st.handle(PlacementFailed("f", 1.0, "j", "refused", place_id="a"))  # requeued and placed again by "f"
+    assert st.records["j"].placed_by == "f"
+    _, refused = st.handle_batch([PlacementFailed("late", 2.0, "j", "timeout", place_id="a"),
+                                  JobStarted("late-ack", 2.0, "j", st.records["j"].shards[0].node, "a")])
+    assert [sid for sid, _ in refused] == ["late", "late-ack"]
+    assert st.records["j"].job.state is JobState.RUNNING
+    where = st.records["j"].shards[0].node
+    other = "n1" if where == "n0" else "n0"
+    _, refused = st.handle_batch([JobFinished("x", 3.0, "j", node=other)])  # a stale exit from elsewhere
+    assert refused and st.records["j"].job.state is JobState.RUNNING and first in ("n0", "n1")
+    st.handle(JobFinished("y", 4.0, "j", node=where))
+    assert st.records["j"].job.state is JobState.DONE
