@@ -157,6 +157,8 @@ def decision_from_dict(d: Any) -> E.Decision:
         if cls is E.Place:
             fields["shards"] = tuple(Shard(s["node"], tuple(s["gpus"])) for s in fields["shards"])
             fields["colocated_with"] = tuple(fields.get("colocated_with", ()))
+        if cls is E.Preempt:
+            fields["nodes"] = tuple(fields.get("nodes", ()))
         if cls is E.Release:
             fields["nodes"] = tuple(fields["nodes"])
             fields["state"] = JobState(fields["state"])

@@ -156,10 +156,11 @@ class Place(Decision):
 
 @dataclass(frozen=True)
 class Preempt(Decision):
-    """Stop ``job`` (checkpoint and exit); it goes back to the queue as preempted."""
+    """Stop ``job`` (checkpoint and exit) on ``nodes``; it goes back to the queue as preempted."""
 
     job: str
     reason: str = ""
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

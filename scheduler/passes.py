@@ -223,8 +223,9 @@ class SchedulingPasses:
     def _preemptive_pass(self, stimulus_id: str, out: list[Decision]) -> None:
         ctx = self.ledger.context()
         # CPU-only jobs hold no GPU: they are neither admitted here nor preempted (the fill below starts them).
+        # Nor are jobs another engine runs (bound pods): the core accounts for them, never moves them.
         active = [r for r in (*self.ledger.running.values(), *self.ledger.waiting.values())
-                  if not r.job.cpu_only and (r.job.state is JobState.RUNNING or self.eligible(r))]
+                  if not r.job.cpu_only and not r.external and (r.job.state is JobState.RUNNING or self.eligible(r))]
         active.sort(key=lambda r: self.order.key(r, ctx))
         rem = self.ledger.total_gpus
         admitted: set[str] = set()
@@ -280,8 +281,9 @@ class SchedulingPasses:
             vr = self.ledger.records[jid]
             rank.pop(jid, None)
             if vr.job.state is JobState.RUNNING:
+                nodes = tuple(dict.fromkeys(sh.node for sh in vr.shards))
                 self.ledger.stop(vr, stimulus_id, out, announce=False)
-                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}"))
+                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}", nodes))
 
         if g <= self.ledger.max_node_gpus:
             plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)

@@ -225,13 +225,19 @@ class SchedulerState:
                 out[nid] = "unknown node"
             elif not ns.alive:
                 out[nid] = "node offline"
+            elif job.gpus and not ns.node.gpus:
+                out[nid] = f"needs {job.gpus} GPUs; the node has none"
             elif job.gpus > ns.node.gpus and job.gpus > free_gpus:
                 out[nid] = f"needs {job.gpus} GPUs; {free_gpus} free in the cluster"
             elif ns.free_gpus < job.gpus and not self.passes.share_ok(rec):
                 out[nid] = f"needs {job.gpus} free GPUs, node has {ns.free_gpus}"
             else:
                 cand = Candidate(ns, ns.free_indices()[:job.gpus])
-                if not self.passes.fits_resources(rec, cand, ctx):
+                if job.cpu_only and not self.passes.fits_resources(rec, cand, ctx):
+                    out[nid] = (f"needs {job.cpus:g} cores and {job.memory_bytes} bytes; "
+                                f"{max(0.0, ns.node.cores - ns.demand_cpus):g} cores and "
+                                f"{max(0, int(ns.node.memory_bytes - ns.demand_memory))} bytes are not promised")
+                elif not self.passes.fits_resources(rec, cand, ctx):
                     out[nid] = "not enough CPU or memory for the job's minimum"
                 else:
                     reasons = [r for f in self.filters if (r := f.filter(rec, cand, ctx))]
@@ -310,7 +316,11 @@ class SchedulerState:
                 raise SchedulerError(f"event {ev.stimulus_id}: unknown node {ev.node!r}")
             if ns.alive:
                 for jid in list(ns.jobs):
-                    self.ledger.stop(self.records[jid], ev.stimulus_id, out, f"node {ev.node} lost", lost=ev.node)
+                    rec = self.records[jid]
+                    if rec.external:  # its engine reschedules it, not the core
+                        self.ledger.end(rec, JobState.FAILED, ev.stimulus_id, out, f"node {ev.node} lost", stop=False)
+                    else:
+                        self.ledger.stop(rec, ev.stimulus_id, out, f"node {ev.node} lost", lost=ev.node)
                 self.ledger.set_alive(ns, False)
             return False
         raise SchedulerError(f"event {getattr(ev, 'stimulus_id', '?')}: unknown event type {type(ev).__name__}")

@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from nodesvc.bus.procs import free_port, stop_proc, wait_port
+from scheduler import WatchRules
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-token-0123456789"
+# The live rules on a test's time scale: fake nodes report every 0.3 s.
+FAST_RULES = WatchRules(backoff_s=0.2, backoff_max_s=2.0, vanish_after_s=1.5)
 
 
 class SchedProc:
@@ -76,6 +79,7 @@ class FakeNode:
         self.running: dict[str, dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
         self.reports = 0  # telemetry reports published
+        self.hidden: set[str] = set()  # running jobs left out of the telemetry (as if they vanished)
         self._stop = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.bus = None
@@ -111,7 +115,7 @@ class FakeNode:
                               "reason": None if self.gpus else "no NVIDIA driver (fake node)"},
                      "rdma": {"devices": []},
                      "jobs": {j: {"pids": [1], "cpu_percent": 50.0, "rss_bytes": 1 << 20, "state": "running"}
-                              for j in self.running},
+                              for j in self.running if j not in self.hidden},
                      "donor": {"lendable_bytes": 4 << 30, "lent_bytes": 1 << 30}}
                 await self.bus.publish(messages.node_topic(self.id, "telemetry"), messages.encode(t))
                 self.reports += 1
@@ -215,7 +219,7 @@ def service_with_nodes(store: JobStore, nodes: dict[str, tuple[int, int]], profi
     (id -> (GPUs, cores)) and handed it to its core."""
     svc = SchedulerService(store, profile=profile)
     for node, (gpus, cpus) in nodes.items():
-        svc.on_telemetry(telemetry(node, gpus, cpus))
+        svc.translator.on_telemetry(telemetry(node, gpus, cpus))
     svc.round()  # the core learns the nodes
     return svc
 
@@ -228,9 +232,10 @@ class LiveServices:
         self.broker_url, self.tmp = broker_url, tmp
         self.running: list[SchedulerService] = []
 
-    async def start(self, db: Path | None = None, profile: str = "dlshare") -> SchedulerService:
+    async def start(self, db: Path | None = None, profile: str = "dlshare", **kw: Any) -> SchedulerService:
+        kw = {"tick_s": 0.2, "command_timeout_s": 3, "node_timeout_s": 5, "rules": FAST_RULES, **kw}
         svc = SchedulerService(JobStore(db or self.tmp / "sched.db", synchronous="NORMAL"), profile=profile,
-                               broker_url=self.broker_url, tick_s=0.2, command_timeout_s=3, node_timeout_s=5)
+                               broker_url=self.broker_url, **kw)
         self.running.append(svc)
         await svc.start()
         await asyncio.wait_for(svc.bus.connected.wait(), 10)
