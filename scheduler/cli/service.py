@@ -79,24 +79,23 @@ def _predictors(kind: str):
 def _service(cfg: dict[str, dict[str, Any]], store):
     """The live service the ``[sched]`` settings describe (its core from the store's snapshot and
     log; the predictors are trained only when no snapshot holds them)."""
-    from scheduler import WatchRules, load_profile
+    from scheduler import WatchRules
     from scheduler.service.live import SchedulerService
 
     s = cfg["sched"]
     try:
-        profile = load_profile(s["profile"])
         rules = WatchRules(backoff_s=float(s["backoff_s"]), vanish_after_s=float(s["vanish_after_s"]) or None)
-    except ValueError as exc:  # ProfileError
-        raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
+    except ValueError as exc:
+        raise config.ConfigError(f"sched.backoff_s / sched.vanish_after_s: {exc}") from None
     if int(s["snapshot_events"]) < 1 or float(s["snapshot_s"]) <= 0:
         raise config.ConfigError("sched.snapshot_events must be >= 1 and sched.snapshot_s > 0")
     try:
-        return SchedulerService(store, profile=profile, predictors=lambda: _predictors(s["predictors"]),
+        return SchedulerService(store, profile=s["profile"], predictors=lambda: _predictors(s["predictors"]),
                                 broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                 command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"],
                                 rules=rules, snapshot_events=int(s["snapshot_events"]),
                                 snapshot_s=float(s["snapshot_s"]))
-    except (ValueError, OSError) as exc:  # DataError (a profile whose prior needs the data)
+    except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
 
 

@@ -20,10 +20,13 @@ All SQL on the store's connections (the tables are in
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler import SchedulerState, snapshot
+from scheduler.replay import differences, replay
+from scheduler.service.core_log import CoreLogError, decode_event
 from scheduler.service.store import DecisionRow, JobStore
 
 
@@ -122,3 +125,37 @@ class Journal:
     def set_meta(self, key: str, value: str) -> None:
         with self.store.tx() as db:
             db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+
+@dataclass
+class ReplayCheck:
+    """What :func:`replay_check` found: where the replay started, how much it replayed, and where
+    its decisions departed from the recorded ones (empty: nowhere)."""
+
+    start: str
+    batches: int = 0
+    events: int = 0
+    differences: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+
+
+def replay_check(journal: Journal, fresh: Callable[[], SchedulerState]) -> ReplayCheck:
+    """Replay a service's logged run through the core the simulator drives, from its latest
+    snapshot (else from ``fresh()``, built as the service built its core), and compare every
+    batch's decisions with the ones the service recorded."""
+    snap = journal.latest_snapshot()
+    if snap is not None:
+        state, after, start = snapshot.load(snap.data), snap.batch, f"the snapshot after batch {snap.batch}"
+    else:
+        state, after, start = fresh(), 0, "a fresh core"
+    out = ReplayCheck(start)
+    batches = []
+    for n, payloads in journal.batches(after):
+        try:
+            batches.append((n, [decode_event(p) for p in payloads]))
+        except CoreLogError as exc:
+            out.unreadable.append(f"batch {n}: {exc}")
+    out.batches = len(batches)
+    out.events = sum(len(evs) for _, evs in batches)
+    out.differences = differences(journal.recorded_decisions(after), replay(state, batches))
+    return out

@@ -33,10 +33,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import inspect
+import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +132,9 @@ class SchedulerService:
 
         self.recovery = Recovery(self)
         self.core: SchedulerState = self.recovery.restore(fresh)
+        self.journal.set_meta("profile", str(profile) if core is None and not isinstance(profile, Profile)
+                              else self.profile)
+        self.journal.set_meta("rules", json.dumps(asdict(self.rules), sort_keys=True))
         self.carrier = DecisionCarrier(store, self.journal, self.core, self.commands, clock, self.now, self.post,
                                        self._observe)
         self.translator = Translator(self, self.post)
@@ -329,6 +334,8 @@ class SchedulerService:
     # --- the loop ---------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        if self.bus is not None:  # decisions made before the first connect could not be carried out
+            await self.bus.connected.wait()
         while True:
             timeout = self.tick_s
             if self._wakeups:

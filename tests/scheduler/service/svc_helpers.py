@@ -75,6 +75,7 @@ class FakeNode:
         self.gpus = gpus
         self.commands: list[dict[str, Any]] = []
         self.drop_ops: set[str] = set()  # ops received but neither applied nor answered (a lost reply)
+        self.refuse: dict[str, int] = {}  # op -> how many more of them to refuse (ok: false)
         self.replies: dict[str, bytes] = {}  # the daemon's reply cache: a repeated id gets the same answer
         self.running: dict[str, dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
@@ -138,6 +139,11 @@ class FakeNode:
         if cmd.op in self.drop_ops:
             return
         if cmd.id in self.replies:
+            await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
+            return
+        if self.refuse.get(cmd.op, 0) > 0:
+            self.refuse[cmd.op] -= 1
+            self.replies[cmd.id] = messages.reply(cmd.id, False, error=f"{cmd.op} refused (fake node)")
             await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
             return
         if cmd.op == "allocate":
