@@ -32,17 +32,23 @@ class CodecError(ValueError):
     """A dict that is not a valid event or decision."""
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def _plain(v: Any) -> Any:
+    if isinstance(v, _SCALARS):
+        return v
     if isinstance(v, Job):
         return v.to_dict()
     if isinstance(v, JobState):
         return v.value
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [x if isinstance(x, _SCALARS) else _plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: x if isinstance(x, _SCALARS) else _plain(x) for k, x in v.items()}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        # Field order is declaration order, as dataclasses.fields() gives it (the instance dict keeps it).
+        return {k: x if isinstance(x, _SCALARS) else _plain(x) for k, x in vars(v).items()}
     return v
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from nodesvc.bus.rpc import CommandError
@@ -93,19 +92,24 @@ class DecisionCarrier:
         self.batch += 1
         ids = decision_ids(decisions)
         states = self._initial_states(decisions)
+        dicts = [decision_to_dict(d) for d in decisions]
         rows = [DecisionRow(id=did, kind=type(d).__name__.lower(), job=getattr(d, "job", None),
                             node=getattr(d, "node", None) if isinstance(d, Allocate) else None,
-                            data=decision_to_dict(d), state=state, batch=self.batch)
-                for d, did, state in zip(decisions, ids, states) if state is not None]
-        self.journal.record_batch(self.batch, [(ev.stimulus_id, encode_event(ev)) for ev in events],
-                                  [decision_to_dict(d) for d in decisions], rows)
+                            data=data, state=state, batch=self.batch)
+                for d, did, state, data in zip(decisions, ids, states, dicts) if state is not None]
+        allocs = {(d.job, d.node): d for d in decisions if isinstance(d, Allocate)}
+        # The batch's log and every row it changes: one transaction, before any command leaves.
+        with self.store.tx():
+            self.journal.record_batch(self.batch, [(ev.stimulus_id, encode_event(ev)) for ev in events], dicts, rows)
+            for d, state in zip(decisions, states):
+                if state is not None and not isinstance(d, Allocate):
+                    self.carry_out_rows(d, allocs)
+            self.store.set_allocations([(d.job, d.node, d.cpus, d.memory_bytes) for (job, node), d in allocs.items()
+                                        if not any(isinstance(p, Place) and p.job == job for p in decisions)])
         self.events_logged += len(events)
         if self.observe is not None:
             self.observe(events, time.perf_counter() - t0)
-        allocs = {(d.job, d.node): d for d in decisions if isinstance(d, Allocate)}
         for d, did, state in zip(decisions, ids, states):
-            if state is not None:
-                self.carry_out_rows(d, allocs)
             if state == "pending":
                 self.commands.spawn(self.carry_out(d, did), key=d.job)
         return decisions
@@ -135,7 +139,8 @@ class DecisionCarrier:
     # --- rows ---------------------------------------------------------------------------------
 
     def carry_out_rows(self, d: Decision, allocs: dict[tuple[str, str], Allocate]) -> None:
-        """The jobs table's side of a decision (bound pods have no row: nothing changes)."""
+        """The jobs table's side of a decision (bound pods have no row: nothing changes).  An
+        ``Allocate``'s row change is made for the whole batch at once (``set_allocations``)."""
         if isinstance(d, Reject):
             self.store.update_job(d.job, event="rejected", state="failed", reason=d.reason, finished_at=self.clock(),
                                   only_active=True)
@@ -149,12 +154,6 @@ class DecisionCarrier:
                                       allocation=None, only_active=True)
         elif isinstance(d, Release):
             self._released(d)
-        elif isinstance(d, Allocate) and (d.job, d.node) in allocs and allocs[(d.job, d.node)] is d:
-            row = self.store.get_job(d.job)
-            a = row.allocation if row is not None and row.state == "running" else None
-            if a is not None and a.node == d.node and (a.cpus, a.memory_bytes) != (d.cpus, d.memory_bytes):
-                self.store.update_job(d.job, allocation=replace(a, cpus=d.cpus, memory_bytes=d.memory_bytes),
-                                      only_active=True)
 
     def mark_placed(self, d: Place, allocs: dict[tuple[str, str], Allocate]) -> None:
         row = self.store.get_job(d.job)

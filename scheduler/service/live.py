@@ -121,6 +121,7 @@ class SchedulerService:
         self._last_service = 0.0
         self._last_snapshot = clock()
         self._snapshotting = False
+        self._snapshot_write: asyncio.Future | None = None
         self._submissions: list[tuple[str | None, dict[str, Any], asyncio.Future]] = []
         self._committing = False
 
@@ -292,6 +293,8 @@ class SchedulerService:
             self._bus_stop.set()
         for t in self._tasks:
             t.cancel()
+        if self._snapshot_write is not None:  # the store closes after this: let the write end first
+            await asyncio.gather(self._snapshot_write, return_exceptions=True)
         await self.commands.close()
         for t in self._tasks:
             try:
@@ -420,7 +423,7 @@ class SchedulerService:
 
         self._snapshotting = True
         if self.loop is not None and self._on_loop():
-            self.loop.run_in_executor(None, write)
+            self._snapshot_write = self.loop.run_in_executor(None, write)
         else:
             write()
         return True

@@ -278,22 +278,40 @@ class JobStore:
 
     @contextmanager
     def tx(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
-        with self._lock if self.memory else _NO_LOCK:
-            db = self.db
-            strict = durable and self.durable_level != "NORMAL"
-            if strict:
-                db.execute(f"PRAGMA synchronous={self.durable_level}")
+        """One transaction on this thread's connection.  Nested, it joins the outer one (the live
+        loop writes a batch's log and every row it changes in one transaction)."""
+        if getattr(self._local, "depth", 0):
+            self._local.depth += 1
             try:
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield db
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-                db.execute("COMMIT")
+                yield self.db
             finally:
-                if strict:
-                    db.execute("PRAGMA synchronous=NORMAL")
+                self._local.depth -= 1
+            return
+        with self._lock if self.memory else _NO_LOCK:
+            self._local.depth = 1
+            try:
+                with self._tx(durable) as db:
+                    yield db
+            finally:
+                self._local.depth = 0
+
+    @contextmanager
+    def _tx(self, durable: bool) -> Iterator[sqlite3.Connection]:
+        db = self.db
+        strict = durable and self.durable_level != "NORMAL"
+        if strict:
+            db.execute(f"PRAGMA synchronous={self.durable_level}")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            if strict:
+                db.execute("PRAGMA synchronous=NORMAL")
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -375,6 +393,17 @@ class JobStore:
             if event and changed:
                 self._event(db, event, job=job_id, node=node, data=event_data or {})
         return changed
+
+    def set_allocations(self, changes: list[tuple[str, str, float, int]]) -> None:
+        """New cores and memory of running jobs on their first node ((job, node, cpus, memory)),
+        without reading the rows (the core re-splits a node's share often)."""
+        if not changes:
+            return
+        with self.tx() as db:
+            db.executemany(
+                "UPDATE jobs SET allocation = json_set(allocation, '$.cpus', ?, '$.memory_bytes', ?) "
+                "WHERE id=? AND state='running' AND json_extract(allocation, '$.node') = ?",
+                [(float(c), int(m), j, n) for j, n, c, m in changes])
 
     def set_service(self, amounts: dict[str, float]) -> None:
         """Record attained service (GPU- or CPU-seconds) of running jobs, in one transaction."""
