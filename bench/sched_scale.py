@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import sqlite3
@@ -199,21 +198,22 @@ def fleet_run(args, tmp: Path) -> dict[str, Any]:
 
 def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[str, Any]:
     """Log ``n_events`` core events into ``db`` through the real service (in this process, no
-    broker: the decisions are logged, not sent): node telemetry, submissions, starts and exits."""
+    broker: the decisions are logged, as if their commands were answered), in the 1,000-node
+    run's mix: 1,000 nodes of 8 GPUs reporting, 40 jobs/s arriving and each ending 60 s after
+    its start, on a simulated clock."""
     from scheduler import JobStarted
     from scheduler.service.core_log import new_event_id
     from scheduler.service.live import SchedulerService
     from scheduler.service.store import JobStore
 
-    rng = random.Random(7)
     svc = SchedulerService(JobStore(db, synchronous="NORMAL"), profile="dlshare", predictors=predictors,
                            snapshot_events=snapshot_events)
     svc.commands.spawn = lambda coro, key=None: coro.close()
     t = [1_000_000.0]
     svc.clock = lambda: t[0]
     svc.carrier.clock = svc.clock
-    nodes = [f"node-{i:04d}" for i in range(200)]
-    running: dict[str, list[str]] = {n: [] for n in nodes}
+    nodes = [f"node-{i:04d}" for i in range(1000)]
+    running: dict[str, dict[str, float]] = {n: {} for n in nodes}  # node -> job -> when it ends
 
     def tel(n: str) -> dict[str, Any]:
         return {"schema": 1, "node": n, "ts": t[0], "cpu": {"count": 64, "percent": 10.0},
@@ -222,12 +222,15 @@ def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[
                                      for g in range(8)]},
                 "rdma": {"devices": []}, "jobs": {j: {"pids": [1], "state": "running"} for j in running[n]}}
 
-    i = 0
+    i, k = 0, 0
     t0 = time.perf_counter()
+    for n in nodes:
+        svc.translator.on_telemetry(tel(n))
     while svc.stats.events < n_events:
-        t[0] += 0.05
-        for n in rng.sample(nodes, 20):
-            svc.translator.on_telemetry(tel(n))
+        t[0] += 0.05  # one round: 5 nodes' telemetry is due (every 10 s), 2 jobs arrive (40/s)
+        for _ in range(5):
+            svc.translator.on_telemetry(tel(nodes[k % len(nodes)]))
+            k += 1
         for _ in range(2):
             svc.submit(_spec(i, "r"))
             i += 1
@@ -235,11 +238,11 @@ def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[
         for jid, rec in list(svc.core.running.items()):
             node = rec.shards[0].node
             if jid not in running[node] and not rec.external:
-                running[node].append(jid)
+                running[node][jid] = t[0] + 60.0
                 svc.post(JobStarted(new_event_id(), svc.now(), jid, node, rec.placed_by))
-        for n in rng.sample(nodes, 4):
-            if running[n]:
-                jid = running[n].pop(0)
+        for n, jobs in running.items():
+            for jid in [j for j, end in jobs.items() if end <= t[0]]:
+                del jobs[jid]
                 svc.translator.job_exited(n, jid, 0, "")
         svc.round()
         with svc.store.tx() as con:  # as if the nodes had answered: nothing left to re-send at a restart
@@ -258,7 +261,7 @@ def restart_run(args, tmp: Path) -> dict[str, Any]:
     broker, burl, _ = start_broker(tmp)
     out: dict[str, Any] = {"events": n}
     try:
-        for mode, every in (("snapshots", 5000), ("whole_log", 1 << 40)):
+        for mode, every in (("snapshots", args.snapshot_events), ("whole_log", 1 << 40)):
             db = tmp / f"restart-{mode}.db"
             print(f"sched-service: logging {n} core events ({mode}) ...", flush=True)
             built = _fill_db(db, n, every, preds)

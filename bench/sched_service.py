@@ -51,6 +51,7 @@ def add_arguments(parser, seen: set[str]) -> None:
                      ("--stream-job-s", dict(type=float, default=60.0, help="job length on the fleet")),
                      ("--restart-events", dict(type=int, default=100_000, help="logged events before the restart")),
                      ("--restart-repeats", dict(type=int, default=3, help="restarts timed per database")),
+                     ("--snapshot-events", dict(type=int, default=2000, help="the service's sched.snapshot_events")),
                      ("--skip", dict(default="", help="sched-service parts to skip: burst,fleet,restart"))):
         if flag not in seen:
             parser.add_argument(flag, **kw)

@@ -61,6 +61,8 @@ class Ledger:
         self.total_gpus = 0  # on alive nodes
         self.free_gpus = 0
         self.max_node_gpus = 0
+        self.max_node_cores = 0  # the largest node seen (for CPU-only jobs no node could ever take)
+        self.max_node_memory = 0
         self.cpu_waiting = 0  # waiting CPU-only jobs (a pass with no free GPU still looks for them)
         self.incompatible: set[frozenset[str]] = set()  # pairs of job types that failed together
 
@@ -85,6 +87,8 @@ class Ledger:
         self.total_gpus += node.gpus
         self.free_gpus += node.gpus
         self.max_node_gpus = max(self.max_node_gpus, node.gpus)
+        self.max_node_cores = max(self.max_node_cores, node.cores)
+        self.max_node_memory = max(self.max_node_memory, node.memory_bytes)
         self.by_free.setdefault(node.gpus, {})[node.id] = None
         return ns
 

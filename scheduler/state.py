@@ -327,13 +327,12 @@ class SchedulerState:
 
     def _never_fits(self, job: Job) -> str:
         """Why ``job`` can never run on this cluster ("" when it may): more GPUs than the cluster
-        has, or a CPU-only job larger than every node."""
+        has, or a CPU-only job larger than every node it has seen."""
         led = self.ledger
         if job.gpus > led.max_node_gpus and led.max_node_gpus and job.gpus > self.total_gpus:
             return f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"
         if job.cpu_only and self.nodes:
-            cores = max(ns.node.cores for ns in self.nodes.values())
-            mem = max(ns.node.memory_bytes for ns in self.nodes.values())
+            cores, mem = led.max_node_cores, led.max_node_memory
             if job.cpus > cores + 1e-9 or job.memory_bytes > mem:
                 return f"needs {job.cpus:g} cores and {job.memory_bytes} bytes; the largest node has {cores} and {mem}"
         return ""

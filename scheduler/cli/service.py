@@ -43,8 +43,10 @@ config.register_section("sched", {
     "k8s_timeout_s": 4.0,  # per Binding request; keep below the extender's httpTimeout (5s)
     # The HTTP API on its own thread, so node replies and telemetry never wait behind requests.
     "api_thread": True,
-    "snapshot_events": 5000,  # snapshot the core and compact its log every this many events (bounds a restart)
-    "snapshot_s": 300.0,  # and at least this often while events come
+    # Snapshot the core and compact its log every this many events: a restart replays at most these.
+    # 2,000: ~1-2 s of replay on a loaded 2-vCPU VM (bench/RESULTS.md, sched-service restart).
+    "snapshot_events": 2000,
+    "snapshot_s": 120.0,  # and at least this often while events come
     "backoff_s": 0.5,  # a job whose start failed waits this long before it is placed again, doubling to 30 s
     "vanish_after_s": 15.0,  # a started job its node no longer lists this long has vanished (3 daemon periods)
 })

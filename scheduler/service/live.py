@@ -87,8 +87,8 @@ class SchedulerService:
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
-                 predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 5000,
-                 snapshot_s: float = 300.0) -> None:
+                 predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
+                 snapshot_s: float = 120.0) -> None:
         self.store = store
         self.journal = Journal(store)
         self.profile_obj = core.profile if core is not None else (
