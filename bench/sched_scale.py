@@ -199,7 +199,7 @@ def fleet_run(args, tmp: Path) -> dict[str, Any]:
 def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[str, Any]:
     """Log ``n_events`` core events into ``db`` through the real service (in this process, no
     broker: the decisions are logged, as if their commands were answered), in the 1,000-node
-    run's mix: 1,000 nodes of 8 GPUs reporting, 40 jobs/s arriving and each ending 60 s after
+    run's mix: 1,000 nodes of 8 GPUs reporting, 10 jobs/s arriving and each ending 60 s after
     its start, on a simulated clock."""
     from scheduler import JobStarted
     from scheduler.service.core_log import new_event_id
@@ -227,13 +227,12 @@ def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[
     for n in nodes:
         svc.translator.on_telemetry(tel(n))
     while svc.stats.events < n_events:
-        t[0] += 0.05  # one round: 5 nodes' telemetry is due (every 10 s), 2 jobs arrive (40/s)
-        for _ in range(5):
+        t[0] += 0.1  # one round: 20 nodes' telemetry is due (every 5 s), 1 job arrives (10/s)
+        for _ in range(20):
             svc.translator.on_telemetry(tel(nodes[k % len(nodes)]))
             k += 1
-        for _ in range(2):
-            svc.submit(_spec(i, "r"))
-            i += 1
+        svc.submit(_spec(i, "r"))
+        i += 1
         svc.round()
         for jid, rec in list(svc.core.running.items()):
             node = rec.shards[0].node

@@ -46,8 +46,8 @@ def add_arguments(parser, seen: set[str]) -> None:
                      ("--fleet-nodes", dict(type=int, default=1000, help="nodes of the scale run (sched-service)")),
                      ("--fleet-shards", dict(type=int, default=4, help="processes for the surviving nodes")),
                      ("--kill-nodes", dict(type=int, default=100, help="nodes SIGKILLed at once (sched-service)")),
-                     ("--stream-jobs", dict(type=int, default=3000, help="jobs streamed onto the fleet")),
-                     ("--stream-rate", dict(type=float, default=40.0, help="jobs/s streamed onto the fleet")),
+                     ("--stream-jobs", dict(type=int, default=1500, help="jobs streamed onto the fleet")),
+                     ("--stream-rate", dict(type=float, default=10.0, help="jobs/s streamed onto the fleet")),
                      ("--stream-job-s", dict(type=float, default=60.0, help="job length on the fleet")),
                      ("--restart-events", dict(type=int, default=100_000, help="logged events before the restart")),
                      ("--restart-repeats", dict(type=int, default=3, help="restarts timed per database")),
@@ -201,8 +201,8 @@ def run(args) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the table
     if getattr(args, "quick", False):
         args.jobs, args.nodes = min(args.jobs, 200), min(args.nodes, 4)
-        args.stream_jobs, args.stream_job_s = min(args.stream_jobs, 400), min(args.stream_job_s, 20.0)
-        args.restart_events, args.restart_repeats = min(args.restart_events, 20_000), min(args.restart_repeats, 1)
+        args.stream_jobs, args.stream_job_s = min(args.stream_jobs, 300), min(args.stream_job_s, 20.0)
+        args.restart_events, args.restart_repeats = min(args.restart_events, 5_000), min(args.restart_repeats, 1)
     skip = set(filter(None, getattr(args, "skip", "").split(",")))
     runs: list[dict[str, Any]] = []
     scale: dict[str, Any] = {}

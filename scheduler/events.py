@@ -186,7 +186,8 @@ class Reject(Decision):
 class Release(Decision):
     """``job`` left ``nodes``: stop what is left of it there (``stop``; not after it exited)
     and free what they hold for it.  It is now ``state``: preempted (waiting again, after its
-    node was lost or its start failed), done or failed (it ended, was cancelled, vanished).
+    node was lost or its start failed), done or failed (it ended, was cancelled, vanished),
+    or unchanged (queued or running elsewhere) when a node ran it where it was not placed.
     A preemption is a :class:`Preempt` instead."""
 
     job: str

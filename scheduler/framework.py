@@ -131,7 +131,12 @@ class Score(Protocol):
 
 
 class Allocator(Protocol):
+    """``demand_by_shape``: ``demand`` of a job not yet on the node depends only on the node's
+    resources and what its CPU-only jobs hold (not on which node it is), so the core may compute
+    it once per node shape while it weighs many nodes."""
+
     name: ClassVar[str]
+    demand_by_shape: ClassVar[bool]
 
     def demand(self, rec: JobRecord, node: NodeState, gpus_here: int, ctx: Context) -> Allocation:
         """The least this job needs on ``node`` to run (used to filter)."""

@@ -109,30 +109,47 @@ class SchedulingPasses:
                         continue
                     cands.append(Candidate(ns, (i,), tuple(res)))
         out = []
+        memo = self._demand_memo(rec)
         for c in cands:
-            if self.fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
+            if self.fits_resources(rec, c, ctx, memo) and all(f.filter(rec, c, ctx) is None for f in self.filters):
                 out.append(c)
         return out
+
+    def _demand_memo(self, rec: JobRecord) -> dict | None:
+        """A cache of ``rec``'s demand per node shape, for one search over many nodes (see
+        ``Allocator.demand_by_shape``); None when the allocator does not allow it or the job
+        already sits on nodes (its share there depends on them)."""
+        if rec.job.state is JobState.RUNNING or not getattr(self.allocator, "demand_by_shape", False):
+            return None
+        return {}
 
     def _cpu_candidates(self, rec: JobRecord, ctx: Context, cap: int, allowed: set[str] | None) -> list[Candidate]:
         """A CPU-only job: alive nodes where its cores and memory fit, fewest free GPUs first (it
         takes no GPU, so it leaves the nodes whose GPUs are free to GPU jobs), up to ``cap``."""
         out: list[Candidate] = []
+        memo = self._demand_memo(rec)
         for free in range(0, self.ledger.max_node_gpus + 1):
             for nid in self.ledger.by_free.get(free, ()):
                 if allowed is not None and nid not in allowed:
                     continue
                 c = Candidate(self.ledger.nodes[nid], ())
-                if self.fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
+                if self.fits_resources(rec, c, ctx, memo) and all(f.filter(rec, c, ctx) is None for f in self.filters):
                     out.append(c)
                     if len(out) >= cap:
                         return out
         return out
 
-    def fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
+    def fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context, memo: dict | None = None) -> bool:
         first = rec.job.gpus if not cand.gpus else len(cand.gpus)
         for ns, n in ((cand.node, first), *((m, len(g)) for m, g in cand.more)):
-            need = self.allocator.demand(rec, ns, n, ctx)
+            if memo is None:
+                need = self.allocator.demand(rec, ns, n, ctx)
+            else:
+                node = ns.node
+                shape = (node.gpus, node.cores, node.memory_bytes, ns.reserved_cpus, ns.reserved_memory, n)
+                need = memo.get(shape)
+                if need is None:
+                    need = memo[shape] = self.allocator.demand(rec, ns, n, ctx)
             if (ns.demand_cpus + need.cpus > ns.node.cores + 1e-9
                     or ns.demand_memory + need.memory_bytes > ns.node.memory_bytes):
                 return False

@@ -28,7 +28,7 @@ from typing import Any
 
 from scheduler.events import (
     Decision, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobStarted, NodeLost, NodeReport, PlacementFailed,
-    Reject, Tick, Wakeup,
+    Reject, Release, Tick, Wakeup,
 )
 from scheduler.framework import Candidate, Context, NodeState
 from scheduler.ledger import Ledger, SchedulerError
@@ -308,7 +308,16 @@ class SchedulerState:
             return False
         if isinstance(ev, NodeReport):
             self._report(ev)
-            self.watch.on_report(ev.node.id, ev.running, self.nodes[ev.node.id].jobs, ev.now)
+            ns = self.nodes[ev.node.id]
+            self.watch.on_report(ev.node.id, ev.running, ns.jobs, ev.now)
+            if ev.running is not None:
+                # A job the node runs where the core did not place it (the node was taken for lost,
+                # the core was rebuilt): stopped there, whatever the job's state elsewhere.
+                for jid in self.watch.orphans_to_release(ev.node.id, ev.running, set(ns.jobs)):
+                    rec = self.records.get(jid)
+                    if rec is not None and not rec.external:
+                        out.append(Release(ev.stimulus_id, jid, (ev.node.id,), rec.job.state,
+                                           f"node {ev.node.id} runs it where it was not placed"))
             return False
         if isinstance(ev, NodeLost):
             ns = self.nodes.get(ev.node)

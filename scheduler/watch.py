@@ -16,6 +16,10 @@ by reading a clock:
 * **Holds.**  A job another engine runs (:class:`~scheduler.events.JobBound`
   with ``hold_s``) is accounted for on its node until the hold ends.
 
+It also remembers which jobs a node was told to stop because it ran them where
+the core had not placed them (a node taken for lost that was not, a core rebuilt
+after a restart), so each is released once, not at every report.
+
 All rules are off by default (the simulator needs none); the live service turns
 them on.  Pure: no clock, no I/O.
 """
@@ -55,6 +59,7 @@ class Watch:
         self.started: dict[str, set[str]] = {}  # job -> nodes that confirmed its start
         self.missing_since: dict[tuple[str, str], float] = {}  # (job, node) -> first report without it
         self.holds: dict[str, float] = {}  # bound job -> when its hold ends
+        self.orphans: dict[str, set[str]] = {}  # node -> jobs it runs unplaced there, already released
         self.asked: float | None = None  # the deadline last asked for with a Wakeup
 
     # ------------------------------------------------------------ hooks
@@ -83,6 +88,18 @@ class Watch:
                 self.missing_since.pop((job, node), None)
             else:
                 self.missing_since.setdefault((job, node), now)
+
+    def orphans_to_release(self, node: str, running: tuple[str, ...], placed_here: set[str]) -> list[str]:
+        """Jobs ``node`` lists as running that the core did not place there (``placed_here``: those it
+        did), each returned once while the node goes on listing it."""
+        listed = set(running)
+        asked = self.orphans.setdefault(node, set())
+        asked &= listed  # those it no longer lists have stopped
+        new = [j for j in running if j not in placed_here and j not in asked]
+        asked.update(new)
+        if not asked:
+            self.orphans.pop(node, None)
+        return new
 
     def on_bound(self, job: str, now: float, hold_s: float | None) -> None:
         if hold_s is not None:

@@ -43,6 +43,7 @@ def _prop(ns: NodeState, rec: JobRecord, gpus_here: int) -> tuple[float, float]:
 
 @register("allocate", "proportional")
 class Proportional:
+    demand_by_shape = True  # a function of the node's resources and reservations only
     def demand(self, rec: JobRecord, ns: NodeState, gpus_here: int, ctx: Context) -> Allocation:
         # The proportional split always fits; only an explicit request can fail to.
         return Allocation(rec.job.cpus, rec.job.memory_bytes)
@@ -58,6 +59,7 @@ class Proportional:
 
 @register("allocate", "synergy")
 class SynergyTune:
+    demand_by_shape = True  # a function of the node's resources and reservations only
     def __init__(self, cpu_step: float = 1.0, mem_step_gb: float = 10.0) -> None:
         self.cpu_step = float(cpu_step)
         self.mem_step = float(mem_step_gb) * GiB

@@ -178,6 +178,8 @@ class DecisionCarrier:
                               only_active=True)
 
     def _released(self, d: Release) -> None:
+        if d.state in (JobState.RUNNING, JobState.QUEUED):
+            return  # a node ran it where it was not placed: only that node changes
         if d.state is JobState.PREEMPTED:  # its node was lost or its start failed: waiting again
             row = self.store.get_job(d.job)
             if row is not None and row.state == "running":
@@ -243,6 +245,7 @@ class DecisionCarrier:
             log.warning("decision %s failed: %s", did, exc)
             self.post(PlacementFailed(_eid(), self.now(), d.job, str(exc), d.stimulus_id))
             return
-        self.store.set_decision_state(did, "acked")
-        self.store.log_event("started", job=d.job, node=d.node, data={"decision": did})
+        with self.store.tx():
+            self.store.set_decision_state(did, "acked")
+            self.store.log_event("started", job=d.job, node=d.node, data={"decision": did})
 

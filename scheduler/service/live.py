@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
 from scheduler import (
-    Event, JobArrived, JobBound, JobCancelled, JobState, NodeReport, Profile, SchedulerState, Tick, Wakeup,
+    Event, JobArrived, JobBound, JobCancelled, NodeReport, Profile, SchedulerState, Tick, Wakeup,
     WatchRules, load_profile, snapshot,
 )
 from scheduler.model import Job
@@ -443,10 +443,6 @@ class SchedulerService:
             else:
                 amounts[jid] = rec.service(t)
         self.store.set_service(amounts)
-
-    def running_on(self, node: str) -> list[str]:
-        ns = self.core.nodes.get(node)
-        return sorted(j for j in (ns.jobs if ns else ()) if self.core.records[j].job.state is JobState.RUNNING)
 
 
 __all__ = ["LIVE_RULES", "SchedulerService"]

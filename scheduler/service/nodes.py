@@ -45,6 +45,7 @@ class LiveNode:
     published_at: float | None = None  # the node's clock when it published the last telemetry
     reported: tuple | None = None  # resources last reported to the core
     reported_running: tuple[str, ...] | None = None  # the running jobs it listed in that report
+    reported_missing: frozenset[str] = frozenset()  # started jobs it did not list in that report
     reported_at: float = 0.0
 
     @property

@@ -97,21 +97,24 @@ class Recovery:
         """Square the restored core with the jobs table (see the module docstring)."""
         svc = self.svc
         core, store = svc.core, svc.store
-        rows, _ = store.list_jobs(states=["queued", "running", "preempted"], limit=1 << 30)
+        active = store.active_states()
         if self.rebuilt:
-            for j in rows:
-                if j.state == "running" and j.allocation is not None:
+            for jid, state in active.items():
+                j = store.get_job(jid)
+                if state == "running" and j is not None and j.allocation is not None:
                     for n in j.allocation.nodes:
-                        self.stops.append((j.id, n, f"rebuild-{svc.carrier.batch}/{j.id}/{n}"))
-                    store.update_job(j.id, event="requeued", event_data={"why": "the scheduler's core was rebuilt"},
+                        self.stops.append((jid, n, f"rebuild-{svc.carrier.batch}/{jid}/{n}"))
+                    store.update_job(jid, event="requeued", event_data={"why": "the scheduler's core was rebuilt"},
                                      state="queued", reason="requeued: the scheduler's core was rebuilt",
                                      allocation=None, only_active=True)
-        for j in rows:
-            if j.id not in core.records:
-                svc.post(JobArrived(_eid(), svc.now(), core_job(j, svc.now())))
+        for jid in active:
+            if jid not in core.records:  # accepted, never logged as arrived
+                j = store.get_job(jid)
+                if j is not None:
+                    svc.post(JobArrived(_eid(), svc.now(), core_job(j, svc.now())))
         # Jobs ended in the table but still active in the core (a crash between the two).
         for jid, rec in list(core.records.items()):
-            if not rec.job.state.active or rec.external:
+            if not rec.job.state.active or rec.external or jid in active:
                 continue
             row = store.get_job(jid)
             if row is None or row.state not in TERMINAL_STATES:

@@ -367,6 +367,12 @@ class JobStore:
             rows = db.execute(f"SELECT * {q} ORDER BY seq LIMIT ? OFFSET ?", [*args, limit, offset]).fetchall()
         return [_row_to_job(r) for r in rows], total
 
+    def active_states(self) -> dict[str, str]:
+        """id -> state of every job not over (queued, running, preempted): cheap, no row decoded."""
+        with self.read() as db:
+            rows = db.execute("SELECT id, state FROM jobs WHERE state IN ('queued','running','preempted')").fetchall()
+        return {r[0]: r[1] for r in rows}
+
     def count_by_state(self) -> dict[str, int]:
         with self.read() as db:
             rows = db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()

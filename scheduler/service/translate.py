@@ -5,13 +5,14 @@ turns what the core must know into events, with no policy of its own:
 
 * telemetry -> ``NodeReport`` when the node's resources or the jobs it lists
   as running changed, when it comes (back) online, and every ``report_s``
-  otherwise (the predictors' samples); the report carries the running jobs, so
-  the core can tell a job that vanished (:mod:`scheduler.watch`);
+  while it runs jobs (the predictors' samples); the report carries the running
+  jobs, so the core can tell a job that vanished (:mod:`scheduler.watch`) and
+  one that runs where it should not;
 * a job reported exited (its ``job_exit`` event, or ``exited`` in telemetry)
   -> the row's exit code and ``JobFinished`` (once, and only from the node the
   job runs on);
 * the retained ``offline`` state (a Last Will or a clean stop), or no
-  telemetry for ``node_timeout_s`` on the service's clock -> ``NodeLost``.
+  telemetry for ``node_timeout_s`` while the other nodes reported -> ``NodeLost``.
 
 The core then decides (requeue, release, place elsewhere); the carrier turns
 its decisions into rows and commands.  Everything here runs on the live loop's
@@ -64,14 +65,19 @@ class Translator:
         key = (n.gpus, n.cores, n.memory_bytes, n.lendable_bytes >> 26)
         running = node.running
         now = svc.clock()
-        if (not force and key == node.reported and running == node.reported_running
-                and now - node.reported_at < svc.report_s):
-            return
         ns = core.nodes.get(node.id)
+        # Jobs the node confirmed it started that it does not list: the core must hear of them even
+        # when the list itself did not change (a job that never showed up in telemetry).
+        started = core.watch.started
+        missing = frozenset(j for j in (ns.jobs if ns is not None else ())
+                            if node.id in started.get(j, ()) and j not in running)
+        changed = force or key != node.reported or running != node.reported_running or missing != node.reported_missing
+        if not changed and (now - node.reported_at < svc.report_s or not running):
+            return  # nothing new (an idle node's periodic report would carry no sample either)
         if ns is not None and ns.node.gpus != n.gpus and ns.jobs:
             log.warning("node %s now reports %d GPUs while running jobs; keeping %d", node.id, n.gpus, ns.node.gpus)
             return
-        node.reported, node.reported_running, node.reported_at = key, running, now
+        node.reported, node.reported_running, node.reported_missing, node.reported_at = key, running, missing, now
         # Measured utilisation of each running GPU job here (its GPUs' mean), for the predictors'
         # online update: the core learns a job type's solo utilisation from these samples.
         util = {g.index: (g.util_percent, g.memory_util_percent) for g in node.gpus}
@@ -107,6 +113,7 @@ class Translator:
         svc = self.svc
         node.status = "offline"
         node.reported = node.reported_running = None
+        node.reported_missing = frozenset()
         ns = svc.core.nodes.get(node.id)
         jobs = sorted(ns.jobs) if ns is not None else []
         svc.store.log_event("node_offline", node=node.id, data={"why": why, "jobs": jobs})
@@ -115,11 +122,18 @@ class Translator:
             self.post(NodeLost(_eid(), svc.now(), node.id))
 
     def check_stale(self, now: float) -> None:
-        """Nodes that sent no telemetry for ``node_timeout_s`` (on the service's clock) are lost."""
+        """Nodes silent for ``node_timeout_s`` while other nodes spoke are lost.  Silence is measured
+        against the freshest telemetry the loop has taken in, not against the clock alone: when
+        the loop falls behind its messages, every node looks silent to it, and none is lost for
+        that (a node alone in the cluster then relies on its Last Will)."""
         limit = self.svc.node_timeout_s
-        for node in list(self.svc.nodes.values()):
-            if node.status == "online" and node.last_seen and now - node.last_seen > limit:
-                self.node_lost(node, f"sent no telemetry for {limit:g}s")
+        online = [n for n in self.svc.nodes.values() if n.status == "online" and n.last_seen]
+        if len(online) < 2:
+            return
+        freshest = min(now, max(n.last_seen for n in online))
+        for node in online:
+            if freshest - node.last_seen > limit:
+                self.node_lost(node, f"sent no telemetry for {limit:g}s while the other nodes did")
 
     # --- job exits ------------------------------------------------------------------------
 

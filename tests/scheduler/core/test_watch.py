@@ -151,3 +151,18 @@ def test_answers_to_an_older_placement_or_from_another_node_are_refused():
     assert refused and st.records["j"].job.state is JobState.RUNNING and first in ("n0", "n1")
     st.handle(JobFinished("y", 4.0, "j", node=where))
     assert st.records["j"].job.state is JobState.DONE
+
+
+def test_a_job_a_node_runs_where_it_was_not_placed_is_released_there_once():
+    st = state(rules=None, n=2)
+    st.handle(JobArrived("a", 0.0, Job("j", "m")))
+    where = st.records["j"].shards[0].node
+    other = "n1" if where == "n0" else "n0"
+    node = Node(other, 1, 8, 32 * GiB)
+    # The other node says it runs j too (it was taken for lost and was not, say): stop it there.
+    [rel] = of(Release, st.handle(NodeReport("r1", 1.0, node, running=("j", "unknown-job"))))
+    assert rel.nodes == (other,) and rel.stop and rel.state is JobState.RUNNING and "not placed" in rel.reason
+    assert not of(Release, st.handle(NodeReport("r2", 2.0, node, running=("j",))))  # once
+    assert st.records["j"].job.state is JobState.RUNNING and st.records["j"].shards[0].node == where
+    st.handle(NodeReport("r3", 3.0, node, running=()))  # it stopped
+    assert of(Release, st.handle(NodeReport("r4", 4.0, node, running=("j",))))  # and if it runs again, again
