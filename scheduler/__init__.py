@@ -2,11 +2,12 @@
 
 What it may import (floor 1 of the floor plan; ``lint-imports`` checks it)
 ==========================================================================
-The core (``model``, ``events``, ``ledger``, ``state``, ``passes``, ``framework``,
-``plugins``, ``predictors``, ``profile``, ``sim``, ``trace``, ``codec``) imports the standard
+The core (``model``, ``events``, ``ledger``, ``state``, ``passes``, ``watch``, ``framework``,
+``plugins``, ``predictors``, ``profile``, ``sim``, ``trace``, ``codec``, ``replay``, ``snapshot``) imports the standard
 library, numpy, scikit-learn (and torch for ``predictors.utilisation.graph_features``) and its
 own modules, in one direction: ``state`` holds a ``ledger.Ledger`` and a
-``passes.SchedulingPasses``; plugins import ``framework``, never the reverse.  It does no I/O
+``passes.SchedulingPasses`` (and the ledger a ``watch.Watch``); plugins import ``framework``,
+never the reverse.  It does no I/O
 and reads no clock: never ``nodesvc``, ``rdma``, ``aggregator``, ``scheduler.service`` or
 ``scheduler.cli``.  The libraries beside it, ``data`` and ``fetch`` (the shared data sets) and
 ``client`` (the HTTP API's client, httpx), may do I/O but import no shell either.
@@ -18,7 +19,8 @@ Public API (import from ``scheduler``)
 
 Model (:mod:`scheduler.model`)
     ``Job(id, model, batch_size=0, gpus=1, cpus=0.0, memory_bytes=0, priority=0, arrival=0.0,
-    attained_service=0.0, state=JobState.QUEUED, duration=None, features=None, gpu_memory_bytes=0)``;
+    attained_service=0.0, state=JobState.QUEUED, duration=None, features=None, gpu_memory_bytes=0)``
+    (``gpus=0``: a CPU-only data-preparation job, which must ask for ``cpus > 0`` and gets what it asks for);
     ``JobState`` (queued, running, preempted, done, failed); ``Node(id, gpus, cores, memory_bytes,
     lendable_bytes=0, gpu_memory_bytes=32 GiB)``; ``Shard(node, gpus)``; ``Allocation(cpus, memory_bytes)``;
     ``JobRecord`` (the core's per-job bookkeeping: ``shards``, ``allocation``, ``queueing_delay``...).
@@ -29,19 +31,28 @@ Events (:mod:`scheduler.events`): frozen dataclasses whose first fields are ``st
     ``JobArrived(stimulus_id, now, job)``, ``JobFinished(stimulus_id, now, job, failed=False, reason="")``,
     ``JobCancelled(stimulus_id, now, job, reason)``, ``PlacementFailed(stimulus_id, now, job, reason)``,
     ``Tick(stimulus_id, now)``, ``NodeReport(stimulus_id, now, node, gpu_util=(), cpu_percent=None,
-    memory_available_bytes=None, jobs={job: JobSample(sm_percent, mem_percent, speed)})``
-    (the first report of a node registers it), ``NodeLost(stimulus_id, now, node)``.
+    memory_available_bytes=None, jobs={job: JobSample(sm_percent, mem_percent, speed)}, running=None)``
+    (the first report of a node registers it; ``running`` lists the jobs the node runs),
+    ``NodeLost(stimulus_id, now, node)``, ``JobStarted(stimulus_id, now, job, node)`` (the node
+    confirmed a start), ``JobBound(stimulus_id, now, job, node, gpus=(), hold_s=None)`` (another
+    engine, Kubernetes, runs the job there: accounted for, never started).
 
 Decisions, each with the ``stimulus_id`` of the event that produced it
     ``Place(stimulus_id, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the
     first shard), ``Preempt(stimulus_id, job, reason)``, ``Allocate(stimulus_id, job, node, cpus,
-    memory_bytes)``, ``Reject(stimulus_id, job, reason)``, ``Wakeup(stimulus_id, at)`` (send a ``Tick``
-    at ``at``).
+    memory_bytes)``, ``Reject(stimulus_id, job, reason)``, ``Release(stimulus_id, job, nodes, state,
+    reason, stop)`` (the job left those nodes: stop and free it there; it is now ``state``),
+    ``Wakeup(stimulus_id, at)`` (send a ``Tick`` at ``at``).
 
 Core (:mod:`scheduler.state`)
-    ``SchedulerState(profile, nodes=(), *, predictors=None, rng=random.Random(seed))``;
+    ``SchedulerState(profile, nodes=(), *, predictors=None, rng=random.Random(seed), rules=None)``
+    (``rules``: :class:`scheduler.watch.WatchRules`, the clock-driven rules of a live cluster: start
+    backoff, vanished jobs; off by default);
     ``state.handle(*events) -> list[Decision]`` (raises ``SchedulerError``, a ``ValueError``, for an
-    event it cannot apply, leaving the state unchanged for that event); read-only views of its
+    event it cannot apply, leaving the state unchanged for that event);
+    ``state.handle_batch(events) -> (decisions, refused)`` (a live shell's call: refused events are
+    skipped and listed, the rest applied, one pass); ``state.compact()`` (forget finished jobs);
+    read-only views of its
     books (``state.ledger``, a :class:`scheduler.ledger.Ledger`): ``state.records``
     (id -> JobRecord), ``state.nodes`` (id -> NodeState), ``state.waiting``, ``state.running``,
     ``state.now``, ``state.total_gpus``, ``state.free_gpus``;
@@ -51,10 +62,11 @@ Core (:mod:`scheduler.state`)
     (node -> reason for each node that cannot take the job: the extender's ``FailedNodes``).
 
     A live shell does: on submit ``JobArrived``; on a node's telemetry ``NodeReport``; on
-    a job exit ``JobFinished``; on the Last Will ``NodeLost``; on a ``Wakeup(at)`` a timer that
-    sends ``Tick`` at ``at``; and it carries out ``Place`` (run), ``Preempt`` (stop, then the job
-    is queued again by the core), ``Allocate`` (node ``allocate`` command). ``Place`` is
-    followed by the ``Allocate`` decisions for that node in the same list.
+    a ``run`` acknowledged ``JobStarted``; on a job exit ``JobFinished``; on the Last Will
+    ``NodeLost``; on a ``Wakeup(at)`` a timer that sends ``Tick`` at ``at``; and it carries out
+    ``Place`` (run), ``Preempt`` (stop, then the job is queued again by the core), ``Release``
+    (stop and release), ``Allocate`` (node ``allocate`` command). ``Place`` is followed by the
+    ``Allocate`` decisions for that node in the same list.
 
 Profiles (:mod:`scheduler.profile`)
     ``load_profile(name_or_toml_path) -> Profile`` (packaged: ``packaged_profiles()``:
@@ -85,17 +97,18 @@ Data (:mod:`scheduler.data`): ``data_dir()``, ``path(rel)``; ``dlshare data fetc
 """
 
 from scheduler.events import (
-    Allocate, Decision, Event, JobArrived, JobCancelled, JobFinished, JobSample, NodeLost, NodeReport, Place,
-    PlacementFailed, Preempt, Reject, Tick, Wakeup,
+    Allocate, Decision, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobSample, JobStarted, NodeLost,
+    NodeReport, Place, PlacementFailed, Preempt, Reject, Release, Tick, Wakeup,
 )
 from scheduler.model import Allocation, Job, JobRecord, JobState, Node, Shard
 from scheduler.predictors import Predictors
 from scheduler.profile import Profile, ProfileError, load_profile, packaged_profiles
 from scheduler.state import SchedulerError, SchedulerState
+from scheduler.watch import WatchRules
 
 __all__ = [
-    "Allocate", "Allocation", "Decision", "Event", "Job", "JobArrived", "JobCancelled", "JobFinished",
-    "JobRecord", "JobSample", "JobState", "Node", "NodeLost", "NodeReport", "Place", "PlacementFailed",
-    "Preempt", "Predictors", "Profile", "ProfileError", "Reject", "SchedulerError", "SchedulerState", "Shard",
-    "Tick", "Wakeup", "load_profile", "packaged_profiles",
+    "Allocate", "Allocation", "Decision", "Event", "Job", "JobArrived", "JobBound", "JobCancelled", "JobFinished",
+    "JobRecord", "JobSample", "JobStarted", "JobState", "Node", "NodeLost", "NodeReport", "Place", "PlacementFailed",
+    "Preempt", "Predictors", "Profile", "ProfileError", "Reject", "Release", "SchedulerError", "SchedulerState",
+    "Shard", "Tick", "Wakeup", "WatchRules", "load_profile", "packaged_profiles",
 ]

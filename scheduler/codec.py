@@ -17,11 +17,11 @@ import dataclasses
 from typing import Any
 
 from scheduler import events as E
-from scheduler.model import Job, Node, Shard
+from scheduler.model import Job, JobState, Node, Shard
 
 EVENTS = {c.__name__: c for c in (E.JobArrived, E.JobFinished, E.JobCancelled, E.PlacementFailed, E.Tick,
-                                  E.NodeReport, E.NodeLost)}
-DECISIONS = {c.__name__: c for c in (E.Place, E.Preempt, E.Allocate, E.Reject, E.Wakeup)}
+                                  E.NodeReport, E.NodeLost, E.JobStarted, E.JobBound)}
+DECISIONS = {c.__name__: c for c in (E.Place, E.Preempt, E.Allocate, E.Reject, E.Wakeup, E.Release)}
 
 
 _OLD_EVENT_ID = "id"  # an event's stimulus_id in logs written before the event convention
@@ -32,15 +32,23 @@ class CodecError(ValueError):
     """A dict that is not a valid event or decision."""
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def _plain(v: Any) -> Any:
+    if isinstance(v, _SCALARS):
+        return v
     if isinstance(v, Job):
         return v.to_dict()
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, JobState):
+        return v.value
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [x if isinstance(x, _SCALARS) else _plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: x if isinstance(x, _SCALARS) else _plain(x) for k, x in v.items()}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        # Field order is declaration order, as dataclasses.fields() gives it (the instance dict keeps it).
+        return {k: x if isinstance(x, _SCALARS) else _plain(x) for k, x in vars(v).items()}
     return v
 
 
@@ -66,6 +74,15 @@ def _str(d: dict[str, Any], key: str) -> str:
     return v
 
 
+def _opt_str(d: dict[str, Any], key: str) -> str:
+    v = d.get(key, "")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise CodecError(f"{key}: expected a string, got {v!r}")
+    return v
+
+
 def event_from_dict(d: Any) -> E.Event:
     if not isinstance(d, dict):
         raise CodecError("event must be an object")
@@ -84,11 +101,24 @@ def event_from_dict(d: Any) -> E.Event:
             extra = {"reason": str(d.get("reason", ""))} if "reason" in d else {}
             if cls is E.JobFinished:
                 extra["failed"] = bool(d.get("failed", False))
+                extra["node"] = _opt_str(d, "node")
+            if cls is E.PlacementFailed:
+                extra["place_id"] = _opt_str(d, "place_id")
             return cls(**base, job=_str(d, "job"), **extra)
         if cls is E.Tick:
             return cls(**base)
         if cls is E.NodeLost:
             return cls(**base, node=_str(d, "node"))
+        if cls is E.JobStarted:
+            return cls(**base, job=_str(d, "job"), node=_str(d, "node"), place_id=_opt_str(d, "place_id"))
+        if cls is E.JobBound:
+            if not isinstance(d.get("job"), dict):
+                raise CodecError("job: expected an object")
+            gpus = d.get("gpus") or []
+            if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) for g in gpus):
+                raise CodecError("gpus: expected a list of GPU indices")
+            hold = None if d.get("hold_s") is None else _num(d, "hold_s")
+            return cls(**base, job=Job.from_dict(d["job"]), node=_str(d, "node"), gpus=tuple(gpus), hold_s=hold)
         node = d.get("node")
         if not isinstance(node, dict):
             raise CodecError("node: expected an object")
@@ -104,12 +134,15 @@ def event_from_dict(d: Any) -> E.Event:
         util = d.get("gpu_util") or []
         if not isinstance(util, list):
             raise CodecError("gpu_util: expected a list")
+        running = d.get("running")
+        if running is not None and (not isinstance(running, list) or not all(isinstance(j, str) for j in running)):
+            raise CodecError("running: expected a list of job ids")
         return E.NodeReport(**base, node=Node(**{k: node[k] for k in Node.__dataclass_fields__ if k in node}),
                             gpu_util=tuple(float(x) for x in util),
                             cpu_percent=None if d.get("cpu_percent") is None else _num(d, "cpu_percent"),
                             memory_available_bytes=None if d.get("memory_available_bytes") is None
                             else int(_num(d, "memory_available_bytes")),
-                            jobs=samples)
+                            jobs=samples, running=None if running is None else tuple(running))
     except CodecError:
         raise
     except (TypeError, ValueError, KeyError) as exc:
@@ -130,6 +163,11 @@ def decision_from_dict(d: Any) -> E.Decision:
         if cls is E.Place:
             fields["shards"] = tuple(Shard(s["node"], tuple(s["gpus"])) for s in fields["shards"])
             fields["colocated_with"] = tuple(fields.get("colocated_with", ()))
+        if cls is E.Preempt:
+            fields["nodes"] = tuple(fields.get("nodes", ()))
+        if cls is E.Release:
+            fields["nodes"] = tuple(fields["nodes"])
+            fields["state"] = JobState(fields["state"])
         return cls(**fields)
     except (TypeError, ValueError, KeyError) as exc:
         raise CodecError(f"{cls.__name__}: {exc}") from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.model import Job, Node, Shard
+from scheduler.model import Job, JobState, Node, Shard
 
 # ---------------------------------------------------------------- events
 
@@ -32,11 +32,13 @@ class JobArrived(Event):
 
 @dataclass(frozen=True)
 class JobFinished(Event):
-    """A job's processes exited: ``failed`` when the exit was abnormal."""
+    """A job's processes exited: ``failed`` when the exit was abnormal.  ``node``: where it
+    exited (refused when the job no longer runs there; empty: wherever it runs)."""
 
     job: str
     failed: bool = False
     reason: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,36 @@ class JobCancelled(Event):
 class PlacementFailed(Event):
     """A placement could not be carried out (device out of memory at start,
     node refused).  The job is requeued; when it was co-located, that pairing
-    of job types is remembered as incompatible."""
+    of job types is remembered as incompatible.  ``place_id`` (on this event and on
+    :class:`JobStarted`): the ``stimulus_id`` of the :class:`Place` it answers; the core
+    refuses an answer to an older placement of the job (empty: the current one)."""
 
     job: str
     reason: str = ""
+    place_id: str = ""
+
+
+@dataclass(frozen=True)
+class JobStarted(Event):
+    """``node`` confirmed it started its part of a placed job (it answered the ``run``).
+    From then on, a job that ``node``'s reports stop listing is watched for vanishing."""
+
+    job: str
+    node: str
+    place_id: str = ""
+
+
+@dataclass(frozen=True)
+class JobBound(Event):
+    """Another engine runs ``job`` on ``node`` (Kubernetes: kube-scheduler bound the pod there
+    after asking the extender).  The core accounts for its GPUs (``gpus``, or free ones it
+    picks), cores and memory, but never starts or stops it.  With ``hold_s`` the hold ends
+    that long after (by then the node's own figures show the pod's use)."""
+
+    job: Job
+    node: str
+    gpus: tuple[int, ...] = ()
+    hold_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,13 +106,16 @@ class NodeReport(Event):
     """A node's resources and telemetry.  The first report registers the node;
     later ones update its resources (e.g. lendable memory) and feed the online
     predictors.  ``gpu_util`` is per-device utilisation in percent,
-    ``jobs`` maps job id -> :class:`JobSample`."""
+    ``jobs`` maps job id -> :class:`JobSample`.  ``running`` lists the jobs the node
+    says it runs (``None``: the report does not say); a started job missing from it is
+    watched for vanishing (see :class:`scheduler.watch.WatchRules`)."""
 
     node: Node
     gpu_util: tuple[float, ...] = ()
     cpu_percent: float | None = None
     memory_available_bytes: int | None = None
     jobs: Mapping[str, JobSample] = field(default_factory=dict)
+    running: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,10 +156,11 @@ class Place(Decision):
 
 @dataclass(frozen=True)
 class Preempt(Decision):
-    """Stop ``job`` (checkpoint and exit); it goes back to the queue as preempted."""
+    """Stop ``job`` (checkpoint and exit) on ``nodes``; it goes back to the queue as preempted."""
 
     job: str
     reason: str = ""
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -148,6 +180,21 @@ class Reject(Decision):
 
     job: str
     reason: str
+
+
+@dataclass(frozen=True)
+class Release(Decision):
+    """``job`` left ``nodes``: stop what is left of it there (``stop``; not after it exited)
+    and free what they hold for it.  It is now ``state``: preempted (waiting again, after its
+    node was lost or its start failed), done or failed (it ended, was cancelled, vanished),
+    or unchanged (queued or running elsewhere) when a node ran it where it was not placed.
+    A preemption is a :class:`Preempt` instead."""
+
+    job: str
+    nodes: tuple[str, ...]
+    state: JobState
+    reason: str = ""
+    stop: bool = True
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class NodeState:
     jobs: dict[str, int] = field(default_factory=dict)  # job -> GPUs it holds here
     demand_cpus: float = 0.0  # the allocator's minimum demands of the jobs here (kept by the core)
     demand_memory: float = 0.0
+    reserved_cpus: float = 0.0  # held by CPU-only jobs here, at their requests (kept by the core)
+    reserved_memory: int = 0
 
     def free_indices(self) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.residents) if not r)
@@ -129,7 +131,12 @@ class Score(Protocol):
 
 
 class Allocator(Protocol):
+    """``demand_by_shape``: ``demand`` of a job not yet on the node depends only on the node's
+    resources and what its CPU-only jobs hold (not on which node it is), so the core may compute
+    it once per node shape while it weighs many nodes."""
+
     name: ClassVar[str]
+    demand_by_shape: ClassVar[bool]
 
     def demand(self, rec: JobRecord, node: NodeState, gpus_here: int, ctx: Context) -> Allocation:
         """The least this job needs on ``node`` to run (used to filter)."""

@@ -19,10 +19,11 @@ import bisect
 import random
 from typing import TYPE_CHECKING, Any
 
-from scheduler.events import Allocate, Decision, Place
+from scheduler.events import Allocate, Decision, Place, Release
 from scheduler.framework import Allocator, Candidate, Context, NodeState, QueueSort
 from scheduler.model import Allocation, JobRecord, JobState, Node, Shard
 from scheduler.profile import Profile
+from scheduler.watch import Watch
 
 if TYPE_CHECKING:  # pragma: no cover
     from scheduler.predictors import Predictors
@@ -40,8 +41,9 @@ class Ledger:
     passes and the state; only its own methods and the state's event handling change them."""
 
     def __init__(self, profile: Profile, order: QueueSort, allocator: Allocator, predictors: Predictors,
-                 rng: random.Random) -> None:
+                 rng: random.Random, watch: Watch | None = None) -> None:
         self.profile = profile
+        self.watch = watch or Watch()  # the deadlines (backoff, vanished jobs, holds)
         self.order = order
         self.allocator = allocator
         self.predictors = predictors
@@ -59,6 +61,9 @@ class Ledger:
         self.total_gpus = 0  # on alive nodes
         self.free_gpus = 0
         self.max_node_gpus = 0
+        self.max_node_cores = 0  # the largest node seen (for CPU-only jobs no node could ever take)
+        self.max_node_memory = 0
+        self.cpu_waiting = 0  # waiting CPU-only jobs (a pass with no free GPU still looks for them)
         self.incompatible: set[frozenset[str]] = set()  # pairs of job types that failed together
 
     def context(self) -> Context:
@@ -82,6 +87,8 @@ class Ledger:
         self.total_gpus += node.gpus
         self.free_gpus += node.gpus
         self.max_node_gpus = max(self.max_node_gpus, node.gpus)
+        self.max_node_cores = max(self.max_node_cores, node.cores)
+        self.max_node_memory = max(self.max_node_memory, node.memory_bytes)
         self.by_free.setdefault(node.gpus, {})[node.id] = None
         return ns
 
@@ -122,10 +129,13 @@ class Ledger:
         self.wait_key[jid] = key
         bisect.insort(self.wait_order, (key, jid))
         job = rec.job
+        self.cpu_waiting += job.cpu_only
         self.job_class[jid] = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
 
     def _dequeue(self, jid: str) -> None:
-        self.waiting.pop(jid, None)
+        rec = self.waiting.pop(jid, None)
+        if rec is not None and rec.job.cpu_only:
+            self.cpu_waiting -= 1
         key = self.wait_key.pop(jid, None)
         if key is not None:
             i = bisect.bisect_left(self.wait_order, (key, jid))
@@ -154,7 +164,10 @@ class Ledger:
 
     # ------------------------------------------------------------ job moves
 
-    def start(self, rec: JobRecord, cand: Candidate, stimulus_id: str, out: list[Decision]) -> None:
+    def start(self, rec: JobRecord, cand: Candidate, stimulus_id: str, out: list[Decision],
+              announce: bool = True) -> None:
+        """Put ``rec`` on ``cand``; ``announce``: a :class:`Place` says so (not for a job another
+        engine runs, which the core only accounts for)."""
         job = rec.job
         shards = [(cand.node, cand.gpus), *cand.more]
         resumed = job.state is JobState.PREEMPTED
@@ -168,9 +181,14 @@ class Ledger:
                 ns.residents[g].append(job.id)
                 self.share_slots += (self.slot(ns.residents[g]) if ns.alive else 0) - before
             ns.jobs[job.id] = len(gpus)
-            self._set_free(ns, ns.free_gpus - newly)
+            if job.cpu_only:  # no GPU taken: the node keeps its place among the nodes with as many free
+                ns.reserved_cpus += job.cpus
+                ns.reserved_memory += job.memory_bytes
+            else:
+                self._set_free(ns, ns.free_gpus - newly)
             touched.append(ns)
         rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
+        rec.placed_by = stimulus_id
         self._dequeue(job.id)
         self.running[job.id] = rec
         job.state = JobState.RUNNING
@@ -178,7 +196,8 @@ class Ledger:
         rec.queueing_delay += self.now - rec.queued_since
         if rec.first_start is None:
             rec.first_start = self.now
-        out.append(Place(stimulus_id, job.id, rec.shards, tuple(cand.residents), resumed))
+        if announce:
+            out.append(Place(stimulus_id, job.id, rec.shards, tuple(cand.residents), resumed))
         for ns in touched:
             self._reallocate(ns, stimulus_id, out)
 
@@ -196,8 +215,13 @@ class Ledger:
                     self.share_slots += (self.slot(res) if ns.alive else 0) - before
                     if not res:
                         freed += 1
-            ns.jobs.pop(job.id, None)
-            self._set_free(ns, ns.free_gpus + freed)
+            if job.cpu_only:
+                if ns.jobs.pop(job.id, None) is not None:
+                    ns.reserved_cpus -= job.cpus
+                    ns.reserved_memory -= job.memory_bytes
+            else:
+                ns.jobs.pop(job.id, None)
+                self._set_free(ns, ns.free_gpus + freed)
             touched.append(ns)
         if rec.run_since is not None:
             job.attained_service += job.gpus * max(0.0, self.now - rec.run_since)
@@ -207,27 +231,42 @@ class Ledger:
         self.running.pop(job.id, None)
         return touched
 
-    def stop(self, rec: JobRecord, stimulus_id: str, out: list[Decision], requeue: bool) -> None:
-        """Take a running job off its GPUs; with ``requeue`` it waits again, as preempted."""
+    def _left_nodes(self, rec: JobRecord, lost: str | None) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(sh.node for sh in rec.shards if sh.node != lost and self.nodes[sh.node].alive))
+
+    def stop(self, rec: JobRecord, stimulus_id: str, out: list[Decision], reason: str = "",
+             announce: bool = True, lost: str | None = None) -> None:
+        """Take a running job off its GPUs; it waits again, as preempted.  ``announce``: a
+        :class:`Release` tells the nodes it leaves (alive ones, never ``lost``), for any
+        stop but a preemption (which the passes announce with a ``Preempt``)."""
+        left = self._left_nodes(rec, lost)
         touched = self._release(rec)
-        if requeue:
-            rec.job.state = JobState.PREEMPTED
-            rec.preemptions += 1
-            self.enqueue(rec)
+        self.watch.forget_run(rec.job.id)
+        rec.job.state = JobState.PREEMPTED
+        rec.preemptions += 1
+        self.enqueue(rec)
+        if announce:
+            out.append(Release(stimulus_id, rec.job.id, left, JobState.PREEMPTED, reason))
         for ns in touched:
             if ns.alive:
                 self._reallocate(ns, stimulus_id, out)
 
-    def end(self, rec: JobRecord, state: JobState, stimulus_id: str, out: list[Decision]) -> None:
-        """A job is over (``state`` done or failed), running or waiting."""
+    def end(self, rec: JobRecord, state: JobState, stimulus_id: str, out: list[Decision], reason: str = "",
+            stop: bool = True) -> None:
+        """A job is over (``state`` done or failed), running or waiting.  A running one is
+        released from its nodes (``stop``: its processes may still be there)."""
         if rec.job.state is JobState.RUNNING:
+            left = self._left_nodes(rec, None)
             touched = self._release(rec)
+            out.append(Release(stimulus_id, rec.job.id, left, state, reason, stop))
         else:
             touched = []
             self._dequeue(rec.job.id)
+        self.watch.forget(rec.job.id)
         rec.job.state = state
         rec.finished_at = self.now
-        if state is JobState.DONE:
+        # Order plugins learn from GPU service, and only of jobs the core scheduled.
+        if state is JobState.DONE and not rec.job.cpu_only and not rec.external:
             self.order.observe_finished(rec, self.context())
         for ns in touched:
             if ns.alive:

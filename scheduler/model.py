@@ -35,7 +35,9 @@ class Job:
 
     ``id``, ``model``, ``batch_size``, ``gpus`` identify the work; ``cpus`` and
     ``memory_bytes`` are what the launcher asked for (0 means "decide for me":
-    the allocation plugin picks).  ``arrival`` is in seconds on the caller's
+    the allocation plugin picks).  A job with ``gpus = 0`` is CPU-only (data
+    preparation): it must ask for its cores (``cpus > 0``), and it is given
+    exactly what it asked for.  ``arrival`` is in seconds on the caller's
     clock.  ``attained_service`` is GPU-seconds received so far (Tiresias's
     service measure); the core keeps it.  ``duration`` is the isolated run time
     in seconds: only an oracle policy (SRTF) reads it, and it is ``None`` in
@@ -66,14 +68,21 @@ class Job:
             raise ValueError(f"job {self.id}: batch_sizes must be >= 1")
         if not self.id:
             raise ValueError("job id must not be empty")
-        if self.gpus < 1:
-            raise ValueError(f"job {self.id}: gpus must be >= 1, got {self.gpus}")
+        if self.gpus < 0:
+            raise ValueError(f"job {self.id}: gpus must be >= 0, got {self.gpus}")
         if self.cpus < 0 or self.memory_bytes < 0:
             raise ValueError(f"job {self.id}: cpus and memory_bytes must be >= 0")
+        if self.gpus == 0 and not self.cpus > 0:
+            raise ValueError(f"job {self.id}: a CPU-only job (gpus = 0) must ask for cpus > 0")
         if self.arrival < 0:
             raise ValueError(f"job {self.id}: arrival must be >= 0, got {self.arrival}")
         if isinstance(self.state, str) and not isinstance(self.state, JobState):
             self.state = JobState(self.state)
+
+    @property
+    def cpu_only(self) -> bool:
+        """No GPUs: a data-preparation job, placed and allocated on CPU cores and memory only."""
+        return self.gpus == 0
 
     @property
     def job_type(self) -> str:
@@ -145,6 +154,8 @@ class JobRecord:
     preemptions: int = 0
     allocation: dict[str, Allocation] = field(default_factory=dict)
     speed: float = 1.0  # last measured normalised speed (1 = as fast as alone)
+    external: bool = False  # run by another engine (a bound Kubernetes pod): accounted for, never started
+    placed_by: str = ""  # the stimulus_id of the event whose pass placed the current run
 
     def service(self, now: float) -> float:
         """Attained GPU-seconds at ``now`` (computed lazily, so no per-event sweep)."""

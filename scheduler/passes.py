@@ -48,13 +48,15 @@ class SchedulingPasses:
         return max(100, math.ceil(n * pct / 100.0))
 
     def share_ok(self, rec: JobRecord) -> bool:
-        return self.profile.share != "never" and rec.job.gpus <= self.profile.share_max_gpus
+        return self.profile.share != "never" and 0 < rec.job.gpus <= self.profile.share_max_gpus
 
     def candidates(self, rec: JobRecord, ctx: Context, limit: bool = True,
                    allowed: set[str] | None = None) -> list[Candidate]:
         g = rec.job.gpus
         cands: list[Candidate] = []
         cap = self._score_limit() if limit else 1 << 60
+        if g == 0:
+            return self._cpu_candidates(rec, ctx, cap, allowed)
         if g <= self.ledger.max_node_gpus:
             for free in range(g, self.ledger.max_node_gpus + 1):
                 bucket = self.ledger.by_free.get(free)
@@ -107,15 +109,47 @@ class SchedulingPasses:
                         continue
                     cands.append(Candidate(ns, (i,), tuple(res)))
         out = []
+        memo = self._demand_memo(rec)
         for c in cands:
-            if self.fits_resources(rec, c, ctx) and all(f.filter(rec, c, ctx) is None for f in self.filters):
+            if self.fits_resources(rec, c, ctx, memo) and all(f.filter(rec, c, ctx) is None for f in self.filters):
                 out.append(c)
         return out
 
-    def fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context) -> bool:
+    def _demand_memo(self, rec: JobRecord) -> dict | None:
+        """A cache of ``rec``'s demand per node shape, for one search over many nodes (see
+        ``Allocator.demand_by_shape``); None when the allocator does not allow it or the job
+        already sits on nodes (its share there depends on them)."""
+        if rec.job.state is JobState.RUNNING or not getattr(self.allocator, "demand_by_shape", False):
+            return None
+        return {}
+
+    def _cpu_candidates(self, rec: JobRecord, ctx: Context, cap: int, allowed: set[str] | None) -> list[Candidate]:
+        """A CPU-only job: alive nodes where its cores and memory fit, fewest free GPUs first (it
+        takes no GPU, so it leaves the nodes whose GPUs are free to GPU jobs), up to ``cap``."""
+        out: list[Candidate] = []
+        memo = self._demand_memo(rec)
+        for free in range(0, self.ledger.max_node_gpus + 1):
+            for nid in self.ledger.by_free.get(free, ()):
+                if allowed is not None and nid not in allowed:
+                    continue
+                c = Candidate(self.ledger.nodes[nid], ())
+                if self.fits_resources(rec, c, ctx, memo) and all(f.filter(rec, c, ctx) is None for f in self.filters):
+                    out.append(c)
+                    if len(out) >= cap:
+                        return out
+        return out
+
+    def fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context, memo: dict | None = None) -> bool:
         first = rec.job.gpus if not cand.gpus else len(cand.gpus)
         for ns, n in ((cand.node, first), *((m, len(g)) for m, g in cand.more)):
-            need = self.allocator.demand(rec, ns, n, ctx)
+            if memo is None:
+                need = self.allocator.demand(rec, ns, n, ctx)
+            else:
+                node = ns.node
+                shape = (node.gpus, node.cores, node.memory_bytes, ns.reserved_cpus, ns.reserved_memory, n)
+                need = memo.get(shape)
+                if need is None:
+                    need = memo[shape] = self.allocator.demand(rec, ns, n, ctx)
             if (ns.demand_cpus + need.cpus > ns.node.cores + 1e-9
                     or ns.demand_memory + need.memory_bytes > ns.node.memory_bytes):
                 return False
@@ -133,6 +167,10 @@ class SchedulingPasses:
                 total[i] += weight * (100.0 * (r - lo) / span if span > 0 else 100.0)
         ranked = sorted(range(len(cands)), key=lambda i: -total[i])  # stable: ties keep candidate order
         return [(cands[i], total[i]) for i in ranked]
+
+    def eligible(self, rec: JobRecord) -> bool:
+        """May ``rec`` be placed now (no backoff after a failed start still runs)?"""
+        return self.ledger.watch.eligible(rec.job.id, self.ledger.now)
 
     def _try_place(self, rec: JobRecord, ctx: Context, stimulus_id: str, out: list[Decision]) -> bool:
         cands = self.candidates(rec, ctx)
@@ -163,8 +201,13 @@ class SchedulingPasses:
         failed: set[JobClass] = set()
         misses = 0
         led = self.ledger
+        # GPU jobs and CPU-only jobs queue for different things: a GPU job that must wait for
+        # GPUs holds back the GPU jobs behind it (without backfill), never the CPU-only ones.
+        gpu_blocked = False
         for _, jid in list(led.wait_order):
-            if led.free_gpus == 0 and (not share_possible or led.share_slots == 0):
+            if not gpu_blocked and led.free_gpus == 0 and (not share_possible or led.share_slots == 0):
+                gpu_blocked = True
+            if gpu_blocked and led.cpu_waiting == 0:
                 break
             if misses >= self.profile.scan_limit:  # like Slurm's bf_max_job_test
                 break
@@ -172,9 +215,14 @@ class SchedulingPasses:
             if rec is None:
                 continue
             job = rec.job
-            if led.free_gpus < job.gpus and not self.share_ok(rec):
-                if not self.profile.backfill:
-                    break
+            if not job.cpu_only:
+                if gpu_blocked:
+                    continue
+                if led.free_gpus < job.gpus and not self.share_ok(rec):
+                    if not self.profile.backfill:
+                        gpu_blocked = True
+                    continue
+            if not self.eligible(rec):
                 continue
             cls = led.job_class[jid]
             if cls in failed:
@@ -186,12 +234,15 @@ class SchedulingPasses:
             else:
                 failed.add(cls)
                 misses += 1
-                if not self.profile.backfill:
-                    break
+                if not self.profile.backfill and not job.cpu_only:
+                    gpu_blocked = True
 
     def _preemptive_pass(self, stimulus_id: str, out: list[Decision]) -> None:
         ctx = self.ledger.context()
-        active = list(self.ledger.running.values()) + list(self.ledger.waiting.values())
+        # CPU-only jobs hold no GPU: they are neither admitted here nor preempted (the fill below starts them).
+        # Nor are jobs another engine runs (bound pods): the core accounts for them, never moves them.
+        active = [r for r in (*self.ledger.running.values(), *self.ledger.waiting.values())
+                  if not r.job.cpu_only and not r.external and (r.job.state is JobState.RUNNING or self.eligible(r))]
         active.sort(key=lambda r: self.order.key(r, ctx))
         rem = self.ledger.total_gpus
         admitted: set[str] = set()
@@ -247,8 +298,9 @@ class SchedulingPasses:
             vr = self.ledger.records[jid]
             rank.pop(jid, None)
             if vr.job.state is JobState.RUNNING:
-                self.ledger.stop(vr, stimulus_id, out, requeue=True)
-                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}"))
+                nodes = tuple(dict.fromkeys(sh.node for sh in vr.shards))
+                self.ledger.stop(vr, stimulus_id, out, announce=False)
+                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}", nodes))
 
         if g <= self.ledger.max_node_gpus:
             plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)
@@ -287,15 +339,20 @@ class SchedulingPasses:
             # and a wakeup already pending in the future cannot be beaten.
             if self.wakeup_at is not None and self.wakeup_at > self.ledger.now:
                 return
-            if self.ledger.running:
-                at = self.order.next_change(next(iter(self.ledger.running.values())), ctx) or math.inf
+            first = next((r for r in self.ledger.running.values() if not r.job.cpu_only), None)
+            if first is not None:
+                at = self.order.next_change(first, ctx) or math.inf
         else:
             for r in self.ledger.running.values():
+                if r.job.cpu_only:
+                    continue
                 t = self.order.next_change(r, ctx)
                 if t is not None and t < at:
                     at = t
         if self.profile.min_run_s:  # also wake when a protected job may be preempted
             for r in self.ledger.running.values():
+                if r.job.cpu_only:
+                    continue
                 t = (r.run_since or 0.0) + self.profile.min_run_s
                 if self.ledger.now < t < at:
                     at = t

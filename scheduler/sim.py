@@ -119,7 +119,7 @@ class GroundTruth:
         return self._pair[k]
 
     def resource_factor(self, job: Job, cpus: float, memory_bytes: float) -> float:
-        if self.sens is None or not self.sens.knows(job.model, job.gpus) or cpus <= 0:
+        if self.sens is None or job.cpu_only or not self.sens.knows(job.model, job.gpus) or cpus <= 0:
             return 1.0
         return self.sens.speed(job.model, job.gpus, cpus, memory_bytes)
 
@@ -181,7 +181,7 @@ class SimResult:
 
 def _job_of(tj: TraceJob) -> Job:
     return Job(id=tj.id, model=tj.model, batch_size=tj.batch_size, gpus=tj.gpus, arrival=tj.arrival_s,
-               duration=tj.duration_s)
+               duration=tj.duration_s, cpus=tj.cpus, memory_bytes=tj.memory_bytes)
 
 
 def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str | Path, *, seed: int = 0,

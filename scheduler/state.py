@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.events import (
-    Decision, Event, JobArrived, JobCancelled, JobFinished, NodeLost, NodeReport, PlacementFailed, Reject, Tick,
+    Decision, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobStarted, NodeLost, NodeReport, PlacementFailed,
+    Reject, Release, Tick, Wakeup,
 )
 from scheduler.framework import Candidate, Context, NodeState
 from scheduler.ledger import Ledger, SchedulerError
 from scheduler.model import Allocation, Job, JobRecord, JobState, Node
 from scheduler.passes import SchedulingPasses
 from scheduler.profile import Profile, load_profile
+from scheduler.watch import Watch, WatchRules
 
 
 class SchedulerState:
@@ -44,10 +46,12 @@ class SchedulerState:
     ``predictors``: a :class:`scheduler.predictors.Predictors` (default: the
     uninformed one, which learns online from node reports).
     ``rng``: the only source of randomness (seeded; default ``Random(0)``).
+    ``rules``: the :class:`~scheduler.watch.WatchRules` a live cluster needs (start
+    backoff, vanished jobs); off by default.
     """
 
     def __init__(self, profile: Profile | str | Path, nodes: Iterable[Node] = (), *,
-                 predictors: Any = None, rng: random.Random | None = None) -> None:
+                 predictors: Any = None, rng: random.Random | None = None, rules: WatchRules | None = None) -> None:
         from scheduler.predictors import Predictors
 
         self.profile = profile if isinstance(profile, Profile) else load_profile(profile)
@@ -57,7 +61,8 @@ class SchedulerState:
         self.allocator = self.profile.build_allocator()
         self.predictors = predictors if predictors is not None else Predictors.default()
         self.rng = rng if rng is not None else random.Random(0)
-        self.ledger = Ledger(self.profile, self.order, self.allocator, self.predictors, self.rng)
+        self.watch = Watch(rules)
+        self.ledger = Ledger(self.profile, self.order, self.allocator, self.predictors, self.rng, self.watch)
         self.passes = SchedulingPasses(self.ledger, self.profile, self.order, self.filters, self.scores,
                                        self.allocator)
         for n in nodes:
@@ -122,8 +127,61 @@ class SchedulerState:
                 led.now = before
                 raise
         if events:
-            self.passes.schedule(stimulus_id, full_pass or not self.order.preemptive, out)
+            self._pass(stimulus_id, full_pass, out)
         return out
+
+    def handle_batch(self, events: Iterable[Event]) -> tuple[list[Decision], list[tuple[str, str]]]:
+        """What a live shell calls: apply every event that can be applied, skip the others
+        (each leaves the state as it was), then run one pass.  Returns the decisions and the
+        refused events as (stimulus_id, reason).  A replay of the same batches gives the same."""
+        out: list[Decision] = []
+        refused: list[tuple[str, str]] = []
+        full_pass = False
+        stimulus_id = ""
+        led = self.ledger
+        for ev in events:
+            if ev.now < led.now - 1e-9:
+                refused.append((ev.stimulus_id, f"time went backwards ({ev.now} < {led.now})"))
+                continue
+            before = led.now
+            led.now = max(led.now, ev.now)
+            try:
+                full_pass |= self._apply(ev, out)
+            except SchedulerError as exc:
+                led.now = before
+                refused.append((ev.stimulus_id, str(exc)))
+                continue
+            stimulus_id = ev.stimulus_id
+        if stimulus_id:
+            self._pass(stimulus_id, full_pass, out)
+        return out, refused
+
+    def _pass(self, stimulus_id: str, full_pass: bool, out: list[Decision]) -> None:
+        """The watched deadlines that are due, one scheduling pass, and the next Wakeup."""
+        vanished, expired = self.watch.due(self.now)
+        for jid, node in vanished:
+            rec = self.records.get(jid)
+            if rec is not None and rec.job.state is JobState.RUNNING:
+                self.ledger.end(rec, JobState.FAILED, stimulus_id, out,
+                                f"node {node} no longer reports the job (for {self.watch.rules.vanish_after_s:g} s)")
+        for jid in expired:
+            rec = self.records.get(jid)
+            if rec is not None and rec.job.state is JobState.RUNNING:
+                self.ledger.end(rec, JobState.DONE, stimulus_id, out, "hold ended", stop=False)
+            self.watch.holds.pop(jid, None)
+        self.passes.schedule(stimulus_id, full_pass or not self.order.preemptive, out)
+        at = self.watch.wakeup(self.now)
+        if at is not None:
+            out.append(Wakeup(stimulus_id, at))
+
+    def compact(self) -> int:
+        """Forget the jobs that are over (done or failed), which no decision reads again:
+        the books then grow with the active jobs, not with history.  Returns how many."""
+        gone = [jid for jid, rec in self.records.items() if not rec.job.state.active]
+        for jid in gone:
+            del self.records[jid]
+            self.ledger.job_class.pop(jid, None)
+        return len(gone)
 
     def job(self, job_id: str) -> JobRecord:
         return self.ledger.job(job_id)
@@ -167,13 +225,19 @@ class SchedulerState:
                 out[nid] = "unknown node"
             elif not ns.alive:
                 out[nid] = "node offline"
+            elif job.gpus and not ns.node.gpus:
+                out[nid] = f"needs {job.gpus} GPUs; the node has none"
             elif job.gpus > ns.node.gpus and job.gpus > free_gpus:
                 out[nid] = f"needs {job.gpus} GPUs; {free_gpus} free in the cluster"
             elif ns.free_gpus < job.gpus and not self.passes.share_ok(rec):
                 out[nid] = f"needs {job.gpus} free GPUs, node has {ns.free_gpus}"
             else:
                 cand = Candidate(ns, ns.free_indices()[:job.gpus])
-                if not self.passes.fits_resources(rec, cand, ctx):
+                if job.cpu_only and not self.passes.fits_resources(rec, cand, ctx):
+                    out[nid] = (f"needs {job.cpus:g} cores and {job.memory_bytes} bytes; "
+                                f"{max(0.0, ns.node.cores - ns.demand_cpus):g} cores and "
+                                f"{max(0, int(ns.node.memory_bytes - ns.demand_memory))} bytes are not promised")
+                elif not self.passes.fits_resources(rec, cand, ctx):
                     out[nid] = "not enough CPU or memory for the job's minimum"
                 else:
                     reasons = [r for f in self.filters if (r := f.filter(rec, cand, ctx))]
@@ -194,11 +258,12 @@ class SchedulerState:
             job.state = JobState.QUEUED
             job.attained_service = max(0.0, job.attained_service)
             rec = JobRecord(job=job, queued_since=ev.now)
+            why = self._never_fits(job)
             self.records[job.id] = rec
-            if job.gpus > self.ledger.max_node_gpus and self.ledger.max_node_gpus and job.gpus > self.total_gpus:
+            if why:
                 job.state = JobState.FAILED
                 rec.finished_at = ev.now
-                out.append(Reject(ev.stimulus_id, job.id, f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"))
+                out.append(Reject(ev.stimulus_id, job.id, why))
                 return False
             self.ledger.enqueue(rec)
             return False
@@ -208,21 +273,51 @@ class SchedulerState:
             rec = self.job(ev.job)
             if not rec.job.state.active:
                 raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} already {rec.job.state.value}")
-            failed = isinstance(ev, JobCancelled) or ev.failed
-            self.ledger.end(rec, JobState.FAILED if failed else JobState.DONE, ev.stimulus_id, out)
+            if isinstance(ev, JobFinished) and ev.node and (
+                    rec.job.state is not JobState.RUNNING or ev.node not in {sh.node for sh in rec.shards}):
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} does not run on node {ev.node!r}")
+            if isinstance(ev, JobCancelled):
+                self.ledger.end(rec, JobState.FAILED, ev.stimulus_id, out, ev.reason)
+            else:  # it exited where it ran; a job spread over nodes may still run on the others
+                self.ledger.end(rec, JobState.FAILED if ev.failed else JobState.DONE, ev.stimulus_id, out, ev.reason,
+                                stop=len(rec.shards) > 1)
             return False
         if isinstance(ev, PlacementFailed):
             rec = self.job(ev.job)
-            if rec.job.state is not JobState.RUNNING:
+            if rec.job.state is not JobState.RUNNING or rec.external:
                 raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} is not running")
+            if ev.place_id and ev.place_id != rec.placed_by:
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} was placed again since {ev.place_id}")
             shared = self.ledger.co_residents(rec)
             if shared:
                 for other in shared:
                     self.ledger.incompatible.add(frozenset((rec.job.job_type, self.records[other].job.job_type)))
-            self.ledger.stop(rec, ev.stimulus_id, out, requeue=True)
+            self.ledger.stop(rec, ev.stimulus_id, out, f"start failed: {ev.reason}" if ev.reason else "start failed")
+            self.watch.on_placement_failed(rec.job.id, ev.now)
+            return False
+        if isinstance(ev, JobStarted):
+            rec = self.job(ev.job)
+            if (rec.job.state is not JobState.RUNNING or rec.external or ev.node not in {sh.node for sh in rec.shards}
+                    or (ev.place_id and ev.place_id != rec.placed_by)):
+                raise SchedulerError(f"event {ev.stimulus_id}: job {ev.job!r} is not placed on node {ev.node!r}"
+                                     + (f" by {ev.place_id}" if ev.place_id else ""))
+            self.watch.on_started(ev.job, ev.node)
+            return False
+        if isinstance(ev, JobBound):
+            self._bind(ev, out)
             return False
         if isinstance(ev, NodeReport):
             self._report(ev)
+            ns = self.nodes[ev.node.id]
+            self.watch.on_report(ev.node.id, ev.running, ns.jobs, ev.now)
+            if ev.running is not None:
+                # A job the node runs where the core did not place it (the node was taken for lost,
+                # the core was rebuilt): stopped there, whatever the job's state elsewhere.
+                for jid in self.watch.orphans_to_release(ev.node.id, ev.running, set(ns.jobs)):
+                    rec = self.records.get(jid)
+                    if rec is not None and not rec.external:
+                        out.append(Release(ev.stimulus_id, jid, (ev.node.id,), rec.job.state,
+                                           f"node {ev.node.id} runs it where it was not placed"))
             return False
         if isinstance(ev, NodeLost):
             ns = self.nodes.get(ev.node)
@@ -230,10 +325,48 @@ class SchedulerState:
                 raise SchedulerError(f"event {ev.stimulus_id}: unknown node {ev.node!r}")
             if ns.alive:
                 for jid in list(ns.jobs):
-                    self.ledger.stop(self.records[jid], ev.stimulus_id, out, requeue=True)
+                    rec = self.records[jid]
+                    if rec.external:  # its engine reschedules it, not the core
+                        self.ledger.end(rec, JobState.FAILED, ev.stimulus_id, out, f"node {ev.node} lost", stop=False)
+                    else:
+                        self.ledger.stop(rec, ev.stimulus_id, out, f"node {ev.node} lost", lost=ev.node)
                 self.ledger.set_alive(ns, False)
             return False
         raise SchedulerError(f"event {getattr(ev, 'stimulus_id', '?')}: unknown event type {type(ev).__name__}")
+
+    def _never_fits(self, job: Job) -> str:
+        """Why ``job`` can never run on this cluster ("" when it may): more GPUs than the cluster
+        has, or a CPU-only job larger than every node it has seen."""
+        led = self.ledger
+        if job.gpus > led.max_node_gpus and led.max_node_gpus and job.gpus > self.total_gpus:
+            return f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"
+        if job.cpu_only and self.nodes:
+            cores, mem = led.max_node_cores, led.max_node_memory
+            if job.cpus > cores + 1e-9 or job.memory_bytes > mem:
+                return f"needs {job.cpus:g} cores and {job.memory_bytes} bytes; the largest node has {cores} and {mem}"
+        return ""
+
+    def _bind(self, ev: JobBound, out: list[Decision]) -> None:
+        """Account for a job another engine runs on ``ev.node`` (see :class:`JobBound`)."""
+        job = Job.from_dict(ev.job.to_dict())
+        if job.id in self.records:
+            raise SchedulerError(f"event {ev.stimulus_id}: duplicate job id {job.id!r}")
+        ns = self.nodes.get(ev.node)
+        if ns is None or not ns.alive:
+            raise SchedulerError(f"event {ev.stimulus_id}: node {ev.node!r} is {'offline' if ns else 'unknown'}")
+        if job.gpus > ns.node.gpus:
+            raise SchedulerError(f"event {ev.stimulus_id}: job {job.id!r} needs {job.gpus} GPUs, node {ev.node} has "
+                                 f"{ns.node.gpus}")
+        gpus = tuple(ev.gpus)
+        if len(gpus) != job.gpus or any(not 0 <= g < ns.node.gpus for g in gpus) or len(set(gpus)) != len(gpus):
+            # The engine did not say which: free ones first, then the least shared.
+            gpus = tuple(sorted(range(ns.node.gpus), key=lambda g: (len(ns.residents[g]), g))[:job.gpus])
+        residents = tuple(dict.fromkeys(o for g in gpus for o in ns.residents[g]))
+        job.state = JobState.QUEUED
+        rec = JobRecord(job=job, queued_since=ev.now, external=True)
+        self.records[job.id] = rec
+        self.ledger.start(rec, Candidate(ns, gpus, residents), ev.stimulus_id, out, announce=False)
+        self.watch.on_bound(job.id, ev.now, ev.hold_s)
 
     def _report(self, ev: NodeReport) -> None:
         ns = self.nodes.get(ev.node.id)

@@ -8,6 +8,17 @@ Two formats are read (the header decides):
   iterations, num_gpus``; the duration is ``iterations x iter_time_s`` of the
   model's Synergy profile (at the GPU-proportional CPU/memory share).
 
+Mixed GPU/CPU traces: the Philly/Gavel format with two more columns, ``num_cpus``
+and ``memory_gb`` (GB = 10^9 bytes).  A row with ``num_gpus = 0`` is a CPU-only
+(data-preparation) job: it must give ``num_cpus > 0`` and gets exactly those
+cores and that memory; its model is free text (not looked up in Gavel's table)
+and ``isolated_duration_s`` is its run time.  On a GPU row the two columns are
+an explicit request (0 or empty: the allocation plugin decides)::
+
+    job_id,arrival_s,model,batch_size,num_gpus,total_steps,isolated_duration_s,num_cpus,memory_gb
+    1,0,ResNet-18,32,1,1000,3600,,
+    2,60,decode-imagenet,0,0,0,1800,8,32
+
 Any bad row raises :class:`TraceError` naming the file, the row (1-based,
 header = row 1) and the column.  Files are UTF-8 (a byte-order mark is
 ignored), at most ``MAX_TRACE_BYTES``; every number has a finite bound
@@ -26,6 +37,8 @@ from typing import Any
 
 PHILLY = ("job_id", "arrival_s", "model", "batch_size", "num_gpus", "total_steps", "isolated_duration_s")
 SYNERGY = ("job_id", "model", "arrival_h", "iterations", "num_gpus")
+RESOURCES = ("num_cpus", "memory_gb")  # optional, Philly/Gavel format: CPU-only rows and explicit requests
+GB = 10**9
 
 # Bounds, each far above the public traces (Philly vc_0e4a51/vc_103959: arrivals < 8e6 s, durations
 # < 1.8e6 s, 8 GPUs, batch 8192, 1.3e8 steps; Synergy: 2.3e6 iterations).
@@ -52,6 +65,8 @@ class TraceJob:
     gpus: int
     steps: int
     duration_s: float  # isolated run time at the trace's GPU count
+    cpus: float = 0.0  # requested cores (0: the allocation plugin decides; CPU-only jobs always ask)
+    memory_bytes: int = 0
 
 
 def gavel_type(model: str, batch_size: int) -> str:
@@ -80,6 +95,9 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
         missing = missing_p if len(missing_p) <= len(missing_s) else missing_s
         raise TraceError(f"{source}: row 1 (header): missing columns {missing}")
     col = {h: i for i, h in enumerate(header)}
+    resources = kind == "philly" and all(c in col for c in RESOURCES)
+    if kind == "philly" and not resources and any(c in col for c in RESOURCES):
+        raise TraceError(f"{source}: row 1 (header): give both {RESOURCES[0]} and {RESOURCES[1]}, or neither")
     out: list[TraceJob] = []
     seen: set[str] = set()
     for n, row in _rows(reader, source):
@@ -116,14 +134,21 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
         if not model:
             raise TraceError(f"{source}: row {n}: empty model")
         gpus = get("num_gpus", int)
-        if gpus < 1:
-            raise TraceError(f"{source}: row {n}: column num_gpus: must be >= 1")
+        cpus, mem = 0.0, 0
+        if resources:
+            cpus = get("num_cpus", float) if row[col["num_cpus"]].strip() else 0.0
+            mem = int(get("memory_gb", float) * GB) if row[col["memory_gb"]].strip() else 0
+            if gpus == 0 and not cpus > 0:
+                raise TraceError(f"{source}: row {n}: column num_cpus: a CPU-only row (num_gpus 0) needs num_cpus > 0")
+        if gpus < 1 and not resources:
+            raise TraceError(f"{source}: row {n}: column num_gpus: must be >= 1 (CPU-only rows need the "
+                             f"{RESOURCES[0]} and {RESOURCES[1]} columns)")
         if kind == "philly":
             bs = get("batch_size", int)
             arrival = get("arrival_s", float)
             steps = get("total_steps", int)
             dur = get("isolated_duration_s", float)
-            if throughputs is not None and str((gavel_type(model, bs), gpus)) not in throughputs:
+            if gpus and throughputs is not None and str((gavel_type(model, bs), gpus)) not in throughputs:
                 raise TraceError(f"{source}: row {n}: unknown model {gavel_type(model, bs)!r} on {gpus} GPUs "
                                  "(not in gavel/throughputs.json v100)")
         else:
@@ -138,7 +163,7 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
             dur = steps * float(prof["iter_time_s"]) if prof else float(steps)
         if not 0 < dur <= MAX_SECONDS:
             raise TraceError(f"{source}: row {n}: duration {dur:g} s must be > 0 and at most {MAX_SECONDS:g}")
-        out.append(TraceJob(jid, arrival, model, bs, gpus, steps, dur))
+        out.append(TraceJob(jid, arrival, model, bs, gpus, steps, dur, cpus, mem))
     if not out:
         raise TraceError(f"{source}: no jobs")
     out.sort(key=lambda j: (j.arrival_s, j.id))

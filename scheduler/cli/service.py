@@ -46,6 +46,14 @@ config.register_section("sched", {
     "max_connections": 256,
     "request_timeout_s": 10.0,
     "keep_alive_s": 5.0,
+    # The HTTP API on its own thread, so node replies and telemetry never wait behind requests.
+    "api_thread": True,
+    # Snapshot the core and compact its log every this many events: a restart replays at most these.
+    # 2,000: ~1-2 s of replay on a loaded 2-vCPU VM (bench/RESULTS.md, sched-service restart).
+    "snapshot_events": 2000,
+    "snapshot_s": 120.0,  # and at least this often while events come
+    "backoff_s": 0.5,  # a job whose start failed waits this long before it is placed again, doubling to 30 s
+    "vanish_after_s": 15.0,  # a started job its node no longer lists this long has vanished (3 daemon periods)
 })
 
 
@@ -75,19 +83,42 @@ def _predictors(kind: str):
         return Predictors.default()
 
 
+def _service(cfg: dict[str, dict[str, Any]], store):
+    """The live service the ``[sched]`` settings describe (its core from the store's snapshot and
+    log; the predictors are trained only when no snapshot holds them)."""
+    from scheduler import WatchRules
+    from scheduler.service.live import SchedulerService
+
+    s = cfg["sched"]
+    try:
+        rules = WatchRules(backoff_s=float(s["backoff_s"]), vanish_after_s=float(s["vanish_after_s"]) or None)
+    except ValueError as exc:
+        raise config.ConfigError(f"sched.backoff_s / sched.vanish_after_s: {exc}") from None
+    if int(s["snapshot_events"]) < 1 or float(s["snapshot_s"]) <= 0:
+        raise config.ConfigError("sched.snapshot_events must be >= 1 and sched.snapshot_s > 0")
+    try:
+        return SchedulerService(store, profile=s["profile"], predictors=lambda: _predictors(s["predictors"]),
+                                broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
+                                command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"],
+                                rules=rules, snapshot_events=int(s["snapshot_events"]),
+                                snapshot_s=float(s["snapshot_s"]))
+    except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
+        raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
+
+
 async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = None,
                 ready: asyncio.Event | None = None) -> None:
-    """Run the service until ``stop`` is set or SIGINT/SIGTERM."""
+    """Run the service until ``stop`` is set or SIGINT/SIGTERM.  The live loop runs on this
+    thread's event loop; with ``sched.api_thread`` the HTTP API runs on its own thread and loop."""
+    import threading
+
     import uvicorn
 
     from nodesvc.bus.procs import split_hostport
-    from scheduler import SchedulerState
     from scheduler.service.api import create_app
     from scheduler.service.http_limits import server_options
-    from scheduler.service.live import SchedulerService
-    from scheduler.service.store import JobStore, load_or_create_token
-
     from scheduler.service.k8s import BinderConfigError, binder_from_config
+    from scheduler.service.store import JobStore, load_or_create_token
 
     s = cfg["sched"]
     host, port = split_hostport(s["listen"], 7800)
@@ -106,13 +137,10 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         store.close()
         raise config.ConfigError(str(exc)) from None
     try:
-        predictors = _predictors(s["predictors"])
-        core = SchedulerState(s["profile"], predictors=predictors)
-    except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
+        service = _service(cfg, store)
+    except config.ConfigError:
         store.close()
-        raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
-    service = SchedulerService(store, core=core, broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
-                               command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"])
+        raise
     service.k8s_binder = binder
     app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"])
     limits = server_options(s["max_connections"], s["request_timeout_s"], s["keep_alive_s"])
@@ -127,25 +155,48 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         except (NotImplementedError, RuntimeError):
             pass
     await service.start()
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
+    failed: list[BaseException] = []
+
+    async def api() -> None:
+        try:
+            await server.serve()
+        finally:
+            if binder is not None:
+                await binder.aclose()  # its connections belong to the API's loop
+
+    if s["api_thread"]:
+        def run_api() -> None:
+            try:
+                asyncio.run(api())
+            except BaseException as exc:  # noqa: BLE001 - reported to the main thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=run_api, name="sched-api", daemon=True)
+        thread.start()
+        done = lambda: not thread.is_alive()  # noqa: E731
+    else:
+        task = asyncio.create_task(api())
+        done = task.done
+    while not server.started and not done():
         await asyncio.sleep(0.02)
-    if task.done():
+    if not server.started:
         await service.stop()
-        if binder is not None:
-            await binder.aclose()
-        task.result()
-        raise RuntimeError(f"scheduler API could not listen on {host}:{port}")
-    log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s)", host, port, service.profile,
-             s["db"], cfg["dlshare"]["broker"])
+        store.close()
+        if not s["api_thread"]:
+            task.result()
+        raise RuntimeError(f"scheduler API could not listen on {host}:{port}"
+                           + (f": {failed[0]}" if failed else ""))
+    log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s, API on %s)", host, port,
+             service.profile, s["db"], cfg["dlshare"]["broker"], "its own thread" if s["api_thread"] else "the loop")
     if ready:
         ready.set()
     await stop.wait()
     server.should_exit = True
-    await task
+    if s["api_thread"]:
+        await asyncio.to_thread(thread.join, 30)
+    else:
+        await task
     await service.stop()
-    if binder is not None:
-        await binder.aclose()
     store.close()
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 def _sim(args, cfg) -> int:
     if args.action == "predictor":
         return _predictor(args)
+    if args.action == "replay":
+        return _replay(args)
     from scheduler import data
     from scheduler.sim import Cluster, simulate, synthetic_trace
     from scheduler.trace import TraceError, load_trace
@@ -118,6 +120,41 @@ def _iadeep(args) -> dict:
             "mae": float(np.mean(np.abs(pred - y2)))}
 
 
+def _replay(args) -> int:
+    """``dlshare sim replay --db PATH``: a live service's logged run, replayed through the core the
+    simulator drives, must give the decisions the service recorded."""
+    import json as _json
+
+    from scheduler import Predictors, SchedulerState, WatchRules, load_profile
+    from scheduler.service.journal import Journal, replay_check
+    from scheduler.service.store import JobStore
+
+    if not args.db or not Path(args.db).exists():
+        print(f"dlshare sim replay: --db must name a scheduler service database (got {args.db!r})", file=sys.stderr)
+        return 2
+    store = JobStore(args.db, synchronous="NORMAL")
+    try:
+        journal = Journal(store)
+        profile = args.profile if args.profile != "dlshare" or not journal.meta("profile") else journal.meta("profile")
+        rules = WatchRules(**_json.loads(journal.meta("rules") or "{}"))
+
+        def fresh() -> SchedulerState:
+            preds = Predictors.from_data() if args.predictors == "data" else Predictors.default()
+            return SchedulerState(load_profile(profile), predictors=preds, rules=rules)
+
+        res = replay_check(journal, fresh)
+    except (ValueError, OSError) as exc:
+        print(f"dlshare sim replay: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    print(f"replayed {res.batches} batches ({res.events} events) from {res.start}: "
+          + ("the same decisions" if not res.differences else f"{len(res.differences)} batches differ"))
+    for line in res.unreadable + res.differences:
+        print(f"  {line}")
+    return 0 if not res.differences and not res.unreadable else 1
+
+
 def _data(args, cfg) -> int:
     from scheduler import data, fetch
 
@@ -147,8 +184,8 @@ def _overhead_s(text: str) -> float:
 def register(sub) -> None:
     from nodesvc.cli import add_command
 
-    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test)")
-    p.add_argument("action", nargs="?", choices=["run", "predictor"], default="run")
+    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; sim replay --db)")
+    p.add_argument("action", nargs="?", choices=["run", "predictor", "replay"], default="run")
     p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")
     p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB]")
@@ -161,6 +198,9 @@ def register(sub) -> None:
     p.add_argument("--test", metavar="CSV", help="predictor: test rows, same format")
     p.add_argument("--solo", metavar="CSV", help="predictor: Lucid solo profiles (default: lucid/solo.csv in the "
                    "data directory)")
+    p.add_argument("--db", metavar="PATH", help="replay: the scheduler service's database")
+    p.add_argument("--predictors", choices=["default", "data"], default="default",
+                   help="replay without a snapshot: the predictors the service started with (sched.predictors)")
     d = add_command(sub, "data", _data, "shared data files for the scheduler")
     d.add_argument("action", choices=["fetch"])
     d.add_argument("--dest", metavar="DIR", help="where to write (default: the user cache)")

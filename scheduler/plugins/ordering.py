@@ -17,6 +17,11 @@ def _tiebreak(rec: JobRecord) -> tuple[float, str]:
     return (rec.job.arrival, rec.job.id)
 
 
+def _gpus(rec: JobRecord) -> int:
+    """The GPU count service is divided by: a CPU-only job (0 GPUs, never any GPU service) counts as 1."""
+    return max(1, rec.job.gpus)
+
+
 @register("order", "fifo")
 class Fifo(QueueSort):
     """Arrival order, higher ``priority`` first.  Never preempts."""
@@ -48,7 +53,7 @@ class Srtf(_Preemptive):
 
     def key(self, rec: JobRecord, ctx: Context) -> Any:
         d = rec.job.duration
-        rem = math.inf if d is None else d - rec.service(ctx.now) / rec.job.gpus
+        rem = math.inf if d is None else d - rec.service(ctx.now) / _gpus(rec)
         return (-rec.job.priority, rem, *_tiebreak(rec))
 
 
@@ -120,7 +125,7 @@ class Tiresias(_Preemptive):
         q = self.queue_of(s)
         if q >= len(self.thresholds):
             return ctx.now + self.quantum_s
-        return min(ctx.now + self.quantum_s, ctx.now + (self.thresholds[q] - s) / rec.job.gpus + 1e-6)
+        return min(ctx.now + self.quantum_s, ctx.now + (self.thresholds[q] - s) / _gpus(rec) + 1e-6)
 
 
 class GittinsTable:
@@ -235,7 +240,7 @@ class Gittins(_Preemptive):
         return (rec.job.job_type, rec.job.gpus)
 
     def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
-        run_time = rec.job.attained_service / rec.job.gpus
+        run_time = rec.job.attained_service / _gpus(rec)
         if self.boost is not None:
             self.boost.observe(run_time)
         if self.per_type:
@@ -251,7 +256,7 @@ class Gittins(_Preemptive):
             self._pending.clear()
 
     def key(self, rec: JobRecord, ctx: Context) -> Any:
-        t = rec.service(ctx.now) / rec.job.gpus
+        t = rec.service(ctx.now) / _gpus(rec)
         # Tiresias's starvation guard: a job that has waited longer than
         # starve_factor x its attained time (at least a round) goes to the head, oldest first.
         if (self.starve_factor and rec.run_since is None and t > 0
@@ -259,8 +264,8 @@ class Gittins(_Preemptive):
             return (-rec.job.priority, -math.inf, *_tiebreak(rec))
         tab = self.types.get(self._type(rec), self.table) if self.per_type else self.table
         if self.boost is not None:
-            return (-rec.job.priority, self.boost.rank(rec, tab(t) / rec.job.gpus), rec.job.id)
-        return (-rec.job.priority, -tab(t) / rec.job.gpus, *_tiebreak(rec))
+            return (-rec.job.priority, self.boost.rank(rec, tab(t) / _gpus(rec)), rec.job.id)
+        return (-rec.job.priority, -tab(t) / _gpus(rec), *_tiebreak(rec))
 
 
 __all__ = ["Fifo", "Srtf", "Las", "Tiresias", "Gittins", "GittinsTable", "JobState"]

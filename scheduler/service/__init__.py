@@ -7,10 +7,12 @@ reaches nodes: MQTT, the codec, the command correlator), and its own dependencie
 pydantic, httpx, SQLite).  Never another shell (``nodesvc.daemon``, ``aggregator.server``),
 ``scheduler.cli`` or ``bench``; the core never imports this package.
 
-Inside, the parts import one way: ``models``/``nodes``/``store``/``core_log``/``cpu_jobs`` (plain
-data and pure functions) < ``commands`` (to nodes) < ``decisions`` (carrying out the core's
-decisions) < ``cpu_shell`` < ``recovery`` < ``live`` (:class:`SchedulerService`, which holds the
-others) < ``api``/``k8s``/``http_checks``/``views``/``status_page`` (HTTP).
+Inside, the parts import one way: ``models``/``nodes``/``store``/``core_log``/``stats`` (plain data
+and pure functions) < ``journal`` (the core's log and snapshots) < ``commands`` (to nodes) <
+``decisions`` (the core's decisions -> rows and commands) < ``translate`` (node messages -> core
+events) < ``recovery`` < ``live`` (:class:`SchedulerService`, which holds the others) <
+``api``/``k8s``/``http_checks``/``views``/``status_page`` (HTTP).  No placement or allocation
+policy lives here: that is the core's plugins' (and :mod:`scheduler.watch`'s).
 
 Public names: :class:`SchedulerService` (the live loop), :func:`create_app`
 (the FastAPI app), :class:`JobStore` (SQLite persistence), :class:`ApiJobSpec`

@@ -152,7 +152,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
     @app.delete("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
                 responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
     async def cancel_job(job_id: JobIdPath) -> Any:
-        row = await service.cancel(job_id)
+        row = await service.call(service.cancel, job_id)
         if row is None:
             raise HTTPException(404, f"no job {job_id!r}")
         return row.as_api()
@@ -167,7 +167,12 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
     @app.get("/v1/cluster", response_model=ApiCluster, dependencies=[*auth, known_query()], tags=["cluster"],
              responses={**_AUTH_RESPONSES, **_INVALID})
     async def cluster() -> Any:
-        return service.cluster()
+        return await service.call(service.cluster)
+
+    @app.get("/v1/stats", dependencies=[*auth, known_query()], tags=["cluster"], responses={**_AUTH_RESPONSES},
+             summary="the live loop's own figures: telemetry lag, batch times, the last restart and snapshot")
+    async def stats() -> Any:
+        return await service.call(service.stats_view)
 
     @app.get("/", response_class=HTMLResponse, tags=["status"], dependencies=[known_query("token", "refresh")],
              responses={401: {"description": "missing or wrong token (an HTML page that says so)",
@@ -178,7 +183,8 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
         if tok is None:
             return HTMLResponse(status_page.DENIED, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         jobs, _ = service.store.list_jobs(limit=200, offset=max(0, service.store.list_jobs(limit=1)[1] - 200))
-        return HTMLResponse(status_page.render(service.cluster(), [j.as_api() for j in jobs], tok, refresh))
+        view = await service.call(service.cluster)
+        return HTMLResponse(status_page.render(view, [j.as_api() for j in jobs], tok, refresh))
 
     k8s.add_routes(app, service, [] if k8s_open else auth)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before the body is read

@@ -4,14 +4,16 @@
 for its reply, correlated by command id (``nodesvc.bus.rpc.Correlator``, the
 one correlator of the project).  The service's parts start commands as
 background tasks with :meth:`NodeCommands.spawn`, so that a slow node never
-holds up the loop; :meth:`NodeCommands.close` cancels what is still running.
+holds up the loop; commands about one job run one after the other (a ``stop``
+never overtakes the ``run`` before it); :meth:`NodeCommands.close` cancels
+what is still running.  Command ids derive from decision ids, so a command
+sent again after a restart is answered from the node's reply cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,7 @@ class NodeCommands:
         self.correlator = Correlator("sched", timeout_s)
         self.bus: Bus | None = None  # set once the service has a broker connection
         self._tasks: set[asyncio.Task] = set()
+        self._last: dict[str, asyncio.Task] = {}  # key (a job) -> its latest command task
 
     async def send(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
         """Send one command (QoS 1) and wait for its reply; raises ``CommandError``."""
@@ -41,25 +44,41 @@ class NodeCommands:
         """A reply arrived on ``.../reply``: wake whoever waits for it."""
         self.correlator.resolve(reply)
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` in the background (kept until it ends, cancelled by :meth:`close`)."""
-        t = asyncio.get_running_loop().create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, None], key: str | None = None) -> None:
+        """Run ``coro`` in the background (kept until it ends, cancelled by :meth:`close`); with
+        ``key``, only after the commands spawned before with the same key have ended."""
+        prev = self._last.get(key) if key is not None else None
+        t = asyncio.get_running_loop().create_task(self._after(prev, coro) if prev is not None else coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        if key is not None:
+            self._last[key] = t
+            t.add_done_callback(lambda done, k=key: self._last.pop(k) if self._last.get(k) is done else None)
 
-    async def release(self, job_id: str, node: str) -> None:
+    @staticmethod
+    async def _after(prev: asyncio.Task, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            await asyncio.wait([prev])  # its outcome is its own; a cancel of this task still propagates
+        except BaseException:
+            coro.close()
+            raise
+        await coro
+
+    async def release(self, job_id: str, node: str, cmd_id: str) -> None:
         """Free what ``node`` holds for ``job_id`` (cgroups); a failure is only logged."""
         try:
-            await self.send(node, "release", {"job": job_id}, f"{job_id}/release/{uuid.uuid4().hex[:8]}")
+            await self.send(node, "release", {"job": job_id}, cmd_id)
         except CommandError as exc:
             log.info("release of %s on %s: %s", job_id, node, exc)
 
-    async def stop_and_release(self, job_id: str, node: str, cmd_base: str) -> None:
-        try:
-            await self.send(node, "stop", {"job": job_id}, f"{cmd_base}/stop")
-        except CommandError as exc:
-            log.warning("stop of %s on %s: %s", job_id, node, exc)
-        await self.release(job_id, node)
+    async def stop_and_release(self, job_id: str, node: str, cmd_base: str, stop: bool = True) -> None:
+        """``stop`` (when asked) then ``release`` ``job_id`` on ``node``, as ``cmd_base``/stop and /release."""
+        if stop:
+            try:
+                await self.send(node, "stop", {"job": job_id}, f"{cmd_base}/stop")
+            except CommandError as exc:
+                log.info("stop of %s on %s: %s", job_id, node, exc)
+        await self.release(job_id, node, f"{cmd_base}/release")
 
     async def close(self) -> None:
         """Cancel the commands still in flight and wait for them to end."""

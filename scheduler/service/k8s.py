@@ -42,6 +42,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from scheduler.model import Job
 from scheduler.service.http_checks import BAD_BODY, known_query
 
 log = logging.getLogger("dlshare.sched.k8s")
@@ -217,12 +218,20 @@ def scale_scores(scores: dict[str, float], names: list[str]) -> list[dict[str, A
     return out
 
 
+def pod_job(pod: PodRequest, now: float) -> Job:
+    """The core's Job for a pod (the id names the pod and, when known, its UID: a pod deleted
+    and recreated under its name is another job)."""
+    from scheduler.service.core_log import spec_job
+
+    jid = pod.job["id"] + (f".{pod.uid[:8]}" if pod.uid else "")
+    return spec_job(jid[:128], pod.job["spec"], max(0.0, now))
+
+
 def evaluate(service, job: dict[str, Any], names: list[str]) -> tuple[list[str], dict[str, str], dict[str, float]]:
-    """Feasible nodes, a reason per infeasible one, and scores in [0, 1], from the same
-    core (its filters, score plugins and weights) the live loop uses."""
-    from scheduler.service import cpu_jobs
-    from scheduler.service.core_log import core_job
-    from scheduler.service.store import JobRow
+    """Feasible nodes, a reason per infeasible one, and scores in [0, 1], from the same core
+    (its filters, score plugins and weights) the live loop uses, for GPU and CPU-only pods
+    alike.  Runs on the live loop's thread (``service.call``)."""
+    from scheduler.service.core_log import spec_job
 
     failed: dict[str, str] = {}
     online = []
@@ -230,34 +239,22 @@ def evaluate(service, job: dict[str, Any], names: list[str]) -> tuple[list[str],
         view = service.nodes.get(n)
         if view is None:
             failed[n] = "no dlshare node daemon reports from this node"
-        elif view.status != "online":
+        elif view.status != "online" or n not in service.core.nodes:
             failed[n] = "the dlshare node daemon on this node is offline"
         else:
-            online.append(view)
-    spec = job["spec"]
+            online.append(n)
+    probe = spec_job(job["id"], job["spec"], max(0.0, service.core.now))
+    best: dict[str, float] = {}
+    for cand, total in service.core.candidates(probe, online):
+        best[cand.node.node.id] = max(best.get(cand.node.node.id, float("-inf")), total)
+    top = max(best.values(), default=0.0)
     scores: dict[str, float] = {}
-    if spec["gpus"] > 0:
-        row = JobRow(id=job["id"], spec=spec, state="queued", submitted_at=max(0.0, service.core.now))
-        best: dict[str, float] = {}
-        for cand, total in service.core.candidates(core_job(row, service.core.now), [v.id for v in online]):
-            best[cand.node.node.id] = max(best.get(cand.node.node.id, float("-inf")), total)
-        top = max(best.values(), default=0.0)
-        for v in online:
-            if v.id in best:
-                scores[v.id] = best[v.id] / top if top > 0 else 1.0
-            else:
-                ns = service.core.nodes.get(v.id)
-                free = ns.free_gpus if ns is not None else 0
-                failed[v.id] = (f"profile {service.profile}: no placement for {spec['gpus']} GPU(s) "
-                                f"({free} of {len(v.gpus)} GPUs free; filters or CPU/memory refused the rest)")
-    else:
-        for v in online:
-            if cpu_jobs.admit([{**job, "submitted_at": 0.0}], [v]):
-                scores[v.id] = max(0.0, v.cpu_count - v.cpus_allocated) / max(1, v.cpu_count)
-            else:
-                cc, cm = cpu_jobs.committed(v)
-                failed[v.id] = (f"needs {spec['cpus']:g} cores and {spec['memory_bytes']} bytes; "
-                                f"{v.cpu_count - cc:g} cores and {v.memory_total_bytes - cm} bytes uncommitted")
+    why = service.core.explain(probe, [n for n in online if n not in best])
+    for n in online:
+        if n in best:
+            scores[n] = best[n] / top if top > 0 else 1.0
+        else:
+            failed[n] = f"profile {service.profile}: {why.get(n, 'no placement')}"
     return [n for n in names if n in scores], failed, scores
 
 
@@ -414,7 +411,7 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
             return JSONResponse({"Nodes": None, "NodeNames": None, "FailedNodes": {},
                                  "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
         remember(pod)
-        ok, failed, _ = evaluate(service, pod.job, names)
+        ok, failed, _ = await service.call(evaluate, service, pod.job, names)
         return filter_result(args, ok, failed, as_names)
 
     @app.post("/k8s/prioritize", dependencies=[*auth, known_query()], tags=["kubernetes"],
@@ -430,7 +427,7 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
             # HostPriorityList has no error field; kube-scheduler treats a non-200 as the extender's error.
             return JSONResponse({"Error": str(exc)}, status_code=400)
         remember(pod)
-        _, _, scores = evaluate(service, pod.job, names)
+        _, _, scores = await service.call(evaluate, service, pod.job, names)
         return scale_scores(scores, names)
 
     @app.post("/k8s/bind", dependencies=[*auth, known_query()], tags=["kubernetes"], responses=errors,
@@ -441,8 +438,7 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         for key, v in (("PodName", pod_name), ("PodNamespace", ns), ("Node", node)):
             if not isinstance(v, str) or not v:
                 return {"Error": f"ExtenderBindingArgs.{key} must be a non-empty string"}
-        n = service.nodes.get(node)
-        if n is None or n.status != "online":
+        if not await service.call(service.node_online, node):
             return {"Error": f"node {node} has no online dlshare node daemon"}
         binder = service.k8s_binder
         if binder is not None:
@@ -453,13 +449,14 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
             warned.append(True)
             log.warning("kube-scheduler called /k8s/bind but [sched] k8s_bind is false: placements are recorded, "
                         "no Binding is created, so the pods stay Pending")
-        pod = pods.get((ns, pod_name))
-        spec = pod.job["spec"] if pod else {"cpus": 0.0, "memory_bytes": 0}
-        service.store.log_event("k8s_bind", node=node, data={"pod": f"{ns}/{pod_name}", "uid": args.get("PodUID"),
-                                                              "cpus": spec["cpus"], "memory_bytes": spec["memory_bytes"]})
-        # Held until the pod shows in the node's measured usage; kubelet, not dlshare, runs it.
-        n.allocations[f"k8s.{ns}.{pod_name}"[:128]] = {"node": node, "gpus": [], "cpus": float(spec["cpus"]),
-                                                       "memory_bytes": int(spec["memory_bytes"]), "cpuset": None,
-                                                       "kind": "cpu", "k8s": True,
-                                                       "bound_at": service.clock()}
+        pod = pods.get((ns, pod_name)) or PodRequest(
+            namespace=ns, name=pod_name, uid=str(args.get("PodUID") or ""),
+            job={"id": f"k8s.{ns}.{pod_name}"[:128], "spec": {"name": f"{ns}/{pod_name}", "gpus": 0,
+                                                              "cpus": DEFAULT_CPUS, "memory_bytes": DEFAULT_MEMORY}})
+        pod = PodRequest(pod.namespace, pod.name, str(args.get("PodUID") or pod.uid), pod.job)
+        # A core event (JobBound), logged and replayed like any other: the core holds the pod's
+        # resources on the node until its usage shows in the node's figures; kubelet runs it.
+        err = await service.call(lambda: service.bind(pod_job(pod, service.core.now), node, pod.uid))
+        if err:
+            return {"Error": err}
         return {"Error": ""} if binder is not None else {"Error": "", "Note": NOT_BOUND_NOTE}

@@ -1,50 +1,65 @@
 """The live loop: the asyncio shell around the pure scheduler core.
 
-:class:`SchedulerService` turns MQTT telemetry, node state (the Last Will),
-job exits and API calls into the core's events (``JobArrived``,
-``NodeReport``, ``JobFinished``, ``JobCancelled``, ``PlacementFailed``,
-``NodeLost``, ``Tick``), hands them to ``SchedulerState.handle`` in batches,
-and carries the decisions out as node commands (``allocate``, ``run``,
-``stop``, ``release``; QoS 1, replies correlated by command id).
+:class:`SchedulerService` owns the MQTT connection to the node daemons and the
+loop that feeds the core.  It holds its parts:
 
-Durability and replay: each batch of events is logged in SQLite together with
-the decisions it produced, in one transaction, before any command leaves.  At
-start the log is replayed into a fresh core (same events, same batches, same
-decision ids); decisions the table marks as carried out are not sent again,
-and those still pending are re-sent with their original command ids (the node
-daemon answers a repeated id from its reply cache, so nothing applies twice).
+* ``translator`` (:class:`~scheduler.service.translate.Translator`): node
+  messages -> core events (telemetry, Last Wills, job exits);
+* ``carrier`` (:class:`~scheduler.service.decisions.DecisionCarrier`): each
+  batch through ``SchedulerState.handle_batch``, logged with its decisions
+  before anything leaves, then the decisions -> rows and node commands;
+* ``commands`` (:class:`~scheduler.service.commands.NodeCommands`): the
+  command path to nodes (QoS 1, replies correlated by id);
+* ``recovery`` (:class:`~scheduler.service.recovery.Recovery`): the core from
+  its snapshot and log at start, and the re-sending of what was never acked;
+* ``journal`` (:class:`~scheduler.service.journal.Journal`): the core's log and
+  its snapshots, compacted every ``snapshot_events`` events.
 
-The core places GPU jobs.  CPU-only jobs (``gpus = 0``: data preparation)
-are admitted by :mod:`scheduler.service.cpu_jobs`, and their cores and memory
-are withheld from what the core may hand out on that node.
+Every placement, allocation, backoff and vanished-job finding is the core's
+(its plugins and :mod:`scheduler.watch`, on the events' times): this shell only
+translates.  Its clock is injected (``clock``); the core sees it only as the
+``now`` of events, and ``Tick`` events answer the core's ``Wakeup`` decisions.
+
+Threads.  The loop runs on one thread; the HTTP API may run on another
+(``dlshare sched`` does, so that node replies and telemetry never wait behind
+HTTP work).  The API reaches the loop only through :meth:`call` (run a function
+on the loop's thread and await its result) and :meth:`call_soon`; it inserts
+accepted jobs itself (its own SQLite connection, group commit) and hands them
+over with :meth:`accepted`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import heapq
+import inspect
+import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
 from scheduler import (
-    Event, JobArrived, JobCancelled, JobFinished, JobSample, JobState, NodeLost, NodeReport, SchedulerState, Tick,
-    Wakeup,
+    Event, JobArrived, JobBound, JobCancelled, NodeReport, Profile, SchedulerState, Tick, Wakeup,
+    WatchRules, load_profile, snapshot,
 )
-from scheduler.service import cpu_jobs
+from scheduler.model import Job
 from scheduler.service.commands import NodeCommands
 from scheduler.service.core_log import core_job
 from scheduler.service.core_log import new_event_id as _eid
-from scheduler.service.cpu_shell import CpuJobsShell
 from scheduler.service.decisions import DecisionCarrier
+from scheduler.service.journal import Journal
 from scheduler.service.models import TERMINAL_STATES
-from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
+from scheduler.service.nodes import LiveNode
 from scheduler.service.recovery import Recovery
+from scheduler.service.stats import ServiceStats
 from scheduler.service.store import JobRow, JobStore
+from scheduler.service.translate import Translator
 from scheduler.service.views import cluster_view
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,25 +68,33 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("dlshare.sched.live")
 
-VANISHED_AFTER = 3  # telemetry reports in a row without a job we started before it counts as gone
+# The live cluster's clock-driven rules (scheduler.watch): a failed start waits 0.5 s, doubling to 30 s;
+# a started job its node has not listed for 15 s (three of the daemon's 5 s telemetry periods) vanished.
+LIVE_RULES = WatchRules(backoff_s=0.5, backoff_max_s=30.0, vanish_after_s=15.0)
 
 
 class SchedulerService:
-    """The live loop (see the module docstring).  Its parts, each an object it holds:
-    ``commands`` (:class:`NodeCommands`, the command path to nodes), ``carrier``
-    (:class:`DecisionCarrier`: feeds the core, logs and carries out its decisions),
-    ``cpu`` (:class:`CpuJobsShell`: CPU-only jobs) and ``recovery`` (:class:`Recovery`:
-    log replay at start, re-sending on reconnect).  They share ``store``, ``core`` and
-    the node table ``nodes``; this class owns the MQTT connection, the API side and the loop."""
+    """The live loop (see the module docstring).
 
-    def __init__(self, store: JobStore, profile: str = "dlshare", broker_url: str | None = None,
+    ``profile``: a packaged name, a TOML path or a :class:`Profile`; ``predictors``: the
+    bundle for a fresh core, or a function that makes it (only called when no usable
+    snapshot exists: training takes seconds); ``core``: a ready core instead (tests);
+    ``rules``: the :class:`WatchRules` (default :data:`LIVE_RULES`); ``snapshot_events``:
+    events between snapshots (the most a restart replays); ``snapshot_s``: at most this
+    long between snapshots while events come."""
+
+    def __init__(self, store: JobStore, profile: str | Path | Profile = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
-                 predictors: Any = None) -> None:
+                 predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
+                 snapshot_s: float = 120.0) -> None:
         self.store = store
-        self.core = core or SchedulerState(profile, predictors=predictors)
-        self.profile = self.core.profile.name
+        self.journal = Journal(store)
+        self.profile_obj = core.profile if core is not None else (
+            profile if isinstance(profile, Profile) else load_profile(profile))
+        self.profile = self.profile_obj.name
+        self.rules = core.watch.rules if core is not None else (rules if rules is not None else LIVE_RULES)
         self.broker_url = broker_url
         self.service_id = service_id
         self.tick_s = tick_s
@@ -79,110 +102,176 @@ class SchedulerService:
         self.node_timeout_s = node_timeout_s
         self.report_s = report_s
         self.clock = clock
-        self.nodes: dict[str, LiveNode] = {}  # the live node table, shared with every part
+        self.snapshot_events = snapshot_events
+        self.snapshot_s = snapshot_s
+        self.nodes: dict[str, LiveNode] = {}  # the live node table
         self.aggregation: dict[str, dict[str, Any]] = {}  # aggregation server -> its last telemetry
         self.bus: Bus | None = None
         self.k8s_binder: KubeBinder | None = None
-        self.k8s_hold_s = 120.0
+        self.k8s_hold_s = 120.0  # a bound pod's resources are held this long (then its node's figures show it)
         self.batch_window_s = 0.01  # gather the events of this long into one core batch under load
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stats = ServiceStats()
+        self.commands = NodeCommands(command_timeout_s)
         self._wake = asyncio.Event()
         self._events: list[Event] = []  # for the core's next batch
+        self._wakeups: list[float] = []  # the Tick times the core asked for (a heap)
         self._bus_stop: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._wakeup_at: float | None = None
         self._last_service = 0.0
+        self._last_snapshot = clock()
+        self._snapshotting = False
+        self._snapshot_write: asyncio.Future | None = None
         self._submissions: list[tuple[str | None, dict[str, Any], asyncio.Future]] = []
-        self.commands = NodeCommands(command_timeout_s)
-        self.carrier = DecisionCarrier(store, self.core, self.nodes, self.commands, clock, self.now, self.post)
-        self.cpu = CpuJobsShell(store, self.nodes, self.commands, clock, self.carrier.backoff,
-                                functools.partial(self._report, force=True), self.wake)
-        self.recovery = Recovery(store, self.core, self.nodes, self.commands, self.carrier, self.cpu, self.now,
-                                 self.post)
-        self.recovery.replay()
+        self._committing = False
 
-    # --- time and events --------------------------------------------------------------------
+        def fresh() -> SchedulerState:
+            if core is not None:
+                return core
+            p = predictors() if callable(predictors) and not hasattr(predictors, "observe") else predictors
+            return SchedulerState(self.profile_obj, predictors=p, rules=self.rules)
+
+        self.recovery = Recovery(self)
+        self.core: SchedulerState = self.recovery.restore(fresh)
+        self.journal.set_meta("profile", str(profile) if core is None and not isinstance(profile, Profile)
+                              else self.profile)
+        self.journal.set_meta("rules", json.dumps(asdict(self.rules), sort_keys=True))
+        self.carrier = DecisionCarrier(store, self.journal, self.core, self.commands, clock, self.now, self.post,
+                                       self._observe)
+        self.translator = Translator(self, self.post)
+        self.recovery.reconcile()
+        self.stats.restore = self.recovery.report
+
+    # --- time, events and threads -----------------------------------------------------------
 
     def now(self) -> float:
         return max(self.clock(), self.core.now)
 
     def post(self, ev: Event) -> None:
-        """Queue a core event for the next batch."""
+        """Queue a core event for the next batch (on the loop's thread)."""
         self._events.append(ev)
         self._wake.set()
 
     def wake(self) -> None:
         self._wake.set()
 
+    def _on_loop(self) -> bool:
+        if self.loop is None:
+            return True
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the loop's thread (awaited if it is a coroutine function) and return
+        its result; from the loop's own thread, or before the loop runs, it is called directly."""
+        if self._on_loop():
+            res = fn(*args)
+            return await res if inspect.isawaitable(res) else res
+
+        async def run() -> Any:
+            res = fn(*args)
+            return await res if inspect.isawaitable(res) else res
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop's thread soon (directly when already there)."""
+        if self._on_loop():
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
     # --- API side ---------------------------------------------------------------------------
 
     def submit(self, spec: dict[str, Any]) -> tuple[JobRow, bool]:
-        """Persist a validated spec as a queued job; raises ConflictError for a clashing id."""
+        """Persist a validated spec as a queued job (on the loop's thread); raises ConflictError."""
         job_id = spec.pop("id", None)
         row, created = self.store.add_job(job_id, spec)
         if created:
-            self._accepted(row)
+            self.accepted([row])
         return row, created
 
     async def submit_async(self, spec: dict[str, Any]) -> tuple[JobRow, bool]:
-        """:meth:`submit` with group commit: submissions that arrive while one commit is being
-        prepared share its transaction (and its fsync)."""
+        """:meth:`submit` for the API's thread, with group commit: submissions that arrive while a
+        commit runs share the next transaction (and its fsync), which runs off the event loop."""
         fut = asyncio.get_running_loop().create_future()
         self._submissions.append((spec.pop("id", None), spec, fut))
-        if len(self._submissions) == 1:
-            asyncio.get_running_loop().call_soon(self._commit_submissions)
+        if not self._committing:
+            self._committing = True
+            asyncio.get_running_loop().create_task(self._commit_submissions())
         res = await fut
         if isinstance(res, Exception):
             raise res
         return res
 
-    def _commit_submissions(self) -> None:
-        batch, self._submissions = self._submissions, []
+    async def _commit_submissions(self) -> None:
         try:
-            results = self.store.add_jobs([(jid, spec) for jid, spec, _ in batch])
-        except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
-            for _, _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc)
-            return
-        for (_, _, fut), res in zip(batch, results):
-            if not isinstance(res, Exception) and res[1]:
-                self._accepted(res[0])
-            if not fut.done():
-                fut.set_result(res)
+            while self._submissions:
+                batch, self._submissions = self._submissions, []
+                try:
+                    results = await asyncio.to_thread(self.store.add_jobs, [(jid, spec) for jid, spec, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                created = [res[0] for res in results if not isinstance(res, Exception) and res[1]]
+                if created:
+                    self.call_soon(self.accepted, created)
+                for (_, _, fut), res in zip(batch, results):
+                    if not fut.done():
+                        fut.set_result(res)
+        finally:
+            self._committing = False
 
-    def _accepted(self, row: JobRow) -> None:
-        if int(row.spec.get("gpus", 0)) > 0:
+    def accepted(self, rows: list[JobRow]) -> None:
+        """Jobs committed to the table: they arrive at the core (on the loop's thread)."""
+        for row in rows:
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
-        else:
-            self.cpu.enqueue(row)
 
-    async def cancel(self, job_id: str) -> JobRow | None:
+    def cancel(self, job_id: str) -> JobRow | None:
+        """Cancel a job (on the loop's thread): the row says so durably, then the core ends it
+        and releases it where it runs."""
         job = self.store.get_job(job_id)
-        if job is None:
-            return None
-        if job.state in TERMINAL_STATES:
+        if job is None or job.state in TERMINAL_STATES:
             return job
-        a = job.allocation
-        self.cpu.waiting.pop(job_id, None)
-        self.store.update_job(job_id, event="cancelled", node=a["node"] if a else None, state="cancelled",
-                              reason="cancelled by user", finished_at=self.clock(), allocation=None, durable=True)
-        rec = self.core.records.get(job_id)
-        if rec is not None and rec.job.state.active:
-            self.post(JobCancelled(_eid(), self.now(), job_id, "cancelled by user"))
-        if a:
-            nodes = list(dict.fromkeys([a["node"], *(sh["node"] for sh in a.get("shards") or [])]))
-            for n in nodes:  # every node of a job spread over several
-                view = self.nodes.get(n)
-                if view is not None:
-                    view.allocations.pop(job_id, None)
-                self.commands.spawn(self.commands.stop_and_release(
-                    job_id, n, f"{job_id}/cancel" + (f"/{n}" if n != a["node"] else "")))
-        self.wake()
+        self.store.update_job(job_id, event="cancelled", node=job.allocation.node if job.allocation else None,
+                              state="cancelled", reason="cancelled by user", finished_at=self.clock(),
+                              allocation=None, durable=True, only_active=True)
+        self.post(JobCancelled(_eid(), self.now(), job_id, "cancelled by user"))
         return self.store.get_job(job_id)
+
+    def bind(self, job: Job, node: str, uid: str = "") -> str:
+        """Kubernetes bound ``job`` (a pod) to ``node``: a core event, logged and replayed like any
+        other.  Returns an error ("" when taken)."""
+        if not self.node_online(node):
+            return f"node {node} has no online dlshare node daemon"
+        self.store.log_event("k8s_bind", node=node, data={"pod": job.id, "uid": uid, "cpus": job.cpus,
+                                                           "memory_bytes": job.memory_bytes, "gpus": job.gpus})
+        self.post(JobBound(_eid(), self.now(), job, node, (), self.k8s_hold_s))
+        return ""
+
+    def node_online(self, node: str) -> bool:
+        view, ns = self.nodes.get(node), self.core.nodes.get(node)
+        return view is not None and view.status == "online" and ns is not None and ns.alive
+
+    def cluster(self) -> dict[str, Any]:
+        return cluster_view(self)
+
+    def stats_view(self) -> dict[str, Any]:
+        out = self.stats.to_json()
+        out.update(queued_events=len(self._events), commands_in_flight=self.commands.correlator.in_flight,
+                   core={"jobs": len(self.core.records), "waiting": len(self.core.waiting),
+                         "running": len(self.core.running), "nodes": len(self.core.nodes)},
+                   last_batch=self.carrier.batch, events_since_snapshot=self.carrier.events_logged)
+        return out
 
     # --- MQTT -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         if self.broker_url:
             from nodesvc.bus.mqtt import Bus
 
@@ -204,6 +293,8 @@ class SchedulerService:
             self._bus_stop.set()
         for t in self._tasks:
             t.cancel()
+        if self._snapshot_write is not None:  # the store closes after this: let the write end first
+            await asyncio.gather(self._snapshot_write, return_exceptions=True)
         await self.commands.close()
         for t in self._tasks:
             try:
@@ -233,127 +324,30 @@ class SchedulerService:
             elif kind != "node":
                 return
             elif leaf == "telemetry":
-                self.on_telemetry(messages.parse_telemetry(payload))
+                self.translator.on_telemetry(messages.parse_telemetry(payload))
             elif leaf == "state":
-                self.on_node_state(ident, messages.decode(payload) if payload else {"status": "offline"})
+                self.translator.on_node_state(ident, messages.decode(payload) if payload else {"status": "offline"})
             elif leaf == "reply":
-                self.on_reply(messages.decode(payload))
+                self.commands.resolve(messages.decode(payload))
             elif leaf == "events":
-                ev = messages.decode(payload)
-                if ev.get("event") == "job_exit" and isinstance(ev.get("job"), str):
-                    code = ev.get("exit_code")
-                    self.job_exited(ident, ev["job"], code if isinstance(code, int) and not isinstance(code, bool) else None,
-                                    "oom-killed" if ev.get("oom_killed") else "")
+                self.translator.on_event(ident, messages.decode(payload))
         except PayloadError as exc:
             log.warning("bad %s payload from %s/%s: %s", leaf, kind, ident, exc)
-
-    def on_telemetry(self, t: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(t["node"], LiveNode(id=t["node"]))
-        was_online = node.status == "online"
-        apply_telemetry(node, t, self.clock())
-        if not was_online:
-            self.store.log_event("node_online", node=node.id, data={"cpus": node.cpu_count, "gpus": len(node.gpus)})
-        self._report(node, force=not was_online)
-        for job in list(node.allocations):
-            usage = node.job_usage.get(job)
-            if usage is not None:
-                node.missing.pop(job, None)
-                if usage.get("state") == "exited":
-                    code = usage.get("exit_code")
-                    self.job_exited(node.id, job, code if isinstance(code, int) else None, "")
-            elif node.allocations[job].get("acked"):
-                node.missing[job] = node.missing.get(job, 0) + 1
-                if node.missing[job] >= VANISHED_AFTER:
-                    self.job_exited(node.id, job, None, "the node no longer reports the job")
-
-    def _report(self, node: LiveNode, force: bool = False) -> None:
-        """A NodeReport when the node's resources changed, or every ``report_s`` (predictor samples)."""
-        cc, cm = cpu_jobs.withheld(node)
-        n = core_node(node, cc, cm)
-        key = (n.gpus, n.cores, n.memory_bytes, n.lendable_bytes >> 26)
-        now = self.clock()
-        if not force and key == node.reported and now - node.reported_at < self.report_s:
-            return
-        ns = self.core.nodes.get(node.id)
-        if ns is not None and ns.node.gpus != n.gpus and ns.jobs:
-            log.warning("node %s now reports %d GPUs while running jobs; keeping %d", node.id, n.gpus, ns.node.gpus)
-            return
-        node.reported, node.reported_at = key, now
-        # Measured utilisation of each running GPU job (its GPUs' mean), for the predictors' online
-        # update: the core learns a job type's solo utilisation from these samples.
-        util = {g.index: (g.util_percent, g.memory_util_percent) for g in node.gpus}
-        samples = {}
-        for job, a in node.allocations.items():
-            us = [util[g] for g in a.get("gpus") or [] if g in util and util[g][0] is not None]
-            if us and job in self.core.running:
-                mems = [m for _, m in us if m is not None]
-                samples[job] = JobSample(sm_percent=sum(u for u, _ in us) / len(us),
-                                         mem_percent=sum(mems) / len(mems) if mems else None)
-        self.post(NodeReport(_eid(), self.now(), n, gpu_util=tuple(float(g.util_percent or 0.0) for g in node.gpus),
-                             cpu_percent=node.cpu_percent, memory_available_bytes=node.memory_available_bytes,
-                             jobs=samples))
-
-    def on_node_state(self, node_id: str, state: dict[str, Any]) -> None:
-        node = self.nodes.setdefault(node_id, LiveNode(id=node_id))
-        status = state.get("status")
-        if status == "offline" and node.status != "offline":
-            self._node_lost(node, "went offline (its Last Will or its shutdown)")
-        elif status == "online" and node.status == "offline":
-            node.status = "unknown"  # back once its telemetry arrives
-
-    def _node_lost(self, node: LiveNode, why: str) -> None:
-        node.status = "offline"
-        node.reported = None
-        jobs = sorted(node.allocations)
-        self.store.log_event("node_offline", node=node.id, data={"why": why, "jobs": jobs})
-        log.warning("node %s %s; requeueing %d jobs", node.id, why, len(jobs))
-        for job in jobs:
-            node.allocations.pop(job, None)
-            row = self.store.get_job(job)
-            if row is not None and row.state == "running":
-                self.store.update_job(job, event="requeued", node=node.id, state="queued",
-                                      reason=f"node {node.id} {why}", allocation=None)
-                if int(row.spec.get("gpus", 0)) == 0:
-                    self.cpu.enqueue(row)
-        self.cpu.dirty = True
-        if node.id in self.core.nodes and self.core.nodes[node.id].alive:
-            self.post(NodeLost(_eid(), self.now(), node.id))
-        self.wake()
-
-    def on_reply(self, r: dict[str, Any]) -> None:
-        self.commands.resolve(r)
-
-    def job_exited(self, node_id: str, job_id: str, code: int | None, why: str) -> None:
-        node = self.nodes.get(node_id)
-        if node is None or job_id not in node.allocations:
-            return  # already handled: the event and the telemetry both report an exit
-        node.allocations.pop(job_id, None)
-        node.missing.pop(job_id, None)
-        row = self.store.get_job(job_id)
-        rec = self.core.records.get(job_id)
-        if row is not None and row.state == "running":
-            ok = code == 0
-            reason = None if ok else (why or f"exited with code {code}")
-            self.store.update_job(job_id, event="exited", node=node_id, event_data={"exit_code": code, "why": why},
-                                  state="done" if ok else "failed", exit_code=code, finished_at=self.clock(),
-                                  reason=reason, allocation=None, attained_service=self._service_of(row))
-            if rec is not None and rec.job.state is JobState.RUNNING:
-                self.post(JobFinished(_eid(), self.now(), job_id, failed=not ok, reason=reason or ""))
-        self.commands.spawn(self.commands.release(job_id, node_id))
-        self.cpu.dirty = True
-        self.wake()
 
     # --- the loop ---------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        if self.bus is not None:  # decisions made before the first connect could not be carried out
+            await self.bus.connected.wait()
         while True:
             timeout = self.tick_s
-            if self._wakeup_at is not None:
-                timeout = max(0.0, min(timeout, self._wakeup_at - self.clock()))
+            if self._wakeups:
+                timeout = max(0.0, min(timeout, self._wakeups[0] - self.clock()))
+            expect = time.monotonic() + timeout
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
-                pass
+                self.stats.loop_lag.add(max(0.0, time.monotonic() - expect))
             if self.batch_window_s > 0:
                 await asyncio.sleep(self.batch_window_s)  # one scheduling pass for a burst, not one per event
             self._wake.clear()
@@ -363,61 +357,92 @@ class SchedulerService:
                 log.exception("scheduling round failed")
 
     def round(self) -> None:
-        """One pass: stale nodes, due Tick, one core batch, CPU-only admissions, service accounting."""
+        """One pass: stale nodes, due Ticks, one core batch, service accounting, a snapshot when due."""
         now = self.clock()
-        for node in list(self.nodes.values()):
-            if node.status == "online" and node.last_seen and now - node.last_seen > self.node_timeout_s:
-                self._node_lost(node, f"sent no telemetry for {self.node_timeout_s:g}s")
-        if self._wakeup_at is not None and now >= self._wakeup_at:
-            self._wakeup_at = None
+        self.translator.check_stale(now)
+        due = False
+        while self._wakeups and self._wakeups[0] <= now:
+            heapq.heappop(self._wakeups)
+            due = True
+        if due:
             self._events.append(Tick(_eid(), self.now()))
         if self._events:
             batch, self._events = self._events, []
             for d in self.carrier.run_batch(batch):
-                if isinstance(d, Wakeup) and (self._wakeup_at is None or d.at < self._wakeup_at):
-                    self._wakeup_at = d.at
-        self.cpu.admit()
+                if isinstance(d, Wakeup) and d.at not in self._wakeups:
+                    heapq.heappush(self._wakeups, d.at)
+            self.translator.exiting.clear()
         if now - self._last_service >= 5.0:
             self._last_service = now
-            self._account(now)
-            self._expire_k8s_holds(now)
+            self._account()
+        self.maybe_snapshot(now)
 
-    # --- accounting and views ---------------------------------------------------------------
+    def _observe(self, events: list[Event], seconds: float) -> None:
+        st = self.stats
+        st.batch.add(seconds)
+        st.batches += 1
+        st.events += len(events)
+        published = self.translator.published
+        if published:
+            t = self.clock()
+            for ev in events:
+                if isinstance(ev, NodeReport):
+                    pub = published.pop(ev.stimulus_id, None)
+                    if pub is not None:
+                        st.telemetry_to_core(t - pub)
 
-    def _service_of(self, r: JobRow) -> float:
-        """GPU-seconds from the core (Tiresias's measure), CPU-seconds for CPU-only jobs."""
-        now = self.now()
-        rec = self.core.records.get(r.id)
-        if rec is not None:
-            return rec.service(now)
-        if r.started_at is not None and r.allocation:
-            return (r.allocation.get("cpus") or 0.0) * max(0.0, now - r.started_at)
-        return r.attained_service
+    # --- snapshots --------------------------------------------------------------------------
 
-    def _account(self, now: float) -> None:
-        """Attained service of running jobs into the table (for the API), from memory, no scan."""
-        amounts: dict[str, float] = {}
+    def maybe_snapshot(self, now: float, force: bool = False) -> bool:
+        """Snapshot the core and compact the log when ``snapshot_events`` events were logged since
+        the last one, or ``snapshot_s`` passed with any; the write runs off the loop."""
+        n = self.carrier.events_logged
+        if self._snapshotting or n == 0 or not (force or n >= self.snapshot_events
+                                                 or now - self._last_snapshot >= self.snapshot_s):
+            return False
+        t0 = time.perf_counter()
+        self.core.compact()
+        batch = self.carrier.batch
+        data = snapshot.dump(self.core, {"batch": batch})
+        header = snapshot.header(data)
+        self.carrier.events_logged = 0
+        self._last_snapshot = now
+        dump_s = time.perf_counter() - t0
+
+        def write() -> None:
+            t1 = time.perf_counter()
+            try:
+                dropped = self.journal.write_snapshot(batch, data, header)
+            except Exception:  # noqa: BLE001 - the log stays whole; the next snapshot tries again
+                log.exception("writing the core snapshot after batch %d failed", batch)
+                return
+            finally:
+                self._snapshotting = False
+            self.stats.snapshot = {"batch": batch, "bytes": len(data), "events_dropped": dropped,
+                                   "dump_ms": dump_s * 1e3, "write_ms": (time.perf_counter() - t1) * 1e3}
+
+        self._snapshotting = True
+        if self.loop is not None and self._on_loop():
+            self._snapshot_write = self.loop.run_in_executor(None, write)
+        else:
+            write()
+        return True
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def _account(self) -> None:
+        """Attained service of running jobs into the table (for the API), from the core, no scan:
+        GPU-seconds, or CPU-seconds for a CPU-only job."""
         t = self.now()
-        for node in self.nodes.values():
-            for job, a in node.allocations.items():
-                rec = self.core.records.get(job)
-                if rec is not None:
-                    amounts[job] = rec.service(t)
-                elif a.get("started_at") is not None and not a.get("k8s"):
-                    amounts[job] = (a.get("cpus") or 0.0) * max(0.0, t - a["started_at"])
+        amounts: dict[str, float] = {}
+        for jid, rec in self.core.running.items():
+            if rec.external:
+                continue
+            if rec.job.cpu_only:
+                amounts[jid] = sum(a.cpus for a in rec.allocation.values()) * max(0.0, t - (rec.run_since or t))
+            else:
+                amounts[jid] = rec.service(t)
         self.store.set_service(amounts)
 
-    def _expire_k8s_holds(self, now: float) -> None:
-        """A pod bound through the extender is held on its node until its usage shows in the
-        node's measured figures; after ``k8s_hold_s`` the hold is dropped."""
-        for node in self.nodes.values():
-            for job in [j for j, a in node.allocations.items()
-                        if a.get("k8s") and now - a.get("bound_at", now) > self.k8s_hold_s]:
-                node.allocations.pop(job, None)
-                self.cpu.dirty = True
 
-    def cluster(self) -> dict[str, Any]:
-        return cluster_view(self)
-
-
-__all__ = ["SchedulerService"]
+__all__ = ["LIVE_RULES", "SchedulerService"]

@@ -1,10 +1,10 @@
 """The live node table's entries, built from each node's telemetry (pure: no I/O).
 
 :class:`LiveNode` holds the last telemetry figures the scheduler cares about
-and the allocations the service made there (the API shows it as ``ApiNode``;
-the core sees it as a ``scheduler.model.Node``).  :func:`apply_telemetry`
-folds one validated telemetry payload in; :func:`core_node` turns an entry
-into the core's ``Node``.
+(the API shows it as ``ApiNode``, with the jobs the core placed there; the core
+sees it as a ``scheduler.model.Node``).  :func:`apply_telemetry` folds one
+validated telemetry payload in; :func:`core_node` turns an entry into the
+core's ``Node``.  What runs where is the core's to know, not this table's.
 """
 
 from __future__ import annotations
@@ -42,25 +42,24 @@ class LiveNode:
     gpus: list[LiveGpu] = field(default_factory=list)
     gpu_reason: str | None = None
     job_usage: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # job id -> {"node", "gpus": [...], "cpus", "memory_bytes", "cpuset"}: what the service allocated here
-    allocations: dict[str, dict[str, Any]] = field(default_factory=dict)
-    missing: dict[str, int] = field(default_factory=dict)  # job -> telemetry reports in a row without it
+    published_at: float | None = None  # the node's clock when it published the last telemetry
     reported: tuple | None = None  # resources last reported to the core
+    reported_running: tuple[str, ...] | None = None  # the running jobs it listed in that report
+    reported_missing: frozenset[str] = frozenset()  # started jobs it did not list in that report
     reported_at: float = 0.0
 
     @property
-    def cpus_allocated(self) -> float:
-        return float(sum(a.get("cpus") or 0.0 for a in self.allocations.values()))
+    def running(self) -> tuple[str, ...]:
+        """The jobs the node says it runs (its telemetry's ``jobs`` that have not exited)."""
+        return tuple(sorted(j for j, u in self.job_usage.items() if u.get("state") != "exited"))
 
-    @property
-    def memory_allocated_bytes(self) -> int:
-        return int(sum(a.get("memory_bytes") or 0 for a in self.allocations.values()))
-
-    def gpu_jobs(self) -> dict[int, list[str]]:
-        out: dict[int, list[str]] = {g.index: [] for g in self.gpus}
-        for job, a in self.allocations.items():
-            for g in a.get("gpus") or []:
-                out.setdefault(g, []).append(job)
+    def exited(self) -> dict[str, int | None]:
+        """Jobs the node reports as exited: id -> exit code (None when it does not say)."""
+        out = {}
+        for j, u in self.job_usage.items():
+            if u.get("state") == "exited":
+                code = u.get("exit_code")
+                out[j] = code if isinstance(code, int) and not isinstance(code, bool) else None
         return out
 
 
@@ -72,6 +71,8 @@ def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
     """Fold a telemetry payload (already checked by ``messages.parse_telemetry``) into ``node``."""
     node.last_seen = now
     node.status = "online"
+    ts = t.get("ts")
+    node.published_at = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) and ts > 0 else None
     cpu, mem, gpus = t["cpu"], t["memory"], t["gpus"]
     node.cpu_count = _int(cpu.get("count"))
     p = cpu.get("percent")
@@ -101,10 +102,8 @@ def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
     node.job_usage = {k: v for k, v in jobs.items() if isinstance(v, dict)} if isinstance(jobs, dict) else {}
 
 
-def core_node(node: LiveNode, cpu_job_cpus: float = 0.0, cpu_job_memory: int = 0) -> Node:
-    """The core's Node for this view.  CPU-only jobs (which the core does not place)
-    are subtracted from the cores and memory it may hand out."""
+def core_node(node: LiveNode) -> Node:
+    """The core's Node for this entry: its GPUs, cores, memory and lendable memory."""
     gmem = next((g.memory_total_bytes for g in node.gpus if g.memory_total_bytes), None)
-    return Node(id=node.id, gpus=len(node.gpus), cores=max(0, int(node.cpu_count - cpu_job_cpus)),
-                memory_bytes=max(0, node.memory_total_bytes - cpu_job_memory),
+    return Node(id=node.id, gpus=len(node.gpus), cores=max(0, node.cpu_count), memory_bytes=max(0, node.memory_total_bytes),
                 lendable_bytes=max(0, node.lendable_bytes), gpu_memory_bytes=gmem or 32 * GiB)

@@ -5,9 +5,16 @@ is committed, so ``kill -9`` of the service loses no accepted job (WAL with
 ``synchronous=FULL`` also survives a power cut; ``NORMAL`` survives a process
 kill and is faster).
 
+Each thread gets its own connection (the HTTP API's thread inserts jobs while
+the live loop's thread logs batches and updates rows; WAL lets readers and one
+writer go on together, and ``busy_timeout`` queues writers).  An in-memory
+database (tests) has one connection behind a lock.
+
 Decisions are keyed by their id: :meth:`JobStore.record_decision` returns
 False for an id it has seen, so a decision replayed after a restart is not
 applied twice, and a command is re-sent with the same id until a node acks it.
+The core's event log and its snapshots live in the same file
+(:mod:`scheduler.service.journal`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: decisions.batch, core_decisions, snapshots (a version-1 database is upgraded in place)
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -63,7 +70,8 @@ CREATE TABLE IF NOT EXISTS decisions (
     node TEXT,
     data TEXT NOT NULL,
     state TEXT NOT NULL,
-    reply TEXT
+    reply TEXT,
+    batch INTEGER
 );
 CREATE INDEX IF NOT EXISTS decisions_state ON decisions(state);
 CREATE TABLE IF NOT EXISTS core_events (
@@ -73,12 +81,62 @@ CREATE TABLE IF NOT EXISTS core_events (
     payload TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS core_events_batch ON core_events(batch, seq);
+CREATE TABLE IF NOT EXISTS core_decisions (
+    batch INTEGER PRIMARY KEY,
+    payload TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+    batch INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    header TEXT NOT NULL,
+    data BLOB NOT NULL
+);
 """
+_UPGRADES = {  # from version -> the statements that bring a database to the next one
+    1: ["ALTER TABLE decisions ADD COLUMN batch INTEGER"],
+}
+TERMINAL = ("done", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class JobAllocation:
+    """Where a job runs and what it was given there, as the jobs table stores it (and the API
+    shows it): the first shard's ``node`` and ``gpus``, its cores and memory, every shard of a
+    job spread over nodes, and the jobs it shares GPUs with."""
+
+    node: str
+    gpus: tuple[int, ...] = ()
+    cpus: float = 0.0
+    memory_bytes: int = 0
+    shards: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    colocated_with: tuple[str, ...] = ()
+    requested_cpus: float = 0.0
+    requested_memory_bytes: int = 0
+    cpuset: str | None = None
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([self.node, *(n for n, _ in self.shards)]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "gpus": list(self.gpus), "cpus": self.cpus, "memory_bytes": self.memory_bytes,
+                "shards": [{"node": n, "gpus": list(g)} for n, g in self.shards],
+                "colocated_with": list(self.colocated_with), "requested_cpus": self.requested_cpus,
+                "requested_memory_bytes": self.requested_memory_bytes, "cpuset": self.cpuset}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "JobAllocation":
+        shards = tuple((str(s["node"]), tuple(int(g) for g in s.get("gpus") or ())) for s in d.get("shards") or ())
+        return cls(node=str(d["node"]), gpus=tuple(int(g) for g in d.get("gpus") or ()),
+                   cpus=float(d.get("cpus") or 0.0), memory_bytes=int(d.get("memory_bytes") or 0), shards=shards,
+                   colocated_with=tuple(d.get("colocated_with") or ()),
+                   requested_cpus=float(d.get("requested_cpus") or 0.0),
+                   requested_memory_bytes=int(d.get("requested_memory_bytes") or 0), cpuset=d.get("cpuset"))
 
 
 @dataclass
 class JobRow:
-    """One job as stored; ``spec`` and ``allocation`` are plain dicts."""
+    """One job as stored; ``spec`` is the submitted dict, ``allocation`` a :class:`JobAllocation`."""
 
     id: str
     spec: dict[str, Any]
@@ -86,7 +144,7 @@ class JobRow:
     submitted_at: float
     seq: int = 0
     reason: str | None = None
-    allocation: dict[str, Any] | None = None
+    allocation: JobAllocation | None = None
     started_at: float | None = None
     finished_at: float | None = None
     exit_code: int | None = None
@@ -94,10 +152,16 @@ class JobRow:
     attempts: int = 0
     updated_at: float = 0.0
 
+    @property
+    def gpus(self) -> int:
+        return int(self.spec.get("gpus") or 0)
+
     def as_api(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (
-            "id", "spec", "state", "reason", "allocation", "submitted_at", "started_at",
+        out = {k: getattr(self, k) for k in (
+            "id", "spec", "state", "reason", "submitted_at", "started_at",
             "finished_at", "exit_code", "attained_service", "attempts")}
+        out["allocation"] = self.allocation.to_json() if self.allocation is not None else None
+        return out
 
 
 @dataclass
@@ -106,10 +170,22 @@ class DecisionRow:
     kind: str
     job: str | None
     node: str | None
-    data: dict[str, Any] = field(default_factory=dict)
-    state: str = "pending"
+    data: dict[str, Any] = field(default_factory=dict)  # the decision itself (scheduler.codec form)
+    state: str = "pending"  # pending (to carry out), acked, failed, done (nothing to send)
     ts: float = 0.0
     reply: dict[str, Any] | None = None
+    batch: int | None = None
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
 
 
 class ConflictError(ValueError):
@@ -119,15 +195,15 @@ class ConflictError(ValueError):
 def _row_to_job(r: sqlite3.Row) -> JobRow:
     return JobRow(
         id=r["id"], spec=json.loads(r["spec"]), state=r["state"], submitted_at=r["submitted_at"], seq=r["seq"],
-        reason=r["reason"], allocation=json.loads(r["allocation"]) if r["allocation"] else None,
+        reason=r["reason"], allocation=JobAllocation.from_json(json.loads(r["allocation"])) if r["allocation"] else None,
         started_at=r["started_at"], finished_at=r["finished_at"], exit_code=r["exit_code"],
         attained_service=r["attained_service"], attempts=r["attempts"], updated_at=r["updated_at"],
     )
 
 
 class JobStore:
-    """All SQL lives here.  One connection, used from the service's event loop thread
-    (a lock guards the rare use from another thread, e.g. a test)."""
+    """All SQL lives here (and in :mod:`scheduler.service.journal`, on the same connections):
+    one connection per thread (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str], synchronous: str = "FULL", clock=time.time) -> None:
         """``synchronous`` applies to what a caller is told is accepted (a job, a cancel); the loop's
@@ -136,47 +212,106 @@ class JobStore:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not {synchronous!r}")
         self.path = str(path)
-        if self.path != ":memory:":
+        self.memory = self.path == ":memory:"
+        if not self.memory:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self._lock = threading.RLock()
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if self.path != ":memory:" and mode.lower() != "wal":
-            raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode})")
         self.durable_level = synchronous.upper()
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA busy_timeout=5000")
-        self.db.executescript(_DDL)
+        self._lock = threading.RLock()  # only an in-memory database shares one connection between threads
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._closed = False
+        db = self.db
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if not self.memory and mode.lower() != "wal":
+            raise RuntimeError(f"{self.path}: SQLite refused WAL mode (got {mode})")
+        db.executescript(_DDL)
         with self.tx():
-            got = self.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-            if got is None:
-                self.db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(got[0]) != SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path}: database schema {got[0]}, this service needs {SCHEMA_VERSION}")
+            got = db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            version = SCHEMA_VERSION if got is None else int(got[0])
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path}: database schema {version}, this service reads up to {SCHEMA_VERSION}")
+            while version < SCHEMA_VERSION:
+                for stmt in _UPGRADES[version]:
+                    db.execute(stmt)
+                version += 1
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        db.execute("CREATE INDEX IF NOT EXISTS decisions_batch ON decisions(batch)")
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """This thread's connection (opened on first use)."""
+        if self.memory and self._all:
+            return self._all[0]
+        con = getattr(self._local, "con", None)
+        if con is None:
+            if self._closed:
+                raise sqlite3.ProgrammingError("the store is closed")
+            con = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+            con.row_factory = sqlite3.Row
+            con.execute("PRAGMA synchronous=NORMAL")
+            con.execute("PRAGMA busy_timeout=30000")
+            self._local.con = con
+            with self._lock:
+                self._all.append(con)
+        return con
 
     def close(self) -> None:
         with self._lock:
-            self.db.close()
+            self._closed = True
+            for con in self._all:
+                try:
+                    con.close()
+                except sqlite3.Error:
+                    pass
+            self._all.clear()
+        self._local = threading.local()
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection for a read (under the lock only for an in-memory database)."""
+        if self.memory:
+            with self._lock:
+                yield self.db
+        else:
+            yield self.db
 
     @contextmanager
     def tx(self, durable: bool = False) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            if durable and self.durable_level != "NORMAL":
-                self.db.execute(f"PRAGMA synchronous={self.durable_level}")
-            self.db.execute("BEGIN IMMEDIATE")
+        """One transaction on this thread's connection.  Nested, it joins the outer one (the live
+        loop writes a batch's log and every row it changes in one transaction)."""
+        if getattr(self._local, "depth", 0):
+            self._local.depth += 1
             try:
                 yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
             finally:
-                if durable and self.durable_level != "NORMAL" and not self.db.in_transaction:
-                    self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("COMMIT")
-            if durable and self.durable_level != "NORMAL":
-                self.db.execute("PRAGMA synchronous=NORMAL")
+                self._local.depth -= 1
+            return
+        with self._lock if self.memory else _NO_LOCK:
+            self._local.depth = 1
+            try:
+                with self._tx(durable) as db:
+                    yield db
+            finally:
+                self._local.depth = 0
+
+    @contextmanager
+    def _tx(self, durable: bool) -> Iterator[sqlite3.Connection]:
+        db = self.db
+        strict = durable and self.durable_level != "NORMAL"
+        if strict:
+            db.execute(f"PRAGMA synchronous={self.durable_level}")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            if strict:
+                db.execute("PRAGMA synchronous=NORMAL")
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -217,8 +352,8 @@ class JobStore:
         return out
 
     def get_job(self, job_id: str) -> JobRow | None:
-        with self._lock:
-            r = self.db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        with self.read() as db:
+            r = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return _row_to_job(r) if r else None
 
     def list_jobs(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0) -> tuple[list[JobRow], int]:
@@ -227,32 +362,54 @@ class JobStore:
         if states:
             q += " WHERE state IN (%s)" % ",".join("?" * len(states))
             args += states
-        with self._lock:
-            total = self.db.execute(f"SELECT COUNT(*) {q}", args).fetchone()[0]
-            rows = self.db.execute(f"SELECT * {q} ORDER BY seq LIMIT ? OFFSET ?", [*args, limit, offset]).fetchall()
+        with self.read() as db:
+            total = db.execute(f"SELECT COUNT(*) {q}", args).fetchone()[0]
+            rows = db.execute(f"SELECT * {q} ORDER BY seq LIMIT ? OFFSET ?", [*args, limit, offset]).fetchall()
         return [_row_to_job(r) for r in rows], total
 
+    def active_states(self) -> dict[str, str]:
+        """id -> state of every job not over (queued, running, preempted): cheap, no row decoded."""
+        with self.read() as db:
+            rows = db.execute("SELECT id, state FROM jobs WHERE state IN ('queued','running','preempted')").fetchall()
+        return {r[0]: r[1] for r in rows}
+
     def count_by_state(self) -> dict[str, int]:
-        with self._lock:
-            rows = self.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        with self.read() as db:
+            rows = db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
         return {r[0]: r[1] for r in rows}
 
     def update_job(self, job_id: str, event: str | None = None, event_data: dict[str, Any] | None = None,
-                   node: str | None = None, durable: bool = False, **fields: Any) -> None:
-        """Change a job's columns and log one event about it, atomically."""
+                   node: str | None = None, durable: bool = False, only_active: bool = False,
+                   **fields: Any) -> bool:
+        """Change a job's columns and log one event about it, atomically.  ``only_active``: leave
+        a job that is over (done, failed, cancelled) as it is.  Returns whether a row changed."""
         allowed = {"state", "reason", "allocation", "started_at", "finished_at", "exit_code",
                    "attained_service", "attempts"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"unknown job fields {sorted(bad)}")
         if "allocation" in fields and fields["allocation"] is not None:
-            fields["allocation"] = json.dumps(fields["allocation"], sort_keys=True)
+            a = fields["allocation"]
+            fields["allocation"] = json.dumps(a.to_json() if isinstance(a, JobAllocation) else a, sort_keys=True)
         fields["updated_at"] = self.clock()
         sets = ", ".join(f"{k}=?" for k in fields)
+        where = "id=?" + (" AND state NOT IN ('done','failed','cancelled')" if only_active else "")
         with self.tx(durable) as db:
-            db.execute(f"UPDATE jobs SET {sets} WHERE id=?", [*fields.values(), job_id])
-            if event:
+            changed = db.execute(f"UPDATE jobs SET {sets} WHERE {where}", [*fields.values(), job_id]).rowcount == 1
+            if event and changed:
                 self._event(db, event, job=job_id, node=node, data=event_data or {})
+        return changed
+
+    def set_allocations(self, changes: list[tuple[str, str, float, int]]) -> None:
+        """New cores and memory of running jobs on their first node ((job, node, cpus, memory)),
+        without reading the rows (the core re-splits a node's share often)."""
+        if not changes:
+            return
+        with self.tx() as db:
+            db.executemany(
+                "UPDATE jobs SET allocation = json_set(allocation, '$.cpus', ?, '$.memory_bytes', ?) "
+                "WHERE id=? AND state='running' AND json_extract(allocation, '$.node') = ?",
+                [(float(c), int(m), j, n) for j, n, c, m in changes])
 
     def set_service(self, amounts: dict[str, float]) -> None:
         """Record attained service (GPU- or CPU-seconds) of running jobs, in one transaction."""
@@ -282,77 +439,42 @@ class JobStore:
             args.append(job)
         q += " ORDER BY seq LIMIT ?"
         args.append(limit)
-        with self._lock:
-            rows = self.db.execute(q, args).fetchall()
+        with self.read() as db:
+            rows = db.execute(q, args).fetchall()
         return [{"seq": r["seq"], "id": r["id"], "ts": r["ts"], "kind": r["kind"], "job": r["job"],
                  "node": r["node"], "data": json.loads(r["data"])} for r in rows]
 
     # --- decisions ----------------------------------------------------------------------------
 
+    @staticmethod
+    def _decision_row(r: sqlite3.Row) -> DecisionRow:
+        return DecisionRow(id=r["id"], kind=r["kind"], job=r["job"], node=r["node"], data=json.loads(r["data"]),
+                           state=r["state"], ts=r["ts"], reply=json.loads(r["reply"]) if r["reply"] else None,
+                           batch=r["batch"])
+
     def record_decision(self, d: DecisionRow) -> bool:
         """Persist a decision before it is carried out; False if this id was already recorded."""
         with self.tx() as db:
             cur = db.execute(
-                "INSERT OR IGNORE INTO decisions (id, ts, kind, job, node, data, state) VALUES (?,?,?,?,?,?,?)",
-                (d.id, self.clock(), d.kind, d.job, d.node, json.dumps(d.data, sort_keys=True), d.state))
+                "INSERT OR IGNORE INTO decisions (id, ts, kind, job, node, data, state, batch) VALUES (?,?,?,?,?,?,?,?)",
+                (d.id, self.clock(), d.kind, d.job, d.node, json.dumps(d.data, sort_keys=True), d.state, d.batch))
             return cur.rowcount == 1
 
     def decision(self, decision_id: str) -> DecisionRow | None:
-        with self._lock:
-            r = self.db.execute("SELECT * FROM decisions WHERE id=?", (decision_id,)).fetchone()
-        if r is None:
-            return None
-        return DecisionRow(id=r["id"], kind=r["kind"], job=r["job"], node=r["node"], data=json.loads(r["data"]),
-                           state=r["state"], ts=r["ts"], reply=json.loads(r["reply"]) if r["reply"] else None)
+        with self.read() as db:
+            r = db.execute("SELECT * FROM decisions WHERE id=?", (decision_id,)).fetchone()
+        return None if r is None else self._decision_row(r)
 
     def set_decision_state(self, decision_id: str, state: str, reply: dict[str, Any] | None = None) -> None:
         with self.tx() as db:
             db.execute("UPDATE decisions SET state=?, reply=? WHERE id=?",
                        (state, json.dumps(reply) if reply is not None else None, decision_id))
 
-    def record_batch(self, batch: int, events: list[tuple[str, str]], decisions: list[DecisionRow]) -> list[bool]:
-        """Log one batch of core events (id, JSON payload) and the decisions it produced, atomically.
-        Returns, per decision, True if it is new (False: replayed, already recorded)."""
-        out = []
-        with self.tx() as db:
-            db.executemany("INSERT OR IGNORE INTO core_events (id, batch, payload) VALUES (?,?,?)",
-                           [(eid, batch, payload) for eid, payload in events])
-            now = self.clock()
-            for d in decisions:
-                cur = db.execute(
-                    "INSERT OR IGNORE INTO decisions (id, ts, kind, job, node, data, state) VALUES (?,?,?,?,?,?,?)",
-                    (d.id, now, d.kind, d.job, d.node, json.dumps(d.data, sort_keys=True), d.state))
-                out.append(cur.rowcount == 1)
-        return out
-
-    def core_batches(self) -> Iterator[tuple[int, list[str]]]:
-        """The logged core events, batch by batch, in order (for replay at start)."""
-        with self._lock:
-            rows = self.db.execute("SELECT batch, payload FROM core_events ORDER BY seq").fetchall()
-        cur_batch, acc = None, []
-        for b, payload in rows:
-            if b != cur_batch and acc:
-                yield cur_batch, acc
-                acc = []
-            cur_batch = b
-            acc.append(payload)
-        if acc:
-            yield cur_batch, acc
-
-    def last_batch(self) -> int:
-        with self._lock:
-            r = self.db.execute("SELECT MAX(batch) FROM core_events").fetchone()
-        return int(r[0] or 0)
-
-    def decision_states(self) -> dict[str, str]:
-        with self._lock:
-            return {r[0]: r[1] for r in self.db.execute("SELECT id, state FROM decisions").fetchall()}
-
     def pending_decisions(self) -> list[DecisionRow]:
-        with self._lock:
-            ids = [r[0] for r in self.db.execute(
-                "SELECT id FROM decisions WHERE state IN ('pending','sent') ORDER BY ts").fetchall()]
-        return [d for d in (self.decision(i) for i in ids) if d is not None]
+        """Decisions logged but never carried out to the end, oldest first (for the resend after a restart)."""
+        with self.read() as db:
+            rows = db.execute("SELECT * FROM decisions WHERE state IN ('pending','sent') ORDER BY rowid").fetchall()
+        return [self._decision_row(r) for r in rows]
 
 
 def load_or_create_token(db_path: str, configured: str = "") -> str:

@@ -7,22 +7,28 @@ from typing import Any
 
 
 def cluster_view(svc: Any) -> dict[str, Any]:
-    """``GET /v1/cluster``; the status page and the tour read it too."""
+    """``GET /v1/cluster``; the status page and the tour read it too.  The node table gives the
+    measured figures; who runs where, and with what, is the core's (on the loop's thread)."""
     now = svc.clock()
+    core = svc.core
     nodes = []
     for n in sorted(svc.nodes.values(), key=lambda n: n.id):
-        gj = n.gpu_jobs()
+        ns = core.nodes.get(n.id)
+        jobs = sorted(ns.jobs) if ns is not None and ns.alive else []
+        residents = ns.residents if ns is not None and ns.alive else []
+        allocs = [core.records[j].allocation.get(n.id) for j in jobs]
         nodes.append({
             "id": n.id, "status": n.status if n.status in ("online", "offline") else "unknown",
             "last_seen": n.last_seen, "cpu_count": n.cpu_count, "cpu_percent": n.cpu_percent,
-            "cpus_allocated": n.cpus_allocated, "memory_total_bytes": n.memory_total_bytes,
-            "memory_available_bytes": n.memory_available_bytes, "memory_allocated_bytes": n.memory_allocated_bytes,
+            "cpus_allocated": float(sum(a.cpus for a in allocs if a is not None)),
+            "memory_total_bytes": n.memory_total_bytes, "memory_available_bytes": n.memory_available_bytes,
+            "memory_allocated_bytes": int(sum(a.memory_bytes for a in allocs if a is not None)),
             "reserved_unused_bytes": n.reserved_unused_bytes, "lendable_bytes": n.lendable_bytes,
             "lent_bytes": n.lent_bytes,
             "gpus": [{"index": g.index, "name": g.name, "util_percent": g.util_percent,
                       "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
-                      "jobs": gj.get(g.index, [])} for g in n.gpus],
-            "gpu_reason": n.gpu_reason, "jobs": sorted(n.allocations)})
+                      "jobs": list(residents[g.index]) if g.index < len(residents) else []} for g in n.gpus],
+            "gpu_reason": n.gpu_reason, "jobs": jobs})
     agg = [a for a in svc.aggregation.values() if now - a.get("_seen", 0) < 60 and isinstance(a.get("pool", {}), dict)]
     online = [n for n in nodes if n["status"] == "online"]
     return {

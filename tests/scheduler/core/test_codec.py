@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import (
-    Job, JobArrived, JobCancelled, JobFinished, JobSample, Node, NodeLost, NodeReport, PlacementFailed, SchedulerState,
-    Tick, events,
+    Job, JobArrived, JobBound, JobCancelled, JobFinished, JobSample, JobStarted, JobState, Node, NodeLost, NodeReport,
+    PlacementFailed, Release, SchedulerState, Tick, events,
 )
 from scheduler.codec import CodecError, decision_from_dict, decision_to_dict, event_from_dict, event_to_dict
 
@@ -25,6 +25,12 @@ EVENTS = [
     NodeLost("e", 5.0, "n0"),
     JobCancelled("f", 6.0, "j", "by user"),
     PlacementFailed("g", 7.0, "j", "out of GPU memory"),
+    JobStarted("h", 8.0, "j", "n0", "arrive-1"),
+    JobFinished("m", 11.0, "j", node="n0"),
+    PlacementFailed("n", 12.0, "j", "refused", place_id="arrive-1"),
+    JobBound("i", 9.0, Job("k8s.ml.p", "unknown", gpus=0, cpus=0.5, memory_bytes=1 << 28), "n0", (), 120.0),
+    JobBound("k", 9.5, Job("k8s.ml.q", "resnet50", gpus=2), "n0", (1, 3), None),
+    NodeReport("l", 10.0, Node("n1", 0, 8, 1 << 30), running=("j", "x")),
 ]
 
 
@@ -35,7 +41,7 @@ def _classes(base: type) -> list[type]:
 
 def test_every_event_starts_with_stimulus_id_and_now():
     classes = _classes(events.Event)
-    assert len(classes) >= 8  # the base and seven events
+    assert len(classes) >= 10  # the base and nine events
     for cls in classes:
         fields = dataclasses.fields(cls)
         assert [(f.name, f.type) for f in fields[:2]] == [("stimulus_id", "str"), ("now", "float")], cls
@@ -81,6 +87,12 @@ def test_events_and_decisions_logged_with_the_old_keys_still_read():
         assert decision_from_dict(json.loads(json.dumps(old))) == d
 
 
+def test_a_release_round_trips_with_its_state():
+    d = Release("s", "j", ("n0", "n1"), JobState.PREEMPTED, "node n2 lost", stop=True)
+    assert decision_to_dict(d)["state"] == "preempted"
+    assert decision_from_dict(json.loads(json.dumps(decision_to_dict(d)))) == d
+
+
 def test_a_missing_stimulus_id_is_named():
     with pytest.raises(CodecError, match="stimulus_id"):
         event_from_dict({"type": "Tick", "now": 1.0})
@@ -104,10 +116,12 @@ def test_replaying_a_logged_run_gives_the_same_decisions():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["type", "stimulus_id", "id", "now", "job", "node", "jobs", "gpu_util", "failed"]),
+@given(st.dictionaries(st.sampled_from(["type", "stimulus_id", "id", "now", "job", "node", "jobs", "gpu_util", "failed",
+                                        "running", "gpus", "hold_s"]),
                        st.one_of(st.none(), st.text(max_size=6), st.integers(), st.floats(), st.lists(st.integers(), max_size=2),
                                  st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-                                 st.sampled_from(["JobArrived", "NodeReport", "Tick", "JobFinished"])), max_size=6))
+                                 st.sampled_from(["JobArrived", "NodeReport", "Tick", "JobFinished", "JobStarted",
+                                                  "JobBound"])), max_size=6))
 def test_bad_dicts_raise_codec_error_only(d):
     try:
         ev = event_from_dict(d)
@@ -118,10 +132,12 @@ def test_bad_dicts_raise_codec_error_only(d):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["type", "stimulus_id", "cause", "job", "node", "shards", "at", "cpus"]),
+@given(st.dictionaries(st.sampled_from(["type", "stimulus_id", "cause", "job", "node", "shards", "at", "cpus", "nodes",
+                                        "state"]),
                        st.one_of(st.none(), st.text(max_size=6), st.integers(), st.floats(allow_nan=False),
                                  st.lists(st.dictionaries(st.sampled_from(["node", "gpus"]), st.integers()), max_size=2),
-                                 st.sampled_from(["Place", "Wakeup", "Allocate", "Reject"])), max_size=6))
+                                 st.sampled_from(["Place", "Wakeup", "Allocate", "Reject", "Release", "failed"])),
+                       max_size=6))
 def test_bad_decision_dicts_raise_codec_error_only(d):
     try:
         dec = decision_from_dict(d)

@@ -62,7 +62,8 @@ def test_order_plugins_declare_their_hooks_on_queue_sort():
         assert m.next_change(r, ctx()) is None and m.observe_finished(r, ctx()) is None
         st = SchedulerState(Profile("minimal", PluginSpec("minimal-test")), [Node("n", 1, 4, 1 << 30)])
         st.handle(JobArrived("1", 0, Job("a", "m")))
-        assert st.handle(JobFinished("2", 5, "a")) == [] and st.records["a"].job.state.value == "done"
+        assert [type(d).__name__ for d in st.handle(JobFinished("2", 5, "a"))] == ["Release"]
+        assert st.records["a"].job.state.value == "done"
     finally:
         framework._REGISTRY["order"].pop("minimal-test", None)
 

@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from nodesvc.bus.procs import free_port, stop_proc, wait_port
+from scheduler import WatchRules
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-token-0123456789"
+# The live rules on a test's time scale: fake nodes report every 0.3 s.
+FAST_RULES = WatchRules(backoff_s=0.2, backoff_max_s=2.0, vanish_after_s=1.5)
 
 
 class SchedProc:
@@ -72,10 +75,12 @@ class FakeNode:
         self.gpus = gpus
         self.commands: list[dict[str, Any]] = []
         self.drop_ops: set[str] = set()  # ops received but neither applied nor answered (a lost reply)
+        self.refuse: dict[str, int] = {}  # op -> how many more of them to refuse (ok: false)
         self.replies: dict[str, bytes] = {}  # the daemon's reply cache: a repeated id gets the same answer
         self.running: dict[str, dict[str, Any]] = {}
         self.allocations: dict[str, dict[str, Any]] = {}
         self.reports = 0  # telemetry reports published
+        self.hidden: set[str] = set()  # running jobs left out of the telemetry (as if they vanished)
         self._stop = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.bus = None
@@ -111,7 +116,7 @@ class FakeNode:
                               "reason": None if self.gpus else "no NVIDIA driver (fake node)"},
                      "rdma": {"devices": []},
                      "jobs": {j: {"pids": [1], "cpu_percent": 50.0, "rss_bytes": 1 << 20, "state": "running"}
-                              for j in self.running},
+                              for j in self.running if j not in self.hidden},
                      "donor": {"lendable_bytes": 4 << 30, "lent_bytes": 1 << 30}}
                 await self.bus.publish(messages.node_topic(self.id, "telemetry"), messages.encode(t))
                 self.reports += 1
@@ -134,6 +139,11 @@ class FakeNode:
         if cmd.op in self.drop_ops:
             return
         if cmd.id in self.replies:
+            await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
+            return
+        if self.refuse.get(cmd.op, 0) > 0:
+            self.refuse[cmd.op] -= 1
+            self.replies[cmd.id] = messages.reply(cmd.id, False, error=f"{cmd.op} refused (fake node)")
             await self.bus.publish(messages.node_topic(self.id, "reply"), self.replies[cmd.id], 1)
             return
         if cmd.op == "allocate":
@@ -215,7 +225,7 @@ def service_with_nodes(store: JobStore, nodes: dict[str, tuple[int, int]], profi
     (id -> (GPUs, cores)) and handed it to its core."""
     svc = SchedulerService(store, profile=profile)
     for node, (gpus, cpus) in nodes.items():
-        svc.on_telemetry(telemetry(node, gpus, cpus))
+        svc.translator.on_telemetry(telemetry(node, gpus, cpus))
     svc.round()  # the core learns the nodes
     return svc
 
@@ -228,9 +238,10 @@ class LiveServices:
         self.broker_url, self.tmp = broker_url, tmp
         self.running: list[SchedulerService] = []
 
-    async def start(self, db: Path | None = None, profile: str = "dlshare") -> SchedulerService:
+    async def start(self, db: Path | None = None, profile: str = "dlshare", **kw: Any) -> SchedulerService:
+        kw = {"tick_s": 0.2, "command_timeout_s": 3, "node_timeout_s": 5, "rules": FAST_RULES, **kw}
         svc = SchedulerService(JobStore(db or self.tmp / "sched.db", synchronous="NORMAL"), profile=profile,
-                               broker_url=self.broker_url, tick_s=0.2, command_timeout_s=3, node_timeout_s=5)
+                               broker_url=self.broker_url, **kw)
         self.running.append(svc)
         await svc.start()
         await asyncio.wait_for(svc.bus.connected.wait(), 10)

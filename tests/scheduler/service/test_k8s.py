@@ -72,9 +72,13 @@ def test_bind_records_the_pod_on_the_node(ext):
                                 "NodeNames": ["cpu-c"]}, headers=auth())
     r = c.post("/k8s/bind", json={"PodName": "p1", "PodNamespace": "ml", "PodUID": "u-1", "Node": "cpu-c"},
                headers=auth())
-    assert r.json() == {"Error": "", "Note": k8s.NOT_BOUND_NOTE}  # no binder: recorded only (test_svc_k8s_bind.py)
-    a = svc.nodes["cpu-c"].allocations["k8s.ml.p1"]
-    assert a["cpus"] == pytest.approx(0.6) and a["memory_bytes"] == (256 + 64) << 20  # main + sidecar
+    assert r.json() == {"Error": "", "Note": k8s.NOT_BOUND_NOTE}  # no binder: recorded only (test_k8s_bind.py)
+    svc.round()  # the bind is a core event: the core holds the pod's resources on the node
+    rec = svc.core.records["k8s.ml.p1.u-1"]
+    assert rec.external and rec.shards[0].node == "cpu-c" and rec.job.state.value == "running"
+    assert rec.job.cpus == pytest.approx(0.6) and rec.job.memory_bytes == (256 + 64) << 20  # main + sidecar
+    assert svc.core.nodes["cpu-c"].reserved_cpus == pytest.approx(0.6)
+    assert "k8s.ml.p1.u-1" in c.get("/v1/cluster", headers=auth()).json()["nodes"][0]["jobs"]
     assert c.post("/k8s/bind", json={"PodName": "p1", "PodNamespace": "ml", "Node": "nowhere"},
                   headers=auth()).json()["Error"].startswith("node nowhere")
     r = c.post("/k8s/bind", json={"PodNamespace": "ml", "Node": "cpu-c"}, headers=auth())

@@ -201,10 +201,13 @@ class Extender:
         args = {"PodName": name, "PodNamespace": ns, "PodUID": uid, "Node": node}
         r = self.client.post("/k8s/bind", json=args, headers=auth())
         assert r.status_code == 200
+        self.svc.round()  # the bind is a core event, applied in the loop's next round
         return r.json()
 
-    def recorded(self, name: str, ns: str = "ml", node: str = "cpu-c") -> dict[str, Any] | None:
-        return self.svc.nodes[node].allocations.get(f"k8s.{ns}.{name}")
+    def recorded(self, name: str, ns: str = "ml", node: str = "cpu-c"):
+        """The core's record of the bound pod, when it holds the pod on ``node``."""
+        rec = self.svc.core.records.get(f"k8s.{ns}.{name}.{UID[:8]}")
+        return rec if rec is not None and rec.shards and rec.shards[0].node == node else None
 
     def bind_events(self) -> list[str]:
         return [e["data"]["pod"] for e in self.svc.store.events() if e["kind"] == "k8s_bind"]
@@ -232,8 +235,9 @@ def test_bind_posts_the_binding_in_cluster_then_records(store, apiserver, token_
                                           "target": {"apiVersion": "v1", "kind": "Node", "name": "cpu-c"}}
         assert apiserver.pods[("ml", "p1")]["node"] == "cpu-c"
         a = ext.recorded("p1")
-        assert a is not None and a["k8s"] and a["cpus"] == pytest.approx(0.6) and a["memory_bytes"] == (256 + 64) << 20
-        assert ext.bind_events() == ["ml/p1"]
+        assert a is not None and a.external and a.job.cpus == pytest.approx(0.6)
+        assert a.job.memory_bytes == (256 + 64) << 20
+        assert ext.bind_events() == [f"k8s.ml.p1.{UID[:8]}"]
     assert SA_TOKEN not in caplog.text and "sa-token" not in repr(ext.binder)
 
 
@@ -324,7 +328,7 @@ def test_bind_off_only_records_and_says_so(store, apiserver):
     with Extender(store, None) as ext:
         res = ext.schedule("p1")
         assert res["Error"] == "" and "k8s_bind is false" in res["Note"] and "no Binding" in res["Note"]
-        assert ext.recorded("p1") is not None and ext.bind_events() == ["ml/p1"]
+        assert ext.recorded("p1") is not None and ext.bind_events() == [f"k8s.ml.p1.{UID[:8]}"]
     assert apiserver.requests == []
 
 

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nodesvc.bus.procs import until
-from scheduler.service.live import VANISHED_AFTER, SchedulerService
+from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 
 GPU_JOB = {"model": "resnet50", "batch_size": 32, "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30,
@@ -31,9 +31,9 @@ async def test_gpu_and_cpu_jobs_are_placed_run_and_finish(fake_node, live_servic
     c, _ = svc.submit(dict(CPU_JOB))
     await until(lambda: g.id in n1.running and c.id in n1.running, what="both jobs started")
     gj = svc.store.get_job(g.id)
-    assert gj.state == "running" and gj.allocation["node"] == "n1" and len(gj.allocation["gpus"]) == 1
+    assert gj.state == "running" and gj.allocation.node == "n1" and len(gj.allocation.gpus) == 1
     run = next(x for x in n1.ops("run") if x["args"]["job"] == g.id)
-    assert run["args"]["argv"] == ["python", "train.py"] and run["args"]["gpus"] == gj.allocation["gpus"]
+    assert run["args"]["argv"] == ["python", "train.py"] and run["args"]["gpus"] == list(gj.allocation.gpus)
     crun = [x for x in n1.ops("run") if x["args"]["job"] == c.id]
     assert len(crun) == 1 and crun[0]["args"]["cpus"] == 2.0 and crun[0]["args"]["memory_bytes"] == 4 << 30
     await n1.finish(g.id, 0)
@@ -61,7 +61,7 @@ async def test_a_node_that_goes_offline_has_its_jobs_requeued_elsewhere(fake_nod
     await until(lambda: {g.id, c.id} <= set(n2.running), timeout=15, what="jobs restarted on n2")
     for j in (g, c):
         row = svc.store.get_job(j.id)
-        assert row.state == "running" and row.allocation["node"] == "n2" and row.attempts == 2
+        assert row.state == "running" and row.allocation.node == "n2" and row.attempts == 2
         assert "requeued" in [e["kind"] for e in svc.store.events(job=j.id)]
 
 
@@ -101,14 +101,26 @@ async def test_a_cpu_job_whose_start_was_in_flight_at_a_crash_is_started_after_r
     n1.drop_ops = set()
     svc2 = await live_service.start(db)
     await until(lambda: job in n1.running, what="the unacknowledged start is sent again")
-    # Several telemetry reports with the job in them: it must not be taken for vanished.
-    reports = []
-    handle = svc2.on_telemetry
-    svc2.on_telemetry = lambda t: (reports.append(t["node"]), handle(t))
-    await until(lambda: reports.count("n1") > VANISHED_AFTER, what="telemetry reports after the restart")
-    assert job not in svc2.nodes["n1"].missing
+    # Telemetry for longer than the vanish limit (1.5 s) with the job in it: it is not taken for vanished.
+    start = n1.reports
+    await until(lambda: n1.reports > start + 8, what="telemetry reports after the restart")
+    assert not svc2.core.watch.missing_since and svc2.core.watch.started == {job: {"n1"}}
     assert svc2.store.get_job(job).state == "running"
     assert len({c["id"] for c in n1.commands if c["op"] == "run"}) == 1  # the same command id, re-sent
+
+
+async def test_a_job_its_node_stops_listing_vanishes_and_is_released(fake_node, live_service):
+    n1 = await fake_node("n1", cpus=8, gpus=1)
+    svc = await live_service.start()
+    await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
+    job = svc.submit(dict(GPU_JOB))[0].id
+    await until(lambda: job in svc.core.watch.started, what="the node confirmed the start")
+    n1.hidden.add(job)  # the node forgets the job without an exit (a daemon restarted, a lost event)
+    await until(lambda: svc.store.get_job(job).state == "failed", timeout=15, what="the vanished job failed")
+    row = svc.store.get_job(job)
+    assert "no longer reports the job" in row.reason and row.allocation is None
+    await until(lambda: any(c["args"]["job"] == job for c in n1.ops("release")), what="released on its node")
+    assert svc.core.records[job].job.state.value == "failed" and svc.core.free_gpus == 1
 
 
 _TOPICS = st.sampled_from(["dlshare/v1/node/n1/telemetry", "dlshare/v1/node/n1/state", "dlshare/v1/node/n1/reply",
@@ -182,7 +194,7 @@ async def test_a_crash_between_logging_a_placement_and_acting_on_it(fake_node, l
     await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
     # Die right after the batch and its decisions are logged: no row update, no command.
     svc.carrier.mark_placed = lambda *a, **k: None
-    svc.commands.spawn = lambda coro: coro.close()
+    svc.commands.spawn = lambda coro, key=None: coro.close()
     job = svc.submit(dict(GPU_JOB))[0].id
     await until(lambda: job in svc.core.running, what="the core placed it")
     assert svc.store.get_job(job).state == "queued" and not n1.ops("run")
@@ -190,4 +202,4 @@ async def test_a_crash_between_logging_a_placement_and_acting_on_it(fake_node, l
     svc2 = await live_service.start(db, profile="fifo")
     await until(lambda: job in n1.running, what="the logged placement carried out after the restart")
     row = svc2.store.get_job(job)
-    assert row.state == "running" and row.allocation["node"] == "n1" and len(n1.ops("run")) == 1
+    assert row.state == "running" and row.allocation.node == "n1" and len(n1.ops("run")) == 1

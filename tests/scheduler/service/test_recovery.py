@@ -22,7 +22,7 @@ def _placements(svc: SchedulerService) -> dict[str, tuple]:
 async def test_a_database_logged_with_the_old_event_keys_replays_after_an_upgrade(tmp_path, caplog):
     db = tmp_path / "s.db"
     svc = SchedulerService(JobStore(db, synchronous="NORMAL"), profile="fifo")
-    svc.on_telemetry(telemetry("n1", gpus=2))
+    svc.translator.on_telemetry(telemetry("n1", gpus=2))
     jobs = [svc.submit(dict(GPU_JOB))[0].id for _ in range(3)]
     svc.round()  # one logged batch: the node, three arrivals; two placements
     before = _placements(svc)
@@ -46,8 +46,9 @@ async def test_a_database_logged_with_the_old_event_keys_replays_after_an_upgrad
     try:
         assert _placements(svc2) == before  # the same decisions, from the old log
         assert set(svc2.core.waiting) == set(jobs) - set(before)
-        # and the replayed decisions are the ones the table knows (same ids): nothing new to carry out
-        assert {svc2.carrier.decision_id(d) for d in svc2.recovery.resend} <= set(svc2.store.decision_states())
+        # and what it re-sends are the decisions the table has pending (same ids): nothing new
+        assert svc2.recovery.resend
+        assert {did for did, _ in svc2.recovery.resend} == {r.id for r in svc2.store.pending_decisions()}
         assert not [r for r in caplog.records if "unreadable" in r.getMessage()]
     finally:
         await svc2.stop()

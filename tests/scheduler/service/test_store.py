@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from scheduler import Job, JobArrived, JobFinished, JobSample, Node, NodeLost, NodeReport, Tick
 from scheduler.service.core_log import CoreLogError, decode_event, encode_event
-from scheduler.service.store import ConflictError, DecisionRow, JobStore, load_or_create_token
+from scheduler.service.journal import Journal
+from scheduler.service.store import ConflictError, DecisionRow, JobAllocation, JobStore, load_or_create_token
 
 
 def test_wal_mode_and_job_round_trip(tmp_path):
@@ -23,25 +24,90 @@ def test_wal_mode_and_job_round_trip(tmp_path):
     assert s.add_job("j1", {"gpus": 1, "command": ["x"]})[1] is False
     with pytest.raises(ConflictError):
         s.add_job("j1", {"gpus": 2, "command": ["x"]})
-    s.update_job("j1", event="placed", node="n1", state="running", allocation={"node": "n1", "cpus": 1.0})
+    alloc = JobAllocation("n1", (0,), 1.0, 1 << 30, (("n1", (0,)),))
+    s.update_job("j1", event="placed", node="n1", state="running", allocation=alloc)
     s.close()
     s2 = JobStore(tmp_path / "a.db")
     j = s2.get_job("j1")
-    assert j.state == "running" and j.allocation == {"node": "n1", "cpus": 1.0}
+    assert j.state == "running" and j.allocation == alloc and j.as_api()["allocation"]["gpus"] == [0]
     assert [e["kind"] for e in s2.events(job="j1")] == ["submitted", "placed"]
     with pytest.raises(ValueError, match="unknown job fields"):
         s2.update_job("j1", colour="red")
+    # A job that is over stays over: the loop's later bookkeeping cannot revive it.
+    assert s2.update_job("j1", event="cancelled", state="cancelled", only_active=True)
+    assert not s2.update_job("j1", event="placed", state="running", only_active=True)
+    assert s2.get_job("j1").state == "cancelled" and [e["kind"] for e in s2.events(job="j1")][-1] == "cancelled"
 
 
 def test_decisions_are_idempotent_by_id(store):
     d = DecisionRow(id="ev-1/place/j1", kind="place", job="j1", node="n1", data={"gpus": [0]})
-    assert store.record_batch(1, [("ev-1", '{"type":"Tick","id":"ev-1","now":1.0}')], [d]) == [True]
-    assert store.record_batch(1, [("ev-1", '{"type":"Tick","id":"ev-1","now":1.0}')], [d]) == [False]
+    j = Journal(store)
+    j.record_batch(1, [("ev-1", '{"type":"Tick","stimulus_id":"ev-1","now":1.0}')], [{"type": "Wakeup"}], [d])
+    j.record_batch(1, [("ev-1", '{"type":"Tick","stimulus_id":"ev-1","now":1.0}')], [{"type": "Wakeup"}], [d])
     assert store.record_decision(d) is False
+    assert [r.id for r in store.pending_decisions()] == [d.id] and store.pending_decisions()[0].batch == 1
     store.set_decision_state(d.id, "acked", {"pid": 7})
     assert store.decision(d.id).state == "acked" and store.decision(d.id).reply == {"pid": 7}
     assert store.pending_decisions() == []
-    assert [b for b, _ in store.core_batches()] == [1]
+    assert [b for b, _ in j.batches()] == [1] and j.recorded_decisions() == {1: [{"type": "Wakeup"}]}
+    assert j.last_batch() == 1
+
+
+def test_a_snapshot_compacts_the_log_in_one_transaction(store):
+    j = Journal(store)
+    for b in range(1, 6):
+        rows = [DecisionRow(id=f"d{b}", kind="place", job=f"j{b}", node=None, state="acked" if b < 3 else "pending")]
+        j.record_batch(b, [(f"e{b}", f'{{"type":"Tick","stimulus_id":"e{b}","now":{b}}}')], [], rows)
+    # A fault inside the transaction leaves everything as it was (as a kill -9 would).
+    real = store.clock
+
+    def boom():
+        raise RuntimeError("killed mid-compaction")
+
+    store.clock = boom
+    with pytest.raises(RuntimeError):
+        j.write_snapshot(3, b"snap", {"batch": 3})
+    store.clock = real
+    assert j.latest_snapshot() is None and [b for b, _ in j.batches()] == [1, 2, 3, 4, 5]
+    assert j.write_snapshot(3, b"snap", {"batch": 3}) == 3
+    snap = j.latest_snapshot()
+    assert (snap.batch, snap.data, snap.header) == (3, b"snap", {"batch": 3})
+    assert [b for b, _ in j.batches()] == [4, 5] and j.first_batch() == 4 and j.last_batch() == 5
+    assert store.decision("d1") is None and store.decision("d3") is not None  # pending rows stay
+    assert j.events_after(3) == 2
+
+
+def test_a_version_1_database_is_upgraded_in_place(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "v1.db"
+    con = sqlite3.connect(path)
+    con.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema', '1');
+        CREATE TABLE decisions (id TEXT PRIMARY KEY, ts REAL NOT NULL, kind TEXT NOT NULL, job TEXT, node TEXT,
+                                data TEXT NOT NULL, state TEXT NOT NULL, reply TEXT);
+        INSERT INTO decisions VALUES ('old/place/j', 1.0, 'place', 'j', NULL, '{}', 'pending', NULL);
+    """)
+    con.commit()
+    con.close()
+    s = JobStore(path)
+    assert [r.id for r in s.pending_decisions()] == ["old/place/j"] and s.pending_decisions()[0].batch is None
+    assert s.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+    s.close()
+
+
+def test_each_thread_has_its_own_connection(tmp_path):
+    import threading
+
+    s = JobStore(tmp_path / "t.db")
+    mine = s.db
+    seen = []
+    t = threading.Thread(target=lambda: (seen.append(s.db), s.add_job("from-thread", {"gpus": 0, "command": ["x"]})))
+    t.start()
+    t.join()
+    assert seen[0] is not mine and s.get_job("from-thread") is not None
+    s.close()
 
 
 def test_token_generated_once_with_mode_0600(tmp_path):
