@@ -28,6 +28,7 @@ from typing import Any
 from aggregator import kernel
 from aggregator.core import (DEFAULT_MAX_JOB_BYTES, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
                              Release, Send, Tick)
+from aggregator.membership import DrainAck
 from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MsgType, ProtocolError, error, parse_header, parse_hello)
 from aggregator.scheduling import PoolController
@@ -279,6 +280,8 @@ class AggregationServer:
                 elif h.mtype == MsgType.BYE:
                     orderly = True
                     break
+                elif h.mtype == MsgType.DRAINED:
+                    self._handle(DrainAck(str(next(self._eids)), time.monotonic(), conn))
                 else:
                     conn.send(error("bad_message", f"a server does not accept {h.mtype.name} messages"))
                     break
@@ -319,6 +322,8 @@ class AggregationServer:
         with self._lock:
             jobs = self.core.summary()
             draining = self.core.draining
+            drain = {"pending_units": self.core.pending_units(), "ranks_left": self.core.drain_ranks_left(),
+                     "moved": self.core.moved()} if draining else None
         return {
             "server": self.server_id,
             "address": f"{self.address[0]}:{self.address[1]}",
@@ -334,6 +339,7 @@ class AggregationServer:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "draining": draining,
+            "drain": drain,
             "kernel": "avx2+f16c" if kernel.uses_simd() else "scalar",
         }
 
@@ -355,7 +361,8 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
         pool = st["pool"]
         summary = {"cores": pool["size"], "min_cores": pool["min"], "max_cores": pool["max"],
                    "busy": pool["busy_fraction"], "cores_avg": pool["cores_avg"], "jobs": sorted(st["jobs"]),
-                   "bytes_in_per_s": rate_in, "draining": st["draining"]}
+                   "bytes_in_per_s": rate_in, "draining": st["draining"],
+                   "drained": bool(st["drain"] and st["drain"]["moved"])}
         return messages.encode({"status": "online", "server": sid, "address": st["address"], "ts": time.time(),
                                 "summary": summary})
 

@@ -77,13 +77,17 @@ def test_ddp_four_ranks_within_1e6_relative_on_two_servers(agg_servers, tmp_path
     for res in results[1:]:
         for p, q in zip(results[0]["hook"], res["hook"]):
             assert torch.equal(p, q)  # every rank holds the same parameters
-    # Exactly the servers the client's hash ring routes the buckets to received data (which ones
-    # depends on the servers' random ports; a bucket is one chunk at this size).
-    from aggregator.client import HashRing
+    # Each server received exactly the bytes of the buckets the client's placement gives it (which
+    # one depends on the servers' random ports; a 10 KiB bucket is one chunk).
+    from aggregator.placement import Placement
 
-    ring = HashRing([addr(s) for s in servers])
-    want = {ring.route(f"ddp4/{key}/0") for res in results for _, key, _ in res["seen"]}
-    assert want and {addr(s) for s in servers if s.bytes_in > 0} == want
+    place = Placement([addr(s) for s in servers], "ddp4")
+    want = {addr(s): 0 for s in servers}
+    for res in results:
+        for _, key, numel in res["seen"]:
+            want[place.server_for(key, 0)] += numel * 4
+    assert {addr(s): s.bytes_in for s in servers} == want
+    assert sum(v > 0 for v in want.values()) == 2  # both servers were used
 
 
 def _initial() -> list[torch.Tensor]:
