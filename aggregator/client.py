@@ -172,6 +172,14 @@ class Client:
         self._sendq.put(opr)
         return fut
 
+    def stats(self) -> dict[str, Any]:
+        """Per server: link state, the round it joined from, payload bytes pushed; and the retries."""
+        with self.cond:
+            return {"retries": self.retries, "next_round": self.next_round,
+                    "servers": {a: {"state": link.state, "joined_from": link.joined_from,
+                                    "draining_from": link.drain_from, "bytes_sent": link.bytes_sent,
+                                    "why": link.why} for a, link in self.links.items()}}
+
     def close(self) -> None:
         with self.cond:
             if self.closed:

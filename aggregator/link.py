@@ -70,6 +70,7 @@ class ServerLink:
         self.backoff = PROBE_MIN_S
         self.connecting = False
         self.sender: threading.Thread | None = None
+        self.bytes_sent = 0  # chunk payload bytes pushed here, over all connections
 
     def __repr__(self) -> str:
         return f"<link {self.addr} {self.state}>"
@@ -215,6 +216,8 @@ class ServerLink:
                 payload = u.payload()
             try:
                 send_all(sock, hdr, payload)
+                if payload is not None:
+                    self.bytes_sent += len(payload)
             except OSError as exc:
                 c.link_lost(self, sock, f"lost connection to aggregation server {self.addr}: {exc}")
                 return

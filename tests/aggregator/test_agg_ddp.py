@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6) -> list[dict]:
+def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6, extra: tuple = ()) -> list[dict]:
     init = f"tcp://127.0.0.1:{_free_port()}"
     procs, outs = [], []
     for rank in range(world):
@@ -31,7 +31,7 @@ def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6) -> 
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "ddp_worker.py"), "--rank", str(rank), "--world", str(world), "--init", init,
-             "--agg", ",".join(servers), "--steps", str(steps), "--out", str(out), "--job", f"ddp{world}"],
+             "--agg", ",".join(servers), "--steps", str(steps), "--out", str(out), "--job", f"ddp{world}", *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         for p in procs:
@@ -88,6 +88,20 @@ def test_ddp_four_ranks_within_1e6_relative_on_two_servers(agg_servers, tmp_path
             want[place.server_for(key, 0)] += numel * 4
     assert {addr(s): s.bytes_in for s in servers} == want
     assert sum(v > 0 for v in want.values()) == 2  # both servers were used
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_ddp_with_wire_compression_sends_half_the_bytes_and_stays_close(agg_servers, tmp_path, wire):
+    (srv,) = agg_servers(1, max_cores=2)
+    results = _run_ddp(2, [addr(srv)], tmp_path, extra=("--compress", wire))
+    sent = sum(numel for res in results for _, _, numel in res["seen"])
+    assert srv.bytes_in == 2 * sent  # 16-bit elements on the wire, not 32
+    tol = {"fp16": 2e-3, "bf16": 2e-2}[wire]  # the wire rounding of each step's mean gradient
+    for res in results:
+        diffs = [(p - q).abs().max().item() for p, q in zip(res["plain"], res["hook"])]
+        assert 0 < max(diffs) < tol, diffs  # it did round, and only a little
+    for p, q in zip(results[0]["hook"], results[1]["hook"]):
+        assert torch.equal(p, q)  # both ranks got the same rounded means
 
 
 def _initial() -> list[torch.Tensor]:
