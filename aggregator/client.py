@@ -217,10 +217,7 @@ class Client:
         opr.nchunks = opr.left = len(parts)
         units = []
         for c, (first, count) in enumerate(parts):
-            u = Unit(opr, c, first * size, count * size, opr.numel)
-            if self.failover:
-                u.copy = self._copies.take(memoryview(opr.data)[u.offset:u.offset + u.nbytes])
-            units.append(u)
+            units.append(Unit(opr, c, first * size, count * size, opr.numel))
         return units
 
     def _dispatch(self, opr: Op) -> None:
@@ -316,7 +313,9 @@ class Client:
                             fails.append((u.op, "client closed"))
                         self._copies.give(u.copy)
                         continue
-                    target = self._route(u, avoid=link) if self.failover and u.copy is not None else None
+                    # a unit never sent has no copy yet: its bytes are still the caller's, untouched
+                    retry = self.failover and (u.copy is not None or not u.done)
+                    target = self._route(u, avoid=link) if retry else None
                     if target is None:
                         if ours:
                             fails.append((u.op, why if not self.failover else
@@ -338,6 +337,20 @@ class Client:
         for opr, msg in fails:
             opr.fail(AggregationError(msg, "closed" if msg == "client closed" else "server_lost", opr.round))
         self._wake.set()
+
+    def keep_copy(self, link: ServerLink, u: Unit) -> None:
+        """(a link's sender, just before pushing ``u``) Keep the bytes for a retry elsewhere.
+
+        Taken here rather than at dispatch, so the copies run in each server's sender thread,
+        overlapped with the sends; the bytes cannot change before this push, as the result that
+        overwrites them needs it."""
+        if not self.failover or u.copy is not None or u.contrib:
+            return
+        buf = self._copies.take(memoryview(u.op.data)[u.offset:u.offset + u.nbytes])
+        with self.cond:
+            if u.copy is None and link.units.get(u.uid) is u:
+                u.copy, buf = buf, None
+        self._copies.give(buf)
 
     def unit_answered(self, link: ServerLink, u: Unit) -> None:
         with self.cond:

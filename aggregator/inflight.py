@@ -2,9 +2,10 @@
 
 An :class:`Op` is one ``allreduce`` call.  It is cut into :class:`Unit` s, one
 per chunk, each sent to one server.  With failover on, a unit keeps a copy of
-the bytes it pushed until a later round of this rank completes: if its server
-dies, the copy is pushed again to the chunk's next server, whether or not this
-rank already has the result (a peer may still be waiting for it).
+the bytes it pushed (taken just before the push) until a later round of this
+rank completes: if its server dies, the copy is pushed again to the chunk's
+next server, whether or not this rank already has the result (a peer may still
+be waiting for it).
 """
 
 from __future__ import annotations

@@ -210,6 +210,7 @@ class ServerLink:
                     if not u.needed():
                         del self.units[u.uid]
                         continue
+                c.keep_copy(self, u)
                 o = u.op
                 hdr = data_header(MsgType.PUSH, o.dtype, o.op, self.handle, c.rank, c.world, o.round, o.key,
                                   u.chunk, o.nchunks, u.nbytes, u.numel).pack()
