@@ -79,11 +79,11 @@ class _Sampler(threading.Thread):
         self.stop = threading.Event()
 
     def _sample(self) -> None:
-        cpu: dict[str, float] = {}
+        cpu: dict[str, tuple[int, float]] = {}
         for host, p in list(self.procs.items()):
             try:
                 t = psutil.Process(p.pid).cpu_times()
-                cpu[host] = t.user + t.system + t.children_user + t.children_system
+                cpu[host] = (p.pid, t.user + t.system + t.children_user + t.children_system)
             except (psutil.Error, AttributeError):
                 pass
         ct = psutil.cpu_times()
@@ -109,11 +109,17 @@ class _Sampler(threading.Thread):
             out["sent"][h] = at(lambda r: r[1][h][0], t1) - at(lambda r: r[1][h][0], t0)
             out["recv"][h] = at(lambda r: r[1][h][1], t1) - at(lambda r: r[1][h][1], t0)
         for h in {k for r in rows for k in r[2]}:
-            mine = [r for r in rows if h in r[2]]
-            if len(mine) >= 2 and mine[0][0] <= t0 and mine[-1][0] >= t1:
-                xs = [r[0] for r in mine]
-                out["cpu_s"][h] = float(np.interp(t1, xs, [r[2][h] for r in mine])
-                                        - np.interp(t0, xs, [r[2][h] for r in mine]))
+            # a restarted server is a new process: add up the CPU of each process over its part of the window
+            total, seen = 0.0, False
+            for pid in {r[2][h][0] for r in rows if h in r[2]}:
+                mine = [(r[0], r[2][h][1]) for r in rows if h in r[2] and r[2][h][0] == pid]
+                a, b = max(t0, mine[0][0]), min(t1, mine[-1][0])
+                if len(mine) >= 2 and a < b:
+                    xs, ys = [m[0] for m in mine], [m[1] for m in mine]
+                    total += float(np.interp(b, xs, ys) - np.interp(a, xs, ys))
+                    seen = True
+            if seen:
+                out["cpu_s"][h] = total
         busy = at(lambda r: r[3][0], t1) - at(lambda r: r[3][0], t0)
         total = at(lambda r: r[3][1], t1) - at(lambda r: r[3][1], t0)
         out["machine_busy"] = busy / total if total > 0 else None
