@@ -308,11 +308,14 @@ class Client:
                     link.why_code = "server_lost"
                 for u in units:
                     ours = not u.done and not u.contrib and not u.op.done
-                    if closing or not u.needed():
+                    failed = u.op.done and not u.op.ok and not u.contrib  # our op gave up: nobody needs it
+                    if closing or failed or (u.contrib and u.done):
                         if ours:
                             fails.append((u.op, "client closed"))
                         self._copies.give(u.copy)
                         continue
+                    # what is left: our reductions still in flight, and chunks whose result we have
+                    # (kept since) that peers may still be waiting for: both go to the next server
                     # a unit never sent has no copy yet: its bytes are still the caller's, untouched
                     retry = self.failover and (u.copy is not None or not u.done)
                     target = self._route(u, avoid=link) if retry else None

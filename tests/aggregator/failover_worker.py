@@ -1,4 +1,4 @@
-"""One rank of the DDP failover test: train with the hook; rank 0 may kill -9 a server mid-step.
+"""One rank of the DDP failover test: train with the hook; rank 0 may kill -9 a server mid-round.
 
 Run by test_agg_failover.py as a real process.  Writes the final parameters, the
 client's retry count and how many bytes it pushed to the victim before and after.
@@ -24,16 +24,17 @@ from aggregator import Client  # noqa: E402
 from aggregator.torch import AggState, comm_hook  # noqa: E402
 
 
-class KillingClient(Client):
-    """Kills the victim right after pushing the first bucket of step ``kill_step`` (a round in flight)."""
+class Killer:
+    """The hook, plus a kill -9 of the victim right after the last bucket of step ``kill_step`` is handed
+    over: every bucket of that round is then in flight or kept for a retry, on every rank."""
 
-    def __init__(self, *a, kill_pid: int = 0, kill_step: int = -1, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, kill_pid: int, kill_step: int) -> None:
         self.kill_pid, self.kill_step, self.killed = kill_pid, kill_step, False
 
-    def allreduce_async(self, x, op="mean", key=0, round=None):
-        fut = super().allreduce_async(x, op, key, round)
-        if self.kill_pid and round == self.kill_step and not self.killed:
+    def hook(self, state: AggState, bucket):
+        rnd = state.iteration
+        fut = comm_hook(state, bucket)
+        if self.kill_pid and rnd == self.kill_step and bucket.is_last() and not self.killed:
             self.killed = True
             os.kill(self.kill_pid, signal.SIGKILL)
         return fut
@@ -53,9 +54,9 @@ def main() -> int:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
     ddp = DDP(model, bucket_cap_mb=0.05)  # several buckets a step
-    client = KillingClient(servers, a.job, a.rank, a.world, chunk_bytes=16 << 10, timeout_s=60,
-                           kill_pid=a.kill_pid if a.rank == 0 else 0, kill_step=a.kill_step)
-    ddp.register_comm_hook(AggState(client), comm_hook)
+    client = Client(servers, a.job, a.rank, a.world, chunk_bytes=16 << 10, timeout_s=60)
+    killer = Killer(a.kill_pid if a.rank == 0 else 0, a.kill_step)
+    ddp.register_comm_hook(AggState(client), killer.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + a.rank)
     at_kill, times, done = None, [], 0
@@ -73,7 +74,7 @@ def main() -> int:
     st = client.stats()
     client.close()
     torch.save({"params": [p.detach().clone() for p in model.parameters()], "steps": done,
-                "retries": st["retries"], "killed": client.killed, "max_step_s": max(times),
+                "retries": st["retries"], "killed": killer.killed, "max_step_s": max(times),
                 "sent_to_victim_at_kill": at_kill,
                 "sent_to_victim_after": st["servers"][victim]["bytes_sent"] if victim else None}, a.out)
     dist.destroy_process_group()

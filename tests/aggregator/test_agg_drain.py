@@ -83,3 +83,21 @@ def test_drain_of_a_server_nobody_answers_for_fails_clearly(mosquitto):
     out = subprocess.run([sys.executable, "-m", "nodesvc.cli", "agg", "drain", "--broker", mosquitto.url],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "name the server to drain" in out.stderr
+
+
+def test_status_shows_draining_and_drained_and_ignores_malformed_flags():
+    from nodesvc.cli.status import render, summarize
+
+    doc = summarize({
+        "dlshare/v1/agg/a0/state": {"status": "online", "summary": {"draining": True, "drained": False}},
+        "dlshare/v1/agg/a1/state": {"status": "online", "summary": {"draining": True, "drained": True}},
+        "dlshare/v1/agg/a2/state": {"status": "online", "summary": {"draining": "yes", "drained": 1}},
+    })
+    got = {a["server"]: (a["draining"], a["drained"]) for a in doc["aggregators"]}
+    assert got == {"a0": (True, False), "a1": (True, True), "a2": (False, False)}
+    from rich.console import Console
+
+    con = Console(record=True, width=120)
+    render(doc, con)
+    text = con.export_text()
+    assert "online (draining)" in text and "online (drained)" in text
