@@ -11,58 +11,70 @@ a step or two the jobs' rounds take turns on the servers.
 Rounds that start within ``tie_s`` of each other go in job-name order, so every
 server picks the same job (each server sees a slightly different start time,
 and servers that picked differently would hold each job back on some server).
-A job counts as busy while one of its chunks is being received or one
-arrived within ``idle_s``: a job that stops pushing (a slow rank, its compute
-phase) never holds the others back.
+A job counts as busy while one of its chunks is being received (for at most
+``stall_s`` a chunk) or one arrived within ``idle_s``: a job that stops pushing
+(a slow rank, its compute phase, a peer stalled mid-chunk) never holds the
+others back for long.  A push that waits does not make its own job busy, and a
+push of a job's earlier round never waits (it started first), so no two jobs
+can wait on each other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Hashable
 
 
 @dataclass
-class _Round:
+class _Job:
     round: int
     start: float
     last: float
-    receiving: int = 0
+    active: dict[Hashable, float] = field(default_factory=dict)  # receptions in progress -> when they began
 
 
 class RoundOrder:
-    def __init__(self, tie_s: float = 0.05, idle_s: float = 0.02) -> None:
-        self.tie_s, self.idle_s = tie_s, idle_s
-        self._jobs: dict[str, _Round] = {}
+    def __init__(self, tie_s: float = 0.05, idle_s: float = 0.02, stall_s: float = 2.0) -> None:
+        self.tie_s, self.idle_s, self.stall_s = tie_s, idle_s, stall_s
+        self._jobs: dict[str, _Job] = {}
 
-    def _round(self, job: str, rnd: int, now: float) -> _Round:
-        r = self._jobs.get(job)
-        if r is None or rnd > r.round:
-            r = self._jobs[job] = _Round(rnd, now, now, 0 if r is None else r.receiving)
-        return r
+    def note(self, job: str, rnd: int, now: float) -> None:
+        """A chunk header of round ``rnd`` was read: a later round than the job's current one starts now."""
+        j = self._jobs.get(job)
+        if j is None:
+            self._jobs[job] = _Job(rnd, now, float("-inf"))  # noted, not yet receiving: not busy
+        elif rnd > j.round:
+            j.round, j.start = rnd, now
 
-    def begin(self, job: str, rnd: int, now: float) -> None:
-        """A chunk's header was read; its payload is about to be received."""
-        r = self._round(job, rnd, now)
-        r.receiving += 1
-        r.last = now
+    def begin(self, job: str, token: Hashable, now: float) -> None:
+        """The payload of a noted chunk is being received now (after :meth:`ahead` let it)."""
+        j = self._jobs.get(job)
+        if j is not None:
+            j.active[token] = now
+            j.last = now
 
-    def end(self, job: str, now: float) -> None:
+    def end(self, job: str, token: Hashable, now: float) -> None:
         """That payload is in (or the connection broke)."""
-        r = self._jobs.get(job)
-        if r is not None:
-            r.receiving = max(0, r.receiving - 1)
-            r.last = now
+        j = self._jobs.get(job)
+        if j is not None:
+            j.active.pop(token, None)
+            j.last = now
 
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
 
+    def _busy(self, j: _Job, now: float) -> bool:
+        return now - j.last <= self.idle_s or any(now - t < self.stall_s for t in j.active.values())
+
     def ahead(self, job: str, rnd: int, now: float) -> str | None:
         """A busy job whose round goes before round ``rnd`` of ``job``, or None: read now."""
         mine = self._jobs.get(job)
+        if mine is not None and rnd < mine.round:
+            return None  # an earlier round of this job: it started before anything this job does now
         start = mine.start if mine is not None and mine.round == rnd else now
-        for other, r in self._jobs.items():
-            if other == job or (r.receiving == 0 and now - r.last > self.idle_s):
+        for other, j in self._jobs.items():
+            if other == job or not self._busy(j, now):
                 continue
-            if r.start < start - self.tie_s or (abs(r.start - start) <= self.tie_s and other < job):
+            if j.start < start - self.tie_s or (abs(j.start - start) <= self.tie_s and other < job):
                 return other
         return None

@@ -285,7 +285,7 @@ class AggregationServer:
                     finally:
                         if job is not None:
                             with self._turns:
-                                self.order.end(job, time.monotonic())
+                                self.order.end(job, conn, time.monotonic())
                                 self._turns.notify_all()
                     if not got:
                         raise ConnectionError("peer closed the connection mid-message")
@@ -336,11 +336,12 @@ class AggregationServer:
             who = self.core.conn_job.get(conn)
             if who is None:
                 return None
-            self.order.begin(who[0], h.round, time.monotonic())
+            self.order.note(who[0], h.round, time.monotonic())
             # Waits only while the job ahead is actually receiving: it ends when that round's pushes
             # pause for idle_s (the other job's compute phase, a slow rank), so nothing waits long.
             while not self._stop.is_set() and self.order.ahead(who[0], h.round, time.monotonic()):
                 self._turns.wait(self.order.idle_s)
+            self.order.begin(who[0], conn, time.monotonic())
         return who[0]
 
     def _finish(self, conn: _Conn) -> None:
