@@ -15,8 +15,13 @@ Reduce from every rank of a job (in place, like ``torch.distributed.all_reduce``
 Or let DDP use it: ``ddp.register_comm_hook(AggState(client), comm_hook)`` with
 ``from aggregator.torch import AggState, comm_hook``.
 
+Give a client several servers and it stripes each tensor over them; when one dies it
+retries that server's chunks on the others and uses it again once it is back
+(aggregator/client.py, aggregator/membership.py).
+
 Operators: telemetry on ``dlshare/v1/agg/<id>/telemetry``, retained state with a load
-summary on ``.../state``, commands ``ping``, ``stats`` and ``drain`` on ``.../cmd``.
+summary on ``.../state``, commands ``ping``, ``stats`` and ``drain`` on ``.../cmd``
+(``dlshare agg drain ID`` sends ``drain`` and waits until the server's jobs have moved).
 
 Public names: :class:`Client` and :class:`AggregationError` (floor 1, loaded with the
 package); :class:`AggregationServer` and :func:`serve` (floor 2, the server shell) are loaded

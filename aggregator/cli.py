@@ -1,22 +1,37 @@
-"""``dlshare agg``: run one shared aggregation server.
+"""``dlshare agg``: run one shared aggregation server, or drain one.
 
     dlshare agg --listen 127.0.0.1:7700 --broker mqtt://127.0.0.1:1883 --id agg0
+    dlshare agg drain agg0 --broker mqtt://127.0.0.1:1883   # returns once its jobs have moved
 
-Without a console script: ``python -m aggregator.cli [same flags]``.  An empty
-broker (``--broker ''``) runs without MQTT telemetry.  Drain it by sending
-``{"id":..,"op":"drain"}`` to ``dlshare/v1/agg/<id>/cmd``.
+Without a console script: ``python -m aggregator.cli [same arguments]``.  An
+empty broker (``--broker ''``) runs a server without MQTT telemetry.  Draining
+sends ``drain`` to ``dlshare/v1/agg/<id>/cmd``, then polls ``stats`` until
+nothing is in flight on the server and every rank of every job it served has
+said it has nothing left there (or has left); ``--no-wait`` returns at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import threading
+import time
+from typing import Any
 
 from aggregator.server import resolve, serve  # also registers the [agg] config section
 
 
 def _run(args, cfg) -> int:
+    if args.action == "drain":
+        if not args.server:
+            print("dlshare agg drain: name the server to drain (its --id, e.g. agg0)", file=sys.stderr)
+            return 2
+        return _drain_cmd(args, cfg)
+    if args.server:
+        print(f"dlshare agg: unexpected argument {args.server!r} (did you mean `dlshare agg drain "
+              f"{args.server}`?)", file=sys.stderr)
+        return 2
     cfg = resolve(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -25,17 +40,112 @@ def _run(args, cfg) -> int:
     return 0
 
 
+async def drain(broker: str, server: str, wait: bool = True, timeout_s: float = 600.0, poll_s: float = 0.5,
+                progress=None) -> dict[str, Any]:
+    """Drain aggregation server ``server`` and (``wait``) return its stats once the move finished.
+
+    Raises :class:`nodesvc.bus.rpc.CommandError` when the server refuses or does not answer, and
+    :class:`TimeoutError` when the move does not finish within ``timeout_s``.
+    """
+    import aiomqtt
+
+    from nodesvc.bus import messages
+    from nodesvc.bus.mqtt import parse_broker_url
+    from nodesvc.bus.rpc import Correlator
+
+    addr = parse_broker_url(broker)
+    rpc = Correlator("dlshare-agg-drain", timeout_s=10.0)
+    async with aiomqtt.Client(addr.host, addr.port, username=addr.username, password=addr.password,
+                              identifier=rpc.prefix + f"-{time.monotonic_ns()}", timeout=5) as client:
+        await client.subscribe(messages.topic("agg", server, "reply"), qos=1)
+
+        async def pump() -> None:
+            async for msg in client.messages:
+                try:
+                    rpc.resolve(messages.decode(msg.payload))
+                except messages.PayloadError:
+                    continue
+
+        async def publish(topic: str, payload: bytes, qos: int) -> bool:
+            try:
+                await client.publish(topic, payload, qos=qos)
+            except aiomqtt.MqttError:
+                return False
+            return True
+
+        task = asyncio.create_task(pump())
+        try:
+            t0 = time.monotonic()
+            await rpc.call(publish, server, "drain", kind="agg")
+            st = await rpc.call(publish, server, "stats", kind="agg")
+            while wait:
+                d = st.get("drain") or {}
+                if d.get("moved"):
+                    break
+                if progress:
+                    progress(d, time.monotonic() - t0)
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(f"server {server} still holds work after {timeout_s:g} s: "
+                                       f"{d.get('pending_units')} reductions in flight, ranks left "
+                                       f"{d.get('ranks_left')}")
+                await asyncio.sleep(poll_s)
+                st = await rpc.call(publish, server, "stats", kind="agg")
+            st["waited_s"] = round(time.monotonic() - t0, 3)
+            return st
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _drain_cmd(args, cfg) -> int:
+    import aiomqtt
+
+    from nodesvc.bus.rpc import CommandError
+
+    broker = cfg["dlshare"]["broker"]
+    shown: list[str] = []
+
+    def progress(d: dict, waited: float) -> None:
+        line = (f"{args.server}: draining: {d.get('pending_units', '?')} reductions in flight, "
+                f"ranks still sending here: {d.get('ranks_left') or '{}'}")
+        if not shown or shown[-1] != line:
+            print(line, flush=True)
+            shown.append(line)
+
+    try:
+        st = asyncio.run(drain(broker, args.server, not args.no_wait, args.wait_timeout, progress=progress))
+    except (CommandError, TimeoutError) as exc:
+        print(f"dlshare agg drain: {exc}", file=sys.stderr)
+        return 1
+    except aiomqtt.MqttError as exc:
+        print(f"dlshare agg drain: cannot reach broker {broker}: {exc}", file=sys.stderr)
+        return 1
+    jobs = sorted(st.get("jobs") or {})
+    if args.no_wait:
+        print(f"{args.server}: draining (not waiting); jobs: {', '.join(jobs) or 'none'}")
+    else:
+        print(f"{args.server}: drained in {st['waited_s']:.1f} s: its jobs' rounds now go to their other "
+              f"servers (jobs still connected: {', '.join(jobs) or 'none'})")
+    return 0
+
+
 def register(sub) -> None:
     from nodesvc.cli import add_command, config_flag
 
-    p = add_command(sub, "agg", _run, "run a shared gradient aggregation server (one elastic CPU pool)",
-                    sections=["agg"])
+    p = add_command(sub, "agg", _run, "run a shared gradient aggregation server (one elastic CPU pool), "
+                    "or drain one", sections=["agg"])
+    p.add_argument("action", nargs="?", choices=["serve", "drain"], default="serve",
+                   help="serve (default) or drain a running server")
+    p.add_argument("server", nargs="?", help="drain: the server's id (its --id)")
     config_flag(p, "--listen", "agg", "listen", help="HOST:PORT for workers (default 127.0.0.1:7700)")
-    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL for telemetry ('' for none)")
+    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL ('' for none when serving)")
     config_flag(p, "--id", "agg", "id", help="server id in MQTT topics (default agg0)")
     config_flag(p, "--min-cores", "agg", "min_cores", help="smallest pool size")
     config_flag(p, "--max-cores", "agg", "max_cores", help="largest pool size (0: all CPUs)")
     config_flag(p, "--round-timeout-s", "agg", "round_timeout_s", help="fail a round after this many seconds")
+    p.add_argument("--no-wait", action="store_true", help="drain: return once the server is draining")
+    p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
+                   help="drain: give up waiting after S seconds (default 600)")
 
 
 if __name__ == "__main__":

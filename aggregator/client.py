@@ -1,76 +1,47 @@
 """``aggregator.Client``: all-reduce numpy arrays and torch tensors through aggregation servers.
 
-A tensor is split into chunks (4 MiB by default); chunk ``(key, c)`` goes to
-the server its consistent hash picks, so several servers share the key space.
-Chunks are pipelined: all are sent before any result is awaited, and results
-are received straight into the caller's buffer (reductions are in place, like
-``torch.distributed.all_reduce``).
+A tensor is cut into equal chunks (at most 4 MiB by default, as many as the
+servers need for an even share) and chunk ``c`` of key ``k`` goes to the
+server aggregator/placement.py picks, so several servers share the key space
+evenly.  Each server has its own sender thread, so pushes to all servers
+proceed at once; results are received straight into the caller's buffer
+(reductions are in place, like ``torch.distributed.all_reduce``).
 
-Faults: a lost server fails the rounds in flight on it with
-:class:`AggregationError` and is reconnected on next use, so a job goes on
-from its next round after a server restart.  A server's ERROR (a peer died,
-a timeout, a shape/dtype mismatch) fails that round with the server's text.
+Failover (``failover=True``, the default): when a server dies, the chunks it
+held are pushed again, from copies kept for the purpose, to the servers the
+consistent-hash ring names for them; every other chunk stays where it was.
+The round in flight finishes there without double counting (each rank
+contributes each chunk once to each server), and training goes on without an
+error.  A rank keeps the copies of a round until one of its later rounds
+completes, which covers ranks that step in lockstep as DDP does.  The dead
+server is probed in the background; when it is back, every rank uses it again
+from a round the server picks once all ranks have reconnected
+(aggregator/membership.py).  With ``failover=False`` a lost server fails the
+rounds in flight on it, as a server error does.
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import itertools
 import logging
 import queue
-import socket
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from aggregator.core import ALL
-from aggregator.protocol import (HEADER_SIZE, DType, MsgType, Op, ProtocolError, data_header, hello,
-                                 parse_body, parse_header)
-from aggregator.sockio import SOCK_BUF, recv_exact, send_all
-from nodesvc.bus.procs import split_hostport
+from aggregator.inflight import AggregationError, CopyPool, Op, Unit
+from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
+from aggregator.placement import HashRing, NoServer, Placement, split
+from aggregator.protocol import DType, Header, MsgType, Op as ReduceOp
+
+__all__ = ["Client", "AggregationError", "HashRing", "as_bytes", "make_layout"]
 
 log = logging.getLogger("dlshare.agg.client")
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-VNODES = 64  # virtual nodes per server on the hash ring: spreads keys evenly over few servers
-
-
-class AggregationError(RuntimeError):
-    """A round that could not complete; the message says why (from the server when it knows)."""
-
-    def __init__(self, message: str, code: str = "error", round: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.round = round
-
-
-def _h64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-class HashRing:
-    """Consistent hashing of (job, key, chunk) onto servers; skips servers draining for a round."""
-
-    def __init__(self, servers: list[str]) -> None:
-        if not servers:
-            raise ValueError("need at least one aggregation server")
-        self.servers = list(dict.fromkeys(servers))
-        pts = sorted((_h64(f"{s}#{i}"), s) for s in self.servers for i in range(VNODES))
-        self._hashes = [p[0] for p in pts]
-        self._owners = [p[1] for p in pts]
-
-    def route(self, item: str, skip: set[str] = frozenset()) -> str:
-        if len(skip) >= len(self.servers):
-            raise AggregationError(f"every aggregation server ({', '.join(self.servers)}) is draining", "draining")
-        i = bisect.bisect(self._hashes, _h64(item)) % len(self._hashes)
-        while self._owners[i] in skip:
-            i = (i + 1) % len(self._hashes)
-        return self._owners[i]
 
 
 def as_bytes(x: Any) -> tuple[np.ndarray, DType]:
@@ -115,230 +86,27 @@ def make_layout(spec: dict[int, Any]):
     return tuple(sorted(out))
 
 
-@dataclass
-class _Op:
-    target: Any
-    data: np.ndarray  # uint8 view of target
-    dtype: DType
-    op: Op
-    round: int
-    key: int
-    nchunks: int
-    numel: int
-    future: Future
-    started: float
-    left: int = 0
-    done: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail(self, exc: AggregationError) -> None:
-        with self.lock:
-            if self.done:
-                return
-            self.done = True
-        self.future.set_exception(exc)
-
-    def chunk_done(self) -> None:
-        with self.lock:
-            self.left -= 1
-            if self.left or self.done:
-                return
-            self.done = True
-        self.future.set_result(self.target)
-
-
-def _recv_timed(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("the server closed the connection at HELLO")
-        got += k
-    return buf
-
-
-class _ServerLink:
-    """One TCP connection to one server, re-established on demand."""
-
-    def __init__(self, client: "Client", addr: str) -> None:
-        self.client = client
-        self.addr = addr
-        self.sock: socket.socket | None = None
-        self.handle = 0
-        self.drain_from: int | None = None
-        self.pending: dict[tuple[int, int, int], tuple[_Op, int, int]] = {}  # unit -> (op, offset, nbytes)
-        self.lock = threading.Lock()
-        self.gen = 0
-
-    def ensure(self) -> socket.socket:
-        if self.sock is not None:
-            return self.sock
-        host, port = split_hostport(self.addr, 7700)
-        deadline = time.monotonic() + self.client.connect_timeout_s
-        delay = 0.05
-        while True:
-            try:
-                sock = socket.create_connection((host, port), timeout=self.client.connect_timeout_s)
-                break
-            except OSError as exc:
-                if time.monotonic() >= deadline:
-                    raise AggregationError(f"cannot reach aggregation server {self.addr}: {exc}", "unreachable")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-        try:
-            h, body = self._handshake(sock)
-        except (OSError, ConnectionError, ProtocolError) as exc:
-            sock.close()
-            raise AggregationError(f"handshake with aggregation server {self.addr} failed: {exc}",
-                                   "unreachable") from None
-        c = self.client
-        if h.mtype == MsgType.ERROR:
-            sock.close()
-            raise AggregationError(f"server {self.addr} refused job {c.job} rank {c.rank}: {body.get('message')}",
-                                   str(body.get("code", "error")))
-        if h.mtype != MsgType.WELCOME:
-            sock.close()
-            raise AggregationError(f"server {self.addr} answered HELLO with {h.mtype.name}", "bad_message")
-        sock.settimeout(None)
-        try:
-            self.handle = int(body["job_handle"])
-        except (KeyError, TypeError, ValueError):
-            sock.close()
-            raise AggregationError(f"server {self.addr} sent a WELCOME without a job handle", "bad_message") from None
-        self.sock = sock
-        self.gen += 1
-        threading.Thread(target=self._reader, args=(sock, self.gen), name=f"agg-client-{self.addr}",
-                         daemon=True).start()
-        return sock
-
-    def _handshake(self, sock: socket.socket):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-        c = self.client
-        sock.sendall(hello(c.job, c.rank, c.world, c.layout))
-        # plain socket calls here: the socket still has its connect timeout (non-blocking underneath)
-        h = parse_header(_recv_timed(sock, HEADER_SIZE))
-        return h, parse_body(_recv_timed(sock, h.nbytes))
-
-    @staticmethod
-    def _read(sock: socket.socket, n: int) -> bytearray:
-        buf = bytearray(n)
-        if n and not recv_exact(sock, memoryview(buf)):
-            raise ConnectionError("server closed the connection")
-        return buf
-
-    def send_chunk(self, op: _Op, chunk: int, offset: int, nbytes: int) -> None:
-        sock = self.ensure()
-        c = self.client
-        h = data_header(MsgType.PUSH, op.dtype, op.op, self.handle, c.rank, c.world, op.round, op.key, chunk,
-                        op.nchunks, nbytes, op.numel)
-        with self.lock:
-            self.pending[(op.round, op.key, chunk)] = (op, offset, nbytes)
-        try:
-            send_all(sock, h.pack(), memoryview(op.data)[offset:offset + nbytes])
-        except OSError as exc:
-            self._lost(sock, f"lost connection to aggregation server {self.addr} while pushing round {op.round}: "
-                             f"{exc}")
-            raise AggregationError(f"lost connection to aggregation server {self.addr}: {exc}", "server_lost",
-                                   op.round) from None
-
-    def _lost(self, sock: socket.socket, why: str, reader: bool = False) -> None:
-        """Forget ``sock`` and fail what was in flight on it.  Only its reader thread closes the
-        descriptor (others shut it down, which wakes the reader), so a descriptor number is never
-        reused while a thread may still read from it."""
-        with self.lock:
-            if self.sock is sock:
-                self.sock = None
-            pend, self.pending = self.pending, {}
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if reader:
-            sock.close()
-        for op, _, _ in pend.values():
-            op.fail(AggregationError(why, "server_lost", op.round))
-
-    def _reader(self, sock: socket.socket, gen: int) -> None:
-        hb = bytearray(HEADER_SIZE)
-        hv = memoryview(hb)
-        why = f"aggregation server {self.addr} closed the connection"
-        try:
-            while True:
-                if not recv_exact(sock, hv):
-                    break
-                h = parse_header(hb)
-                if h.mtype == MsgType.RESULT:
-                    with self.lock:
-                        ent = self.pending.pop(h.unit, None)
-                    if ent is None or ent[2] != h.nbytes or ent[0].done:
-                        self._read(sock, h.nbytes)  # a result nobody waits for any more
-                        continue
-                    op, off, n = ent
-                    if not recv_exact(sock, memoryview(op.data)[off:off + n]):
-                        raise ConnectionError("server closed the connection mid-result")
-                    op.chunk_done()
-                elif h.mtype == MsgType.ERROR:
-                    body = parse_body(self._read(sock, h.nbytes))
-                    self._error(h, str(body.get("code", "error")), str(body.get("message", "")))
-                elif h.mtype == MsgType.REDIRECT:
-                    body = parse_body(self._read(sock, h.nbytes))
-                    self.drain_from = int(body["from_round"])
-                    if h.key != ALL:
-                        with self.lock:
-                            ent = self.pending.pop(h.unit, None)
-                        if ent is not None:
-                            self.client._resend(ent[0], h.chunk, ent[1], ent[2])
-                else:
-                    self._read(sock, h.nbytes)
-        except (OSError, ConnectionError, ProtocolError, ValueError, KeyError) as exc:
-            why = f"lost connection to aggregation server {self.addr}: {exc}"
-        self._lost(sock, why + " (round in flight failed; the next round reconnects)", reader=True)
-
-    def _error(self, h, code: str, message: str) -> None:
-        with self.lock:
-            if h.key == ALL:
-                hit = [u for u in self.pending if u[0] == h.round]
-            else:
-                hit = [h.unit] if h.unit in self.pending else []
-            ents = [self.pending.pop(u) for u in hit]
-        exc = AggregationError(f"round {h.round} failed: {message}", code, h.round)
-        for op, _, _ in ents:
-            op.fail(exc)
-        self.client._fail_round(h.round, exc)
-
-    def close(self) -> None:
-        sock = self.sock
-        if sock is None:
-            return
-        try:
-            from aggregator.protocol import Header
-
-            sock.sendall(Header(MsgType.BYE).pack())
-        except OSError:
-            pass
-        self._lost(sock, "client closed")
-
-
 class Client:
     """All-reduce through aggregation servers.
 
-    ``servers``: ``"host:port"`` strings (or one string).  ``job``: the job id
-    shared by all ranks; ``rank`` in ``0..world-1``.  ``timeout_s`` bounds a
-    round on this side (the server fails a round after its own
-    ``round_timeout_s``).  Every rank must call ``allreduce`` in the same order
-    with tensors of the same shape and dtype.  ``layout`` (optional,
-    ``{key: tensor}`` or ``{key: (elements, "float32")}``) registers the job's
-    keys: a rank registering a different layout is refused, and a tensor that
-    does not fit its key is refused before anything is sent.  Without it, each
-    key is checked across ranks within its round (what DDP's changing buckets need).
+    ``servers``: ``"host:port"`` strings (or one comma-separated string), the
+    same list on every rank.  ``job``: the job id shared by all ranks; ``rank``
+    in ``0..world-1``.  ``timeout_s`` bounds a round on this side (the server
+    fails a round after its own ``round_timeout_s``).  Every rank must call
+    ``allreduce`` in the same order with tensors of the same shape and dtype.
+    ``layout`` (optional, ``{key: tensor}`` or ``{key: (elements, "float32")}``)
+    registers the job's keys: a rank registering a different layout is refused,
+    and a tensor that does not fit its key is refused before anything is sent.
+    Without it, each key is checked across ranks within its round (what DDP's
+    changing buckets need).  ``failover`` keeps a copy of what each round
+    pushed so that a dead server's chunks can be retried elsewhere (module
+    docstring); it costs one memory copy of the pushed bytes.
     """
 
     def __init__(self, servers: list[str] | str, job: str, rank: int, world: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 60.0,
-                 connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None) -> None:
+                 connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None,
+                 failover: bool = True) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         if not 0 <= rank < world:
@@ -351,17 +119,24 @@ class Client:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.ring = HashRing(list(servers))
-        self.links = {s: _ServerLink(self, s) for s in self.ring.servers}
+        self.failover = failover
+        self.placement = Placement(servers, job)
+        self.ring = self.placement.ring
+        self.cond = threading.Condition()
+        self.links = {s: ServerLink(self, s) for s in self.placement.servers}
+        self.next_round = 0  # every round below this one may have been started by this rank
+        self.closed = False
+        self.retries = 0  # chunks pushed again after their server was lost (for tests and telemetry)
+        self._copies = CopyPool()
         self._round = itertools.count()
-        self._ops: dict[int, _Op] = {}
+        self._ops: dict[int, Op] = {}
         self._ops_lock = threading.Lock()
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._sender = threading.Thread(target=self._send_loop, name="agg-client-send", daemon=True)
-        self._sender.start()
-        self._watch = threading.Thread(target=self._watchdog, name="agg-client-watchdog", daemon=True)
-        self._watch.start()
+        self._wake = threading.Event()
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="agg-client-dispatch", daemon=True)
+        self._dispatcher.start()
+        self._maint = threading.Thread(target=self._maintain, name="agg-client-maintain", daemon=True)
+        self._maint.start()
 
     # --- public ---
 
@@ -372,10 +147,10 @@ class Client:
 
     def allreduce_async(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None) -> Future:
         """Start reducing ``x`` in place; the Future resolves to ``x``."""
-        if self._closed:
+        if self.closed:
             raise AggregationError("client is closed", "closed")
         try:
-            o = Op[op.upper()]
+            o = ReduceOp[op.upper()]
         except KeyError:
             raise ValueError(f"op must be 'sum' or 'mean', not {op!r}") from None
         data, dtype = as_bytes(x)
@@ -387,23 +162,33 @@ class Client:
                 raise ValueError(f"key {key} has {have[0]} {dtype.label} elements; the job's layout says {exp}")
         rnd = next(self._round) if round is None else int(round)
         fut: Future = Future()
-        nbytes = data.nbytes
-        if nbytes == 0:
+        if data.nbytes == 0:
             fut.set_result(x)
             return fut
-        nchunks = -(-nbytes // self.chunk_bytes)
-        opr = _Op(x, data, dtype, o, rnd, key, nchunks, nbytes // dtype.itemsize, fut, time.monotonic(),
-                  left=nchunks)
+        opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic())
         with self._ops_lock:
             self._ops[id(opr)] = opr
-        fut.add_done_callback(lambda _f, k=id(opr): self._forget(k))
+        fut.add_done_callback(lambda _f, o=opr: self._finished(o))
         self._sendq.put(opr)
         return fut
 
+    def stats(self) -> dict[str, Any]:
+        """Per server: link state, the round it joined from, payload bytes pushed; and the retries."""
+        with self.cond:
+            return {"retries": self.retries, "next_round": self.next_round,
+                    "servers": {a: {"state": link.state, "joined_from": link.joined_from,
+                                    "draining_from": link.drain_from, "bytes_sent": link.bytes_sent,
+                                    "why": link.why} for a, link in self.links.items()}}
+
     def close(self) -> None:
-        self._closed = True
+        with self.cond:
+            if self.closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
         self._sendq.put(None)
-        self._sender.join(timeout=5)
+        self._wake.set()
+        self._dispatcher.join(timeout=5)
         for link in self.links.values():
             link.close()
 
@@ -413,60 +198,252 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # --- internals ---
+    # --- dispatch: cut an op into units and route them ---
 
-    def _forget(self, k: int) -> None:
-        with self._ops_lock:
-            self._ops.pop(k, None)
-
-    def _route(self, opr: _Op, chunk: int) -> _ServerLink:
-        skip = {s for s, link in self.links.items() if link.drain_from is not None and opr.round >= link.drain_from}
-        return self.links[self.ring.route(f"{self.job}/{opr.key}/{chunk}", skip)]
-
-    def _send_loop(self) -> None:
+    def _dispatch_loop(self) -> None:
         while True:
-            item = self._sendq.get()
-            if item is None:
+            opr = self._sendq.get()
+            if opr is None:
                 return
-            if isinstance(item, tuple):  # a redirected chunk
-                opr, chunk, off, n = item
-                self._push(opr, chunk, off, n)
-                continue
-            opr = item
-            for chunk in range(opr.nchunks):
-                if opr.done:
-                    break
-                off = chunk * self.chunk_bytes
-                if not self._push(opr, chunk, off, min(self.chunk_bytes, opr.data.nbytes - off)):
-                    break
+            try:
+                self._dispatch(opr)
+            except Exception as exc:  # the dispatcher must live on; the caller gets the error
+                log.exception("dispatch of round %d key %d failed", opr.round, opr.key)
+                opr.fail(AggregationError(f"push of round {opr.round} failed: {exc!r}", "error", opr.round))
 
-    def _push(self, opr: _Op, chunk: int, off: int, n: int) -> bool:
-        try:
-            self._route(opr, chunk).send_chunk(opr, chunk, off, n)
-            return True
-        except AggregationError as exc:
+    def _units(self, opr: Op) -> list[Unit]:
+        size = opr.dtype.itemsize
+        parts = split(opr.numel, size, self.chunk_bytes, len(self.links))
+        opr.nchunks = opr.left = len(parts)
+        units = []
+        for c, (first, count) in enumerate(parts):
+            units.append(Unit(opr, c, first * size, count * size, opr.numel))
+        return units
+
+    def _dispatch(self, opr: Op) -> None:
+        units = self._units(opr)
+        fails: list[AggregationError] = []
+        with self.cond:
+            if not self._wait_placeable(opr, fails):
+                for u in units:
+                    self._copies.give(u.copy)
+            else:
+                self.next_round = max(self.next_round, opr.round + 1)
+                for u in units:
+                    link = self._route(u)
+                    assert link is not None  # _wait_placeable saw a usable server under this lock
+                    link.put(u)
+                self._check_drains()
+        for exc in fails:
             opr.fail(exc)
-            return False
-        except Exception as exc:  # the sender thread must live on; the caller gets the error
-            log.exception("push of round %d key %d chunk %d failed", opr.round, opr.key, chunk)
-            opr.fail(AggregationError(f"push of round {opr.round} failed: {exc!r}", "error", opr.round))
-            return False
 
-    def _resend(self, opr: _Op, chunk: int, off: int, n: int) -> None:
-        self._sendq.put((opr, chunk, off, n))
+    def _wait_placeable(self, opr: Op, fails: list) -> bool:
+        """Wait (lock held) until every server's use for ``opr.round`` is decided and one can take it."""
+        deadline = None
+        while True:
+            if opr.done or self.closed:
+                if self.closed:
+                    fails.append(AggregationError("client is closed", "closed", opr.round))
+                return False
+            undecided = False
+            for link in self.links.values():
+                if link.state == NEW:
+                    undecided = True
+                    if not link.connecting:
+                        link.connecting = True
+                        threading.Thread(target=link.join, args=(self.connect_timeout_s,), daemon=True,
+                                         name=f"agg-join-{link.addr}").start()
+                elif link.state == JOINING and link.hello_round is not None and opr.round >= link.hello_round:
+                    undecided = True
+            if not undecided:
+                if any(link.usable(opr.round) for link in self.links.values()):
+                    return True
+                now = time.monotonic()
+                if deadline is None:
+                    # nothing can take it: try the servers that are down now, for up to connect_timeout_s
+                    deadline = now + self.connect_timeout_s
+                    for link in self.links.values():
+                        if link.state == DOWN:
+                            link.next_probe = 0.0
+                    self._wake.set()
+                elif now >= deadline:
+                    fails.append(self._no_server_error(opr.round))
+                    return False
+            self.cond.wait(0.05)
 
-    def _fail_round(self, rnd: int, exc: AggregationError) -> None:
-        with self._ops_lock:
-            ops = [o for o in self._ops.values() if o.round == rnd]
-        for o in ops:
-            o.fail(exc)
+    def _no_server_error(self, rnd: int) -> AggregationError:
+        links = list(self.links.values())
+        if len(links) == 1:
+            return AggregationError(links[0].why or f"aggregation server {links[0].addr} is unavailable",
+                                    links[0].why_code, rnd)
+        why = "; ".join(f"{link.addr}: {link.why or link.state}" for link in links)
+        code = next((link.why_code for link in links if link.why_code != "unreachable"), "unreachable")
+        return AggregationError(f"no aggregation server can take round {rnd} of job {self.job}: {why}", code, rnd)
 
-    def _watchdog(self) -> None:
-        while not self._closed:
-            time.sleep(0.25)
-            now = time.monotonic()
+    def _route(self, u: Unit, avoid: ServerLink | None = None) -> ServerLink | None:
+        rnd = u.op.round
+        skip = {a for a, link in self.links.items() if link is avoid or not link.usable(rnd)}
+        try:
+            return self.links[self.placement.server_for(u.op.key, u.chunk, skip)]
+        except NoServer:
+            return None
+
+    # --- events from the links (called without the lock held) ---
+
+    def link_lost(self, link: ServerLink, sock, why: str, reader: bool = False) -> None:
+        """``sock`` of ``link`` failed: retry what it held on the other servers, then probe it."""
+        fails: list[tuple[Op, str]] = []
+        with self.cond:
+            if link.sock is sock:
+                link.sock, q, link.queue = None, link.queue, None
+                units = list(link.units.values())
+                link.units.clear()
+                if q is not None:
+                    q.put(None)
+                closing = self.closed
+                link.state, link.joined_from, link.hello_round = DOWN, None, None
+                link.drain_from, link.connecting = None, False
+                link.why, link.next_probe = why, time.monotonic() + link.backoff
+                if link.why_code != "join_timeout":
+                    link.why_code = "server_lost"
+                for u in units:
+                    ours = not u.done and not u.contrib and not u.op.done
+                    failed = u.op.done and not u.op.ok and not u.contrib  # our op gave up: nobody needs it
+                    if closing or failed or (u.contrib and u.done):
+                        if ours:
+                            fails.append((u.op, "client closed"))
+                        self._copies.give(u.copy)
+                        continue
+                    # what is left: our reductions still in flight, and chunks whose result we have
+                    # (kept since) that peers may still be waiting for: both go to the next server
+                    # a unit never sent has no copy yet: its bytes are still the caller's, untouched
+                    retry = self.failover and (u.copy is not None or not u.done)
+                    target = self._route(u, avoid=link) if retry else None
+                    if target is None:
+                        if ours:
+                            fails.append((u.op, why if not self.failover else
+                                          f"{why} (and no other aggregation server is up to retry on)"))
+                        self._copies.give(u.copy)
+                        continue
+                    u.done, u.contrib = False, not ours
+                    self.retries += 1
+                    target.put(u)
+                self.cond.notify_all()
+        try:
+            sock.shutdown(2)  # socket.SHUT_RDWR; wakes the reader
+        except OSError:
+            pass
+        if reader:
+            sock.close()  # only the reader closes, so a descriptor is never reused under a thread reading it
+        if fails and not self.closed:
+            log.warning("%s: %d chunk(s) could not be retried", why, len(fails))
+        for opr, msg in fails:
+            opr.fail(AggregationError(msg, "closed" if msg == "client closed" else "server_lost", opr.round))
+        self._wake.set()
+
+    def keep_copy(self, link: ServerLink, u: Unit) -> None:
+        """(a link's sender, just before pushing ``u``) Keep the bytes for a retry elsewhere.
+
+        Taken here rather than at dispatch, so the copies run in each server's sender thread,
+        overlapped with the sends; the bytes cannot change before this push, as the result that
+        overwrites them needs it."""
+        if not self.failover or u.copy is not None or u.contrib:
+            return
+        buf = self._copies.take(memoryview(u.op.data)[u.offset:u.offset + u.nbytes])
+        with self.cond:
+            if u.copy is None and link.units.get(u.uid) is u:
+                u.copy, buf = buf, None
+        self._copies.give(buf)
+
+    def unit_answered(self, link: ServerLink, u: Unit) -> None:
+        with self.cond:
+            u.done = True
+            if not self.failover or u.contrib:
+                if link.units.get(u.uid) is u:
+                    del link.units[u.uid]
+                    self._copies.give(u.copy)
+                    u.copy = None
+
+    def server_error(self, link: ServerLink, h: Header, code: str, message: str) -> None:
+        exc = AggregationError(f"round {h.round} failed: {message}", code, h.round)
+        with self.cond:
+            if h.key == ALL:
+                hit = [uid for uid in link.units if uid[0] == h.round]
+            else:
+                hit = [h.unit] if h.unit in link.units else []
+            units = [link.units.pop(uid) for uid in hit]
+            for u in units:
+                self._copies.give(u.copy)
+        for u in units:
+            u.op.fail(exc)
+        if h.key == ALL:
             with self._ops_lock:
-                late = [o for o in self._ops.values() if now - o.started > self.timeout_s]
-            for o in late:
-                o.fail(AggregationError(f"round {o.round} key {o.key} of job {self.job} got no result within "
-                                        f"{self.timeout_s:g} s", "timeout", o.round))
+                ops = [o for o in self._ops.values() if o.round == h.round]
+            for o in ops:
+                o.fail(exc)
+
+    def redirected(self, link: ServerLink, h: Header, from_round: int) -> None:
+        """A draining server: rounds from ``from_round`` go elsewhere; a refused chunk is re-routed."""
+        fail = None
+        with self.cond:
+            link.drain_from, link.drain_acked = from_round, False
+            if h.key != ALL:
+                u = link.units.pop(h.unit, None)
+                if u is not None and u.needed():
+                    target = self._route(u, avoid=link)
+                    if target is None:
+                        fail = u
+                    else:
+                        target.put(u)
+            self._check_drains()
+            self.cond.notify_all()
+        if fail is not None:
+            fail.op.fail(self._no_server_error(h.round))
+
+    def _check_drains(self) -> None:
+        """(lock held) Tell each draining server once nothing of ours below its drain round is left there."""
+        for link in self.links.values():
+            f = link.drain_from
+            if f is None or link.drain_acked or link.queue is None:
+                continue
+            # next_round > f: this rank has started a round past the drain, so (rounds only grow) it
+            # starts nothing more below it
+            if self.next_round > f and not any(u.uid[0] < f and not u.done for u in link.units.values()):
+                link.drain_acked = True
+                link.put_control(Header(MsgType.DRAINED).pack())
+
+    # --- completion, retention, probing, timeouts ---
+
+    def _finished(self, opr: Op) -> None:
+        with self._ops_lock:
+            self._ops.pop(id(opr), None)
+        with self.cond:
+            for link in self.links.values():
+                for uid, u in list(link.units.items()):
+                    # a completed round frees the copies of the rounds before it; a failed op frees its own
+                    if (u.op is opr and not opr.ok) or (opr.ok and uid[0] < opr.round and u.done):
+                        del link.units[uid]
+                        self._copies.give(u.copy)
+                        u.copy = None
+            self._check_drains()
+
+    def _maintain(self) -> None:
+        last_watch = 0.0
+        while not self.closed:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            now = time.monotonic()
+            with self.cond:
+                due = [link for link in self.links.values()
+                       if link.state == DOWN and not link.connecting and link.next_probe <= now]
+                for link in due:
+                    link.connecting = True
+            for link in due:
+                threading.Thread(target=link.join, args=(0.0,), daemon=True, name=f"agg-probe-{link.addr}").start()
+            if now - last_watch >= 0.25:
+                last_watch = now
+                with self._ops_lock:
+                    late = [o for o in self._ops.values() if now - o.started > self.timeout_s]
+                for o in late:
+                    o.fail(AggregationError(f"round {o.round} key {o.key} of job {self.job} got no result within "
+                                            f"{self.timeout_s:g} s", "timeout", o.round))

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from aggregator.membership import DrainAck, DrainProgress, JoinBarrier
 from aggregator.protocol import DType, Header, Hello, MsgType, Op, control, error
 
 ALL = 0xFFFFFFFF  # key/chunk value of an error that covers a whole round
@@ -184,14 +185,25 @@ class AggregationCore:
         self.conn_job: dict[ConnId, tuple[str, int]] = {}
         self.draining = False
         self._next_handle = 1
+        self.joins = JoinBarrier(round_timeout_s)  # failover: which rounds each job sends here
+        self.drain_progress = DrainProgress()
 
     # public view for telemetry
     def summary(self) -> dict[str, Any]:
         return {
             name: {"world": j.world, "ranks": sorted(j.conns), "pending": len(j.units), "held_bytes": j.held_bytes,
-                   "rounds_done": j.rounds_done, "bytes_in": j.bytes_in, "draining_from": j.drain_from}
+                   "rounds_done": j.rounds_done, "bytes_in": j.bytes_in, "draining_from": j.drain_from,
+                   "joined_from": self.joins.joined_from(name), "joining": self.joins.waiting(name)}
             for name, j in self.jobs.items()
         }
+
+    def drain_ranks_left(self) -> dict[str, list[int]]:
+        """While draining: the ranks of each job that may still send work here."""
+        return self.drain_progress.ranks_left({n: (j.world, set(j.conns)) for n, j in self.jobs.items()})
+
+    def moved(self) -> bool:
+        """Draining, nothing in flight, and every rank has said it has nothing left here."""
+        return self.drained() and not self.drain_ranks_left()
 
     def pending_units(self) -> int:
         return sum(len(j.units) for j in self.jobs.values())
@@ -207,6 +219,11 @@ class AggregationCore:
             return self._tick(ev)
         if isinstance(ev, Drain):
             return self._drain(ev)
+        if isinstance(ev, DrainAck):
+            who = self.conn_job.get(ev.conn)
+            if who is not None and self.draining:
+                self.drain_progress.ack(*who)
+            return []
         raise TypeError(f"unknown event {type(ev).__name__}")
 
     # --- registration ---
@@ -245,6 +262,10 @@ class AggregationCore:
         self.conn_job[ev.conn] = (h.job, h.rank)
         body: dict[str, Any] = {"server": self.server_id, "job_handle": job.handle}
         out.append(Send(ev.conn, control(MsgType.WELCOME, body, job=job.handle, rank=h.rank, world=h.world), sid))
+        if h.next_round is not None:
+            for rank, conn, start in self.joins.hello(h.job, job.world, h.rank, ev.conn, h.next_round, ev.now):
+                out.append(Send(conn, control(MsgType.JOINED, {"from_round": start}, job=job.handle, rank=rank,
+                                              world=job.world), sid))
         if job.drain_from is not None:
             out.append(Send(ev.conn, self._redirect(job, ALL, ALL), sid))
         return out
@@ -344,6 +365,7 @@ class AggregationCore:
         job = self.jobs[name]
         if job.conns.get(rank) == ev.conn:
             del job.conns[rank]
+        self.joins.lost(name, rank, ev.conn)
         out: list[Decision] = []
         how = "closed its connection" if ev.orderly else "disconnected"
         for rnd in sorted({u[0] for u in job.units}):
@@ -351,6 +373,8 @@ class AggregationCore:
             out += self._fail_round(job, rnd, "peer_lost", msg, ev.stimulus_id, skip=ev.conn)
         if not job.conns:
             del self.jobs[name]
+            self.joins.forget(name)
+            self.drain_progress.forget(name)
         return out
 
     def _tick(self, ev: Tick) -> list[Decision]:
@@ -364,6 +388,11 @@ class AggregationCore:
                 msg = (f"round {rnd} of job {job.name} timed out after {self.round_timeout_s:g} s on server "
                        f"{self.server_id}: ranks {unit.missing()} never pushed key {uid[1]} chunk {uid[2]}")
                 out += self._fail_round(job, rnd, "timeout", msg, ev.stimulus_id)
+        for gone in self.joins.expired(ev.now):
+            msg = (f"job {gone.job} could not join server {self.server_id}: ranks {list(gone.missing)} did not "
+                   f"connect within {self.round_timeout_s:g} s of the first (the job keeps using its other servers)")
+            for _rank, conn in gone.conns:
+                out += [Send(conn, error("join_timeout", msg, 0, ALL, ALL), ev.stimulus_id), Close(conn, ev.stimulus_id)]
         return out
 
     # --- draining ---

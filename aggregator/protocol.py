@@ -59,6 +59,8 @@ class MsgType(enum.IntEnum):
     ERROR = 5  # server -> client: {"code", "message"}; round/key/chunk name what failed
     REDIRECT = 6  # server -> client: this server drains; rounds >= {"from_round"} go elsewhere
     BYE = 7  # client -> server: orderly close, not a lost worker
+    JOINED = 8  # server -> client: every rank said HELLO; use this server for rounds >= {"from_round"}
+    DRAINED = 9  # client -> server: nothing of this rank's is left below the drain's from_round here
 
 
 class DType(enum.IntEnum):
@@ -188,6 +190,7 @@ class Hello:
     rank: int
     world: int
     layout: Layout | None = None  # optional: the keys the job will push, checked on every push
+    next_round: int | None = None  # the first round this rank has not started (asks for a JOINED)
 
 
 def parse_layout(obj: Any) -> Layout:
@@ -229,14 +232,30 @@ def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
     if not 0 <= rank < world:
         raise ProtocolError(f"rank {rank} out of range for world size {world}")
     layout = obj.get("layout")
-    return Hello(job, rank, world, None if layout is None else parse_layout(layout))
+    nxt = obj.get("next_round")
+    if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt < MAX_ROUND):
+        raise ProtocolError(f"HELLO next_round must be an integer 0..{MAX_ROUND - 1}, not {nxt!r}")
+    return Hello(job, rank, world, None if layout is None else parse_layout(layout), nxt)
 
 
-def hello(job: str, rank: int, world: int, layout: Layout | None = None) -> bytes:
+MAX_ROUND = 1 << 62
+
+
+def hello(job: str, rank: int, world: int, layout: Layout | None = None, next_round: int | None = None) -> bytes:
     body: dict[str, Any] = {"job": job, "rank": rank, "world": world}
     if layout is not None:
         body["layout"] = [list(e) for e in layout]
+    if next_round is not None:
+        body["next_round"] = int(next_round)
     return control(MsgType.HELLO, body, rank=rank, world=world)
+
+
+def parse_round_body(payload: bytes | bytearray | memoryview, field: str = "from_round") -> int:
+    """The round a JOINED, REDIRECT or DRAINED message names."""
+    v = parse_body(payload).get(field)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < MAX_ROUND:
+        raise ProtocolError(f"{field} must be an integer 0..{MAX_ROUND - 1}, not {v!r}")
+    return v
 
 
 def error(code: str, message: str, rnd: int = 0, key: int = 0, chunk: int = 0, job: int = 0) -> bytes:

@@ -28,6 +28,8 @@ from typing import Any
 from aggregator import kernel
 from aggregator.core import (DEFAULT_MAX_JOB_BYTES, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
                              Release, Send, Tick)
+from aggregator.interleave import RoundOrder
+from aggregator.membership import DrainAck
 from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MsgType, ProtocolError, error, parse_header, parse_hello)
 from aggregator.scheduling import PoolController
@@ -37,6 +39,11 @@ from nodesvc.bus.procs import split_hostport
 
 log = logging.getLogger("dlshare.agg")
 
+# Per-connection receive buffer.  A held-back job (``interleave``) can still push this much per
+# connection; 256 KiB keeps that small next to a round and still fills a 10 Gbit/s link at
+# 200 us RTT from a single connection (raise it for long fat networks).
+RECV_BUF = 256 << 10
+
 config.register_section("agg", {
     "listen": "127.0.0.1:7700",
     "id": "agg0",
@@ -45,6 +52,8 @@ config.register_section("agg", {
     "round_timeout_s": 30.0,
     "telemetry_interval_s": 2.0,
     "max_job_bytes": 4 << 30,  # unfinished reductions one job may hold in server memory
+    "interleave": True,  # overlapping rounds of different jobs are read first come, first served
+    "recv_buffer_bytes": RECV_BUF,  # per connection; bounds what a held-back job pushes meanwhile
 })
 
 
@@ -59,6 +68,8 @@ def resolve(cfg: dict) -> dict:
         raise config.ConfigError("agg.max_job_bytes must be positive")
     if a["round_timeout_s"] <= 0:
         raise config.ConfigError("agg.round_timeout_s must be positive")
+    if not 4096 <= a["recv_buffer_bytes"] <= 1 << 30:
+        raise config.ConfigError("agg.recv_buffer_bytes must be 4096..1073741824")
     return {**cfg, "agg": a}
 
 
@@ -135,13 +146,20 @@ def _guard_peer(sock: socket.socket, send_timeout_s: float) -> None:
 class AggregationServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, server_id: str = "agg0", min_cores: int = 1,
                  max_cores: int = 4, round_timeout_s: float = 30.0, tick_s: float = 0.1,
-                 shrink_after_s: float = 1.0, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES) -> None:
+                 shrink_after_s: float = 1.0, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
+                 interleave: bool = True, recv_buffer_bytes: int = RECV_BUF) -> None:
+        """``interleave``: read overlapping rounds of different jobs first come, first served
+        (aggregator/interleave.py) instead of all at once; ``recv_buffer_bytes``: each connection's
+        receive buffer, which bounds what a held-back job can still push meanwhile."""
         self.server_id = server_id
         self.send_timeout_s = max(1.0, round_timeout_s)
         self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes)
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
         self._lock = threading.Lock()
+        self._turns = threading.Condition(self._lock)
+        self.order = RoundOrder() if interleave else None
+        self.recv_buffer_bytes = recv_buffer_bytes
         self._eids = itertools.count(1)  # the core's stimulus ids: a counter, unique per server
         self._tick_s = tick_s
         self._stop = threading.Event()
@@ -237,8 +255,8 @@ class AggregationServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.recv_buffer_bytes)
             _guard_peer(sock, self.send_timeout_s)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             self._conns.add(conn)
@@ -260,8 +278,16 @@ class AggregationServer:
                     conn.send(error("bad_message", str(exc)))
                     break
                 if h.mtype == MsgType.PUSH:
+                    job = self._take_turn(conn, h)
                     buf = self.buffers.acquire(h.nbytes)
-                    if not recv_exact(conn.sock, memoryview(buf)):
+                    try:
+                        got = recv_exact(conn.sock, memoryview(buf))
+                    finally:
+                        if job is not None:
+                            with self._turns:
+                                self.order.end(job, conn, time.monotonic())
+                                self._turns.notify_all()
+                    if not got:
                         raise ConnectionError("peer closed the connection mid-message")
                     self.bytes_in += h.nbytes
                     self._handle(ChunkArrived(str(next(self._eids)), time.monotonic(), conn, h, buf))
@@ -279,13 +305,21 @@ class AggregationServer:
                 elif h.mtype == MsgType.BYE:
                     orderly = True
                     break
+                elif h.mtype == MsgType.DRAINED:
+                    self._handle(DrainAck(str(next(self._eids)), time.monotonic(), conn))
                 else:
                     conn.send(error("bad_message", f"a server does not accept {h.mtype.name} messages"))
                     break
         except (ConnectionError, OSError) as exc:
             log.debug("connection %s lost: %s", conn.peer, exc)
         finally:
+            with self._lock:
+                who = self.core.conn_job.get(conn)
             self._handle(ConnectionLost(str(next(self._eids)), time.monotonic(), conn, orderly))
+            if who is not None and self.order is not None:
+                with self._lock:
+                    if who[0] not in self.core.jobs:
+                        self.order.forget(who[0])
             conn.close_after_flush()  # the sender flushes what is queued (an error), shuts the socket down
             conn.outq.put(None)  # and ends
             self._conns.discard(conn)
@@ -293,6 +327,22 @@ class AggregationServer:
             closer = threading.Timer(0.5, self._finish, args=(conn,))
             closer.daemon = True
             closer.start()
+
+    def _take_turn(self, conn: _Conn, h) -> str | None:
+        """Hold this push while another job's earlier round is being received (``interleave``)."""
+        if self.order is None:
+            return None
+        with self._turns:
+            who = self.core.conn_job.get(conn)
+            if who is None:
+                return None
+            self.order.note(who[0], h.round, time.monotonic())
+            # Waits only while the job ahead is actually receiving: it ends when that round's pushes
+            # pause for idle_s (the other job's compute phase, a slow rank), so nothing waits long.
+            while not self._stop.is_set() and self.order.ahead(who[0], h.round, time.monotonic()):
+                self._turns.wait(self.order.idle_s)
+            self.order.begin(who[0], conn, time.monotonic())
+        return who[0]
 
     def _finish(self, conn: _Conn) -> None:
         conn.close()
@@ -319,6 +369,8 @@ class AggregationServer:
         with self._lock:
             jobs = self.core.summary()
             draining = self.core.draining
+            drain = {"pending_units": self.core.pending_units(), "ranks_left": self.core.drain_ranks_left(),
+                     "moved": self.core.moved()} if draining else None
         return {
             "server": self.server_id,
             "address": f"{self.address[0]}:{self.address[1]}",
@@ -334,6 +386,7 @@ class AggregationServer:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "draining": draining,
+            "drain": drain,
             "kernel": "avx2+f16c" if kernel.uses_simd() else "scalar",
         }
 
@@ -355,7 +408,8 @@ async def _telemetry(server: AggregationServer, broker: str, interval: float, st
         pool = st["pool"]
         summary = {"cores": pool["size"], "min_cores": pool["min"], "max_cores": pool["max"],
                    "busy": pool["busy_fraction"], "cores_avg": pool["cores_avg"], "jobs": sorted(st["jobs"]),
-                   "bytes_in_per_s": rate_in, "draining": st["draining"]}
+                   "bytes_in_per_s": rate_in, "draining": st["draining"],
+                   "drained": bool(st["drain"] and st["drain"]["moved"])}
         return messages.encode({"status": "online", "server": sid, "address": st["address"], "ts": time.time(),
                                 "summary": summary})
 
@@ -411,14 +465,15 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
     """Run an aggregation server from config until ``stop_event`` is set.
 
     ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s,
-    max_job_bytes;
+    max_job_bytes, interleave, recv_buffer_bytes;
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
     cfg = resolve(cfg)
     a = cfg["agg"]
     host, port = split_hostport(a["listen"], 7700)
     server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"],
-                               max_job_bytes=a["max_job_bytes"]).start()
+                               max_job_bytes=a["max_job_bytes"], interleave=bool(a["interleave"]),
+                               recv_buffer_bytes=int(a["recv_buffer_bytes"])).start()
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
     astop: list = []

@@ -10,6 +10,9 @@
    servers: cores reserved, CPU-seconds used and each job's iteration time.
 
 Every server and worker is its own process (multiprocessing, spawn), on loopback.
+
+``--network`` runs bench/agg_network.py instead: hosts as network namespaces with
+tc-shaped links, the hook against gloo's ring where the network is the bottleneck.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
         if flag not in seen:
             parser.add_argument(flag, **kw)
             seen.add(flag)
+    from bench import agg_network
+
+    agg_network.add_arguments(parser, seen)
 
 
 # --- helpers run in child processes (module level so that spawn can import them) ------------------
@@ -365,6 +371,10 @@ def bench_shared(ctx, jobs: int, nbytes: int, compute_s: float, iters: int, repe
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "network", False):
+        from bench import agg_network
+
+        return agg_network.run(args)
     quick = bool(getattr(args, "quick", False))
     tensor = getattr(args, "agg_tensor_mb", 64) * MiB
     jobs = getattr(args, "agg_jobs", 4)

@@ -6,6 +6,12 @@
 namespace (through nsenter); traffic between hosts crosses the veth pairs and the bridge,
 never a real network.  Names carry a short run id, and the run's owner pid is
 recorded, so a crashed run's leftovers are removed by the next one.
+
+:meth:`HostNet.shape` gives every host a NIC of a given rate: a tbf qdisc on
+both ends of its veth pair, one for what the host sends and one for what it
+receives, so the bridge behaves as a non-blocking switch between hosts with
+that link speed.  :meth:`HostNet.counters` reads the bytes each host sent and
+received (from the root side of its veth pair).
 """
 
 from __future__ import annotations
@@ -46,6 +52,43 @@ def available() -> str | None:
     if r.returncode != 0:
         return f"ip netns add failed: {r.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
+    return None
+
+
+def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise NetnsError(f"tc {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+def tbf_args(rate_bit: int) -> list[str]:
+    """tbf parameters for a link of ``rate_bit`` bit/s.
+
+    The bucket holds 4 ms of traffic and at least 256 KiB, so a 64 KiB GSO packet always fits; the
+    queue holds 20 ms, enough to keep TCP busy on these sub-millisecond paths without a deep buffer.
+    """
+    burst = max(256 << 10, rate_bit // 8 // 250)
+    return ["rate", f"{int(rate_bit)}bit", "burst", str(burst), "latency", "20ms"]
+
+
+def shaping_available() -> str | None:
+    """None when links can be shaped with tc tbf here, else the reason they cannot."""
+    reason = available()
+    if reason:
+        return reason
+    if not shutil.which("tc"):
+        return "the tc command (iproute2) is needed to shape links"
+    a, b = f"dlsq{secrets.token_hex(2)}", f"dlsr{secrets.token_hex(2)}"
+    r = _ip("link", "add", a, "type", "veth", "peer", "name", b, check=False)
+    if r.returncode != 0:
+        return f"cannot make a veth pair: {r.stderr.strip()}"
+    try:
+        t = _tc("qdisc", "add", "dev", a, "root", "tbf", *tbf_args(10**9), check=False)
+        if t.returncode != 0:
+            return f"tc cannot add a tbf qdisc (sch_tbf missing?): {t.stderr.strip()}"
+    finally:
+        _ip("link", "del", a, check=False)
     return None
 
 
@@ -113,6 +156,26 @@ class HostNet:
             raise
         log.info("network namespaces for %s on 10.199.%d.0/24", ", ".join(self.hosts), self.subnet)
         return self
+
+    def veth(self, host: str) -> str:
+        """The root-namespace end of ``host``'s veth pair."""
+        return f"dls{self.run}-v{self.hosts.index(host)}"
+
+    def shape(self, rate_bit: int) -> None:
+        """Limit every host's link to ``rate_bit`` bit/s in each direction (tbf on both veth ends)."""
+        for host in self.hosts:
+            _tc("-n", self.netns(host), "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                *tbf_args(rate_bit))  # what the host sends
+            _tc("qdisc", "replace", "dev", self.veth(host), "root", "tbf", *tbf_args(rate_bit))  # what it receives
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """``host -> (bytes sent, bytes received)`` so far, seen from the root end of its veth pair."""
+        out = {}
+        for host in self.hosts:
+            base = Path("/sys/class/net") / self.veth(host) / "statistics"
+            rx, tx = int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
+            out[host] = (rx, tx)  # the veth receives what the host sends, and sends what it receives
+        return out
 
     def destroy(self) -> None:
         if not self.created:

@@ -80,7 +80,8 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
                          "addr": _str(st.get("addr")) or _str(st.get("address")),
                          "cores": _num(s.get("cores")), "min_cores": _num(s.get("min_cores")),
                          "max_cores": _num(s.get("max_cores")), "busy": _num(s.get("busy", s.get("load"))),
-                         "jobs": s.get("jobs") if isinstance(s.get("jobs"), (list, dict, int)) else None})
+                         "jobs": s.get("jobs") if isinstance(s.get("jobs"), (list, dict, int)) else None,
+                         "draining": s.get("draining") is True, "drained": s.get("drained") is True})
         elif kind == "sched":
             scheds.append({"scheduler": ident, "status": status, "url": _str(st.get("url")),
                            "jobs": st.get("jobs") if isinstance(st.get("jobs"), (dict, int)) else None})
@@ -142,7 +143,10 @@ def render(doc: dict[str, Any], console=None) -> None:
             jobs = s["jobs"]
             cores = "-" if s["cores"] is None else f"{s['cores']} ({s['min_cores']}-{s['max_cores']})"
             busy = "-" if s["busy"] is None else f"{s['busy']:.2f}"
-            a.add_row(s["server"], s["status"], str(s["addr"] or "-"), cores, busy,
+            status = s["status"]
+            if s.get("draining") and status == "online":
+                status += " [yellow](drained)[/]" if s.get("drained") else " [yellow](draining)[/]"
+            a.add_row(s["server"], status, str(s["addr"] or "-"), cores, busy,
                       "-" if jobs is None else str(len(jobs) if isinstance(jobs, (list, dict)) else jobs))
         console.print(a)
     if doc["schedulers"]:

@@ -25,13 +25,13 @@ def build() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
-def train(rank: int, steps: int, client: Client | None) -> list[torch.Tensor]:
+def train(rank: int, steps: int, client: Client | None, compression: str | None = None) -> list[torch.Tensor]:
     model = build()
     # 10 KiB buckets: DDP starts with one bucket (its first-bucket cap is 1 MiB) and re-lays out
     # into several after iteration 0, which the hook must cope with.
     ddp = DDP(model, bucket_cap_mb=0.01)
     if client is not None:
-        ddp.register_comm_hook(AggState(client), comm_hook)
+        ddp.register_comm_hook(AggState(client, compression=compression), comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1000 + rank)
     for _ in range(steps):
@@ -65,12 +65,13 @@ def main() -> int:
     ap.add_argument("--job", default="ddp")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--compress", choices=["fp16", "bf16"], default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
     plain = train(a.rank, a.steps, None)
     with TracingClient(a.agg.split(","), a.job, a.rank, a.world, timeout_s=30) as client:
-        hooked = train(a.rank, a.steps, client)
+        hooked = train(a.rank, a.steps, client, a.compress)
         seen = client.seen
     torch.save({"plain": plain, "hook": hooked, "seen": seen}, a.out)
     dist.destroy_process_group()

@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6) -> list[dict]:
+def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6, extra: tuple = ()) -> list[dict]:
     init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
     for rank in range(world):
@@ -24,7 +24,7 @@ def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6) -> 
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "ddp_worker.py"), "--rank", str(rank), "--world", str(world), "--init", init,
-             "--agg", ",".join(servers), "--steps", str(steps), "--out", str(out), "--job", f"ddp{world}"],
+             "--agg", ",".join(servers), "--steps", str(steps), "--out", str(out), "--job", f"ddp{world}", *extra],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         for p in procs:
@@ -70,13 +70,31 @@ def test_ddp_four_ranks_within_1e6_relative_on_two_servers(agg_servers, tmp_path
     for res in results[1:]:
         for p, q in zip(results[0]["hook"], res["hook"]):
             assert torch.equal(p, q)  # every rank holds the same parameters
-    # Exactly the servers the client's hash ring routes the buckets to received data (which ones
-    # depends on the servers' random ports; a bucket is one chunk at this size).
-    from aggregator.client import HashRing
+    # Each server received exactly the bytes of the buckets the client's placement gives it (which
+    # one depends on the servers' random ports; a 10 KiB bucket is one chunk).
+    from aggregator.placement import Placement
 
-    ring = HashRing([addr(s) for s in servers])
-    want = {ring.route(f"ddp4/{key}/0") for res in results for _, key, _ in res["seen"]}
-    assert want and {addr(s) for s in servers if s.bytes_in > 0} == want
+    place = Placement([addr(s) for s in servers], "ddp4")
+    want = {addr(s): 0 for s in servers}
+    for res in results:
+        for _, key, numel in res["seen"]:
+            want[place.server_for(key, 0)] += numel * 4
+    assert {addr(s): s.bytes_in for s in servers} == want
+    assert sum(v > 0 for v in want.values()) == 2  # both servers were used
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_ddp_with_wire_compression_sends_half_the_bytes_and_stays_close(agg_servers, tmp_path, wire):
+    (srv,) = agg_servers(1, max_cores=2)
+    results = _run_ddp(2, [addr(srv)], tmp_path, extra=("--compress", wire))
+    sent = sum(numel for res in results for _, _, numel in res["seen"])
+    assert srv.bytes_in == 2 * sent  # 16-bit elements on the wire, not 32
+    tol = {"fp16": 2e-3, "bf16": 2e-2}[wire]  # the wire rounding of each step's mean gradient
+    for res in results:
+        diffs = [(p - q).abs().max().item() for p, q in zip(res["plain"], res["hook"])]
+        assert 0 < max(diffs) < tol, diffs  # it did round, and only a little
+    for p, q in zip(results[0]["hook"], results[1]["hook"]):
+        assert torch.equal(p, q)  # both ranks got the same rounded means
 
 
 def _initial() -> list[torch.Tensor]:

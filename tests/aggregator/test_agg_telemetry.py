@@ -77,7 +77,8 @@ async def test_telemetry_state_and_commands(mosquitto):
         replies = [b for t, b in got if t.endswith("/reply")]
         tele = [b for t, b in got if t.endswith("/telemetry") and "tele2" in b["jobs"]]
         states = [b for t, b in got if t.endswith("/state") and "tele2" in b.get("summary", {}).get("jobs", [])]
-        return len(replies) >= 3 and tele and tele[-1]["draining"] and states
+        # the retained state follows each telemetry message: wait for one that shows the drain too
+        return len(replies) >= 3 and tele and tele[-1]["draining"] and states and states[-1]["summary"]["draining"]
 
     got = await _watch(_port(mosquitto.url), "dlshare/v1/agg/aggT/#", done, publish=commands)
     state = [b for t, b in got if t.endswith("/state")]

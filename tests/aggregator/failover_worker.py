@@ -1,0 +1,85 @@
+"""One rank of the DDP failover test: train with the hook; rank 0 may kill -9 a server mid-round.
+
+Run by test_agg_failover.py as a real process.  Writes the final parameters, the
+client's retry count and how many bytes it pushed to the victim before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from aggregator import Client  # noqa: E402
+from aggregator.torch import AggState, comm_hook  # noqa: E402
+
+
+class Killer:
+    """The hook, plus a kill -9 of the victim right after the last bucket of step ``kill_step`` is handed
+    over: every bucket of that round is then in flight or kept for a retry, on every rank."""
+
+    def __init__(self, kill_pid: int, kill_step: int) -> None:
+        self.kill_pid, self.kill_step, self.killed = kill_pid, kill_step, False
+
+    def hook(self, state: AggState, bucket):
+        rnd = state.iteration
+        fut = comm_hook(state, bucket)
+        if self.kill_pid and rnd == self.kill_step and bucket.is_last() and not self.killed:
+            self.killed = True
+            os.kill(self.kill_pid, signal.SIGKILL)
+        return fut
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    for flag in ("--rank", "--world", "--steps", "--kill-pid", "--kill-step"):
+        ap.add_argument(flag, type=int, required=True)
+    for flag in ("--init", "--agg", "--job", "--out"):
+        ap.add_argument(flag, required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
+    servers = a.agg.split(",")
+    victim = sorted(servers)[-1] if a.kill_pid else None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
+    ddp = DDP(model, bucket_cap_mb=0.05)  # several buckets a step
+    client = Client(servers, a.job, a.rank, a.world, chunk_bytes=16 << 10, timeout_s=60)
+    killer = Killer(a.kill_pid if a.rank == 0 else 0, a.kill_step)
+    ddp.register_comm_hook(AggState(client), killer.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + a.rank)
+    at_kill, times, done = None, [], 0
+    for _ in range(a.steps):
+        time.sleep(0.25)  # stands in for GPU time, so that the run spans the victim's restart
+        x, y = torch.randn(32, 64, generator=g), torch.randn(32, 16, generator=g)
+        t0 = time.monotonic()
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+        times.append(time.monotonic() - t0)
+        done += 1
+        if victim and at_kill is None and client.stats()["servers"][victim]["state"] != "up":
+            at_kill = client.stats()["servers"][victim]["bytes_sent"]
+    st = client.stats()
+    client.close()
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "steps": done,
+                "retries": st["retries"], "killed": killer.killed, "max_step_s": max(times),
+                "sent_to_victim_at_kill": at_kill,
+                "sent_to_victim_after": st["servers"][victim]["bytes_sent"] if victim else None}, a.out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
