@@ -32,7 +32,7 @@ def sent(decisions, mtype):
 
 def join(core, job, rank, world, nxt, now=0.0, conn=None):
     conn = conn or Conn(f"{job}.{rank}")
-    return conn, core.handle(Register(0, conn, Hello(job, rank, world, None, nxt), now))
+    return conn, core.handle(Register("0", now, conn, Hello(job, rank, world, None, nxt)))
 
 
 def test_joined_goes_out_once_every_rank_said_hello_and_names_the_largest_next_round():
@@ -61,15 +61,15 @@ def test_a_barrier_that_does_not_fill_is_abandoned_after_the_timeout_with_an_err
     core = AggregationCore("s", 5.0)
     c0, _ = join(core, "j", 0, 3, 0, now=10.0)
     c2, _ = join(core, "j", 2, 3, 0, now=11.0)
-    assert core.handle(Tick(1, 14.9)) == []
-    d = core.handle(Tick(2, 15.0))
+    assert core.handle(Tick("1", 14.9)) == []
+    d = core.handle(Tick("2", 15.0))
     errs = sent(d, MsgType.ERROR)
     assert errs.keys() == {c0, c2}
     assert errs[c0]["code"] == "join_timeout" and "ranks [1] did not connect within 5 s" in errs[c0]["message"]
     assert {x.conn for x in d if isinstance(x, Close)} == {c0, c2}
     # the connections then close; a fresh barrier starts from nothing
-    core.handle(ConnectionLost(3, c0, 15.1))
-    core.handle(ConnectionLost(4, c2, 15.1))
+    core.handle(ConnectionLost("3", 15.1, c0))
+    core.handle(ConnectionLost("4", 15.1, c2))
     assert "j" not in core.jobs
     c0, _ = join(core, "j", 0, 3, 4, now=20.0)
     assert core.summary()["j"]["joining"] == [0] and core.summary()["j"]["joined_from"] is None
@@ -79,11 +79,11 @@ def test_a_rank_that_leaves_the_barrier_is_waited_for_again():
     core = AggregationCore("s", 5.0)
     c0, _ = join(core, "j", 0, 2, 3)
     c1, _ = join(core, "j", 1, 2, 0, conn=Conn("j.1"))
-    core.handle(ConnectionLost(1, c0, 0.0))  # after the join: the job stays joined
+    core.handle(ConnectionLost("1", 0.0, c0))  # after the join: the job stays joined
     assert core.summary()["j"]["joined_from"] == 3
     core2 = AggregationCore("s2", 5.0)
     a, _ = join(core2, "k", 0, 2, 3)
-    core2.handle(ConnectionLost(1, a, 0.0))  # before the join: the waiting rank is gone
+    core2.handle(ConnectionLost("1", 0.0, a))  # before the join: the waiting rank is gone
     assert "k" not in core2.jobs
     b, _ = join(core2, "k", 1, 2, 5)
     a2, d = join(core2, "k", 0, 2, 6, conn=Conn("k.0b"))
@@ -102,12 +102,12 @@ def test_drain_is_moved_once_every_rank_acknowledged_and_nothing_is_in_flight():
     core = AggregationCore("s", 5.0)
     conns = [join(core, "j", r, 2, 0)[0] for r in range(2)]
     assert not core.moved()
-    d = core.handle(Drain(1, 0.0))
+    d = core.handle(Drain("1", 0.0))
     assert sent(d, MsgType.REDIRECT).keys() == set(conns)
     assert core.drained() and not core.moved() and core.drain_ranks_left() == {"j": [0, 1]}
     core.handle(DrainAck("a", 0.1, conns[0]))
     assert core.drain_ranks_left() == {"j": [1]} and not core.moved()
-    core.handle(ConnectionLost(2, conns[1], 0.2))  # a rank that left has nothing left here
+    core.handle(ConnectionLost("2", 0.2, conns[1]))  # a rank that left has nothing left here
     assert core.moved()
 
 
@@ -115,7 +115,7 @@ def test_an_ack_before_any_drain_is_ignored():
     core = AggregationCore("s", 5.0)
     (c,) = [join(core, "j", 0, 1, 0)[0]]
     core.handle(DrainAck("a", 0.0, c))
-    core.handle(Drain(1, 0.0))
+    core.handle(Drain("1", 0.0))
     assert core.drain_ranks_left() == {"j": [0]}
 
 
