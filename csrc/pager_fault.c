@@ -1,0 +1,282 @@
+/* The region engine's fault path: the fault thread reads userfaultfd messages and moves units
+ * (pager_core.h has the states); fetch workers read units from a copy into their bounce
+ * buffers and install them with UFFDIO_COPY.  Sequential streams (pager_trend.h) are fetched
+ * ahead of their faults, one detector per faulting thread. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include "pager_core.h"
+#include "wire.h"
+
+#define PAGE 4096u
+
+void pg_queue_demand(dls_pager *p, uint64_t u) {
+    pthread_mutex_lock(&p->q_mu);
+    pg_queue_push(&p->demand, (uint32_t)u); /* room for every unit, each queued at most once (UF_QUEUED) */
+    pthread_cond_signal(&p->q_cv);
+    pthread_mutex_unlock(&p->q_mu);
+}
+
+static dls_trend *trend_for(dls_pager *p, uint32_t tid, uint64_t stamp) {
+    int oldest = 0;
+    for (int i = 0; i < PG_TRENDS; i++) {
+        if (p->trend_used[i] && p->trend_tid[i] == tid) {
+            p->trend_used[i] = stamp;
+            return &p->trends[i];
+        }
+        if (p->trend_used[i] < p->trend_used[oldest]) oldest = i;
+    }
+    dls_trend_init(&p->trends[oldest]);
+    p->trend_tid[oldest] = tid;
+    p->trend_used[oldest] = stamp;
+    return &p->trends[oldest];
+}
+
+/* Queue units first, first+stride, ... that are absent, while the budget has room for them. */
+static void prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t count, int write) {
+    uint32_t picked[256];
+    uint32_t k = 0;
+    pthread_mutex_lock(&p->slot_mu);
+    uint64_t room = p->resident < p->hi ? p->hi - p->resident : 0;
+    pthread_mutex_unlock(&p->slot_mu);
+    pthread_mutex_lock(&p->q_mu);
+    uint64_t queued = p->pref.len, space = p->pref.cap - p->pref.len;
+    pthread_mutex_unlock(&p->q_mu);
+    room = room > queued ? room - queued : 0;
+    if (count > room) count = (uint32_t)room;
+    if (count > space) count = (uint32_t)space;
+    if (count > 256) count = 256;
+    for (uint32_t i = 0; i < count; i++) {
+        int64_t v = first + stride * (int64_t)i;
+        if (v < 0 || (uint64_t)v >= p->nunits) break;
+        pg_lock(p, (uint64_t)v);
+        if (p->state[v] == U_ABSENT) {
+            p->state[v] = U_FETCHING;
+            if (write) p->flags[v] |= UF_WRITE; /* a stream of writes: install it writable */
+            picked[k++] = (uint32_t)v;
+        }
+        pg_unlock(p, (uint64_t)v);
+    }
+    if (!k) return;
+    pthread_mutex_lock(&p->q_mu);
+    for (uint32_t i = 0; i < k; i++) pg_queue_push(&p->pref, picked[i]);
+    pthread_cond_broadcast(&p->q_cv);
+    pthread_mutex_unlock(&p->q_mu);
+    PG_ADD(p, prefetched_units, k);
+}
+
+enum { A_NONE, A_WAKE, A_UNPROTECT, A_FETCH };
+
+static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint64_t seq) {
+    if (addr < (uintptr_t)p->base || addr >= (uintptr_t)p->base + p->size) return;
+    uint64_t u = (addr - (uintptr_t)p->base) / p->unit;
+    int wp = (fl & UFFD_PAGEFAULT_FLAG_WP) != 0, write = (fl & UFFD_PAGEFAULT_FLAG_WRITE) != 0;
+    int action = A_NONE, demand = 0;
+    pg_lock(p, u);
+    uint8_t s = p->state[u];
+    if (wp) {
+        if (s == U_CLEAN) {
+            p->state[u] = U_DIRTY;
+            if (p->ref[u] < 3) p->ref[u]++; /* written: worth keeping (CLOCK) */
+            action = A_UNPROTECT;
+        } else if (s == U_ABSENT) { /* dropped after the write faulted: fetch it again, writable */
+            p->state[u] = U_FETCHING;
+            p->flags[u] |= UF_WRITE | UF_QUEUED;
+            action = A_FETCH;
+        } else if (s == U_FETCHING || s == U_WRITEBACK || s == U_EVICTING) {
+            p->flags[u] |= UF_WAIT | UF_WRITE;
+        } else {
+            action = A_WAKE; /* DIRTY or LOST: resolved already */
+        }
+    } else {
+        if (s == U_ABSENT) {
+            p->state[u] = U_FETCHING;
+            p->flags[u] |= UF_QUEUED | (write ? UF_WRITE : 0);
+            uint64_t left = p->evict_seq[u];
+            if (left && __atomic_load_n(&p->evict_clock, __ATOMIC_RELAXED) - left <= p->local_units)
+                p->ref[u] = 1; /* back soon after it left: keep it once more (CLOCK) */
+            action = A_FETCH;
+            demand = 1;
+        } else if (s == U_FETCHING) {
+            if (write) p->flags[u] |= UF_WRITE;
+            if (!(p->flags[u] & (UF_QUEUED | UF_CLAIMED))) { /* a prefetch not started yet: now it is wanted */
+                p->flags[u] |= UF_QUEUED;
+                action = A_FETCH;
+            }
+            demand = 1;
+        } else if (s == U_EVICTING) {
+            p->flags[u] |= UF_WAIT | (write ? UF_WRITE : 0);
+        } else {
+            action = A_WAKE; /* installed before we read the message */
+        }
+    }
+    pg_unlock(p, u);
+    if (action == A_WAKE) {
+        PG_ADD(p, faults_stale, 1);
+        pg_wake(p, (uint8_t *)(uintptr_t)(addr & ~(uint64_t)(PAGE - 1)), PAGE);
+        return;
+    }
+    if (wp) PG_ADD(p, faults_wp, 1);
+    else PG_ADD(p, faults_missing, 1);
+    if (action == A_UNPROTECT) pg_protect(p, u, 1, 0); /* also wakes the writer */
+    if (action == A_FETCH) pg_queue_demand(p, u);
+    if (demand && p->cfg.prefetch_bytes) {
+        int64_t first, stride;
+        uint32_t max_depth = (uint32_t)(p->cfg.prefetch_bytes / p->unit);
+        uint32_t n = dls_trend_fault(trend_for(p, tid, seq), (int64_t)u, max_depth, &first, &stride);
+        if (n) prefetch(p, first, stride, n, write);
+    }
+}
+
+void *pg_fault_main(void *arg) {
+    dls_pager *p = arg;
+    struct uffd_msg msgs[64];
+    struct pollfd pf[2] = {{.fd = p->uffd, .events = POLLIN}, {.fd = p->wakefd, .events = POLLIN}};
+    uint64_t seq = 0;
+    while (!p->closing) {
+        int r = poll(pf, 2, -1);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        if (p->closing) break;
+        if (pf[0].revents & (POLLERR | POLLHUP | POLLNVAL)) break;
+        ssize_t got = read(p->uffd, msgs, sizeof msgs);
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EINTR) continue;
+            break;
+        }
+        for (ssize_t i = 0; i < got / (ssize_t)sizeof msgs[0]; i++) {
+            if (msgs[i].event != UFFD_EVENT_PAGEFAULT) continue;
+            on_fault(p, msgs[i].arg.pagefault.address, msgs[i].arg.pagefault.flags,
+                     msgs[i].arg.pagefault.feat.ptid, ++seq);
+        }
+    }
+    return NULL;
+}
+
+/* UFFDIO_COPY of len bytes; 0, or -errno when the range is gone (the pager is closing). */
+static int copy_in(dls_pager *p, uint8_t *dst, const uint8_t *src, uint64_t len, int writable) {
+    uint64_t done = 0;
+    while (done < len) {
+        struct uffdio_copy c = {.dst = (uintptr_t)(dst + done), .src = (uintptr_t)(src + done), .len = len - done,
+                                .mode = (writable || !p->wp) ? 0 : UFFDIO_COPY_MODE_WP};
+        if (ioctl(p->uffd, UFFDIO_COPY, &c) == 0) return 0;
+        int e = errno;
+        if (c.copy > 0) done += (uint64_t)c.copy;
+        if (e == EAGAIN || e == EINTR) continue;
+        if (e == EEXIST) { /* a page is there already (not ours to overwrite): step over it */
+            done = (done / PAGE + 1) * PAGE;
+            continue;
+        }
+        return -e;
+    }
+    return 0;
+}
+
+/* Units [u, u+n) are in io->bounce: map them in and settle their states.  <0 when they could not be
+ * mapped in (the range is gone). */
+static int install(dls_pager *p, pg_io *io, uint64_t u, uint32_t n) {
+    uint8_t writable[256];
+    for (uint32_t i = 0; i < n; i++) {
+        pg_lock(p, u + i);
+        writable[i] = (p->flags[u + i] & UF_WRITE) || !p->wp;
+        pg_unlock(p, u + i);
+    }
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && writable[j] == writable[i]) j++;
+        int rc = copy_in(p, pg_addr(p, u + i), io->bounce + (size_t)i * p->unit, (uint64_t)(j - i) * p->unit,
+                         writable[i]);
+        if (rc < 0) return rc;
+        i = j;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = u + i;
+        int unprotect = 0;
+        pg_lock(p, v);
+        uint8_t st = writable[i] ? U_DIRTY : U_CLEAN;
+        if (st == U_CLEAN && (p->flags[v] & UF_WAIT)) { /* a write came while it was on its way */
+            st = U_DIRTY;
+            unprotect = 1;
+        }
+        p->state[v] = st;
+        p->flags[v] &= (uint8_t)~(UF_WAIT | UF_WRITE | UF_CLAIMED | UF_QUEUED);
+        pg_unlock(p, v);
+        if (unprotect) pg_protect(p, v, 1, 0);
+        pg_ring_add(p, v);
+    }
+    pthread_mutex_lock(&p->inst_mu);
+    pthread_cond_broadcast(&p->inst_cv);
+    pthread_mutex_unlock(&p->inst_mu);
+    return 0;
+}
+
+/* Take units [u, u+n): claim them, fetch what was claimed in contiguous runs, install or lose them. */
+static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n) {
+    uint8_t mine[256];
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = units[i];
+        pg_lock(p, v);
+        mine[i] = p->state[v] == U_FETCHING && !(p->flags[v] & UF_CLAIMED);
+        if (mine[i]) p->flags[v] |= UF_CLAIMED;
+        pg_unlock(p, v);
+    }
+    for (uint32_t i = 0; i < n;) {
+        if (!mine[i]) {
+            i++;
+            continue;
+        }
+        uint32_t j = i + 1;
+        while (j < n && mine[j] && units[j] == units[j - 1] + 1) j++;
+        uint64_t u = units[i];
+        uint32_t k = j - i;
+        pg_reserve(p, k);
+        int rc = p->closing ? DLS_E_CLOSED : pg_fetch(p, io, u, k);
+        if (rc == DLS_OK && install(p, io, u, k) < 0) rc = DLS_E_INTERNAL;
+        if (rc != DLS_OK) {
+            pg_release(p, k);
+            if (!p->closing) {
+                uint32_t idx;
+                pg_extent_of(p, u, &idx);
+                pg_lose(p, idx, u, k, rc);
+            }
+        }
+        i = j;
+    }
+}
+
+void *pg_worker_main(void *arg) {
+    dls_pager *p = arg;
+    pg_io *io = pg_io_new(p);
+    if (!io) return NULL;
+    uint32_t max = io->max_units > 256 ? 256 : io->max_units;
+    uint32_t units[256];
+    for (;;) {
+        pthread_mutex_lock(&p->q_mu);
+        while (!p->closing && !p->demand.len && !p->pref.len) pthread_cond_wait(&p->q_cv, &p->q_mu);
+        if (p->closing) {
+            pthread_mutex_unlock(&p->q_mu);
+            break;
+        }
+        /* demand first; a run of adjacent units of one extent goes as one batched read */
+        pg_queue *q = p->demand.len ? &p->demand : &p->pref;
+        uint32_t n = 0, nx;
+        pg_queue_pop(q, &units[n++]);
+        pg_extent *e = pg_extent_of(p, units[0], NULL);
+        uint64_t end = e->first_unit + e->nunits;
+        while (n < max && pg_queue_peek(q, &nx) == 0 && nx == units[n - 1] + 1 && nx < end) {
+            pg_queue_pop(q, &nx);
+            units[n++] = nx;
+        }
+        pthread_mutex_unlock(&p->q_mu);
+        serve(p, io, units, n);
+    }
+    pg_io_free(io);
+    return NULL;
+}
