@@ -250,7 +250,6 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
     if (!queue) return -1;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t u = units[i];
-        int unprotect = 0;
         pg_lock(p, u);
         uint8_t s = p->state[u];
         if (s == U_ABSENT) {
@@ -265,10 +264,9 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
             }
         } else if (s == U_CLEAN && write && p->wp) {
             p->state[u] = U_DIRTY;
-            unprotect = 1;
+            pg_protect(p, u, 1, 0); /* under the lock: no evictor may protect it again in between */
         }
         pg_unlock(p, u);
-        if (unprotect) pg_protect(p, u, 1, 0);
     }
     if (nq) {
         pthread_mutex_lock(&p->q_mu);
@@ -352,6 +350,13 @@ void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st) {
 int dls_pager_unit_state(dls_pager *p, uint64_t unit) {
     if (unit >= p->nunits) return DLS_E_ARG;
     return __atomic_load_n(&p->state[unit], __ATOMIC_ACQUIRE);
+}
+
+uint64_t dls_pager_lost_in(dls_pager *p, uint64_t first, uint64_t n) {
+    uint64_t lost = 0;
+    for (uint64_t u = first; u < first + n && u < p->nunits; u++)
+        lost += __atomic_load_n(&p->state[u], __ATOMIC_ACQUIRE) == U_LOST;
+    return lost;
 }
 
 void dls_pager_close(dls_pager *p) {

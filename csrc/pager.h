@@ -68,6 +68,7 @@ typedef struct dls_pager_stats {
     uint64_t faults_missing;     /* first touches (and touches of evicted units) */
     uint64_t faults_wp;          /* first writes to clean units */
     uint64_t faults_stale;       /* faults already resolved when the fault thread read them */
+    uint64_t faults_inflight;    /* first touches of units already on their way (a prefetch not there yet) */
     uint64_t fetched_units;      /* units installed with data from a copy */
     uint64_t zero_units;         /* units installed as zeros (never written back: no fetch needed) */
     uint64_t fetch_runs;         /* batched reads */
@@ -120,6 +121,8 @@ int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab,
 int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms);
 void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st);
 int dls_pager_unit_state(dls_pager *p, uint64_t unit);
+/* How many of units [first, first+n) lost every copy (poisoned). */
+uint64_t dls_pager_lost_in(dls_pager *p, uint64_t first, uint64_t n);
 /* Stop everything: the range becomes PROT_NONE (its memory is freed; any later touch is SIGSEGV,
  * never another mapping's bytes), threads blocked in a fault are woken into that, the threads end.
  * Calls racing it return at once (-1 or DLS_E_CLOSED).  The address range stays reserved, and the

@@ -165,12 +165,20 @@ void pg_io_drop(pg_io *io, int32_t ep) {
 
 #define BUDGET_PATIENCE_MS 2000 /* then go over budget rather than stall a fault forever */
 
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
 void pg_reserve(dls_pager *p, uint64_t n) {
     pthread_mutex_lock(&p->slot_mu);
-    int waited_ms = 0;
-    if (p->resident + n > p->local_units && !p->closing) PG_ADD(p, budget_waits, 1);
+    uint64_t start = 0;
     while (p->resident + n > p->local_units && !p->closing) {
-        if (waited_ms >= BUDGET_PATIENCE_MS) {
+        if (!start) {
+            start = now_ms();
+            PG_ADD(p, budget_waits, 1);
+        } else if (now_ms() - start >= BUDGET_PATIENCE_MS) {
             PG_ADD(p, over_budget, 1);
             break;
         }
@@ -184,7 +192,6 @@ void pg_reserve(dls_pager *p, uint64_t n) {
             ts.tv_nsec -= 1000000000L;
         }
         pthread_cond_timedwait(&p->slot_cv, &p->slot_mu, &ts);
-        waited_ms += 20;
     }
     p->resident += n;
     if (p->resident > p->hi) pthread_cond_broadcast(&p->evict_cv);

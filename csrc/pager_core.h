@@ -15,7 +15,9 @@
  *
  * A fault that finds its unit in transit (FETCHING, WRITEBACK, EVICTING) sets UF_WAIT; whoever
  * settles the unit resolves it (the install wakes the range; a write-back that finds a writer
- * waiting unprotects instead of evicting; a drop that finds one fetches again).  Lock order:
+ * waiting unprotects instead of evicting; a drop that finds one fetches again).  A unit is made
+ * writable only under its lock, in the same critical section that makes it DIRTY: otherwise an
+ * evictor could protect, copy and drop it in between, and a write would land unseen.  Lock order:
  * extent io -> extent map; ring -> unit stripe; slot, queue, event and install mutexes are leaves. */
 #include <linux/userfaultfd.h>
 #include <pthread.h>

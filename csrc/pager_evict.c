@@ -96,14 +96,12 @@ static int keep_if_wanted(dls_pager *p, uint64_t u, int written) {
     if (keep) {
         p->state[u] = U_DIRTY;
         p->flags[u] &= (uint8_t)~UF_WAIT;
+        pg_protect(p, u, 1, 0); /* wakes the writer; under the lock, like every unprotect */
     } else {
         p->state[u] = U_EVICTING;
     }
     pg_unlock(p, u);
-    if (keep) {
-        pg_protect(p, u, 1, 0); /* wakes the writer */
-        pg_ring_add(p, u);
-    }
+    if (keep) pg_ring_add(p, u);
     return keep;
 }
 
@@ -160,11 +158,11 @@ void *pg_evict_main(void *arg) {
         if (p->closing) break;
         for (;;) {
             pthread_mutex_lock(&p->slot_mu);
-            int over = p->resident > p->lo || forced;
+            uint64_t need = p->resident > p->lo ? p->resident - p->lo : (uint64_t)forced;
             pthread_mutex_unlock(&p->slot_mu);
             forced = 0;
-            if (!over || p->closing) break;
-            uint32_t n = pick(p, victims, dirty, batch);
+            if (!need || p->closing) break;
+            uint32_t n = pick(p, victims, dirty, need < batch ? (uint32_t)need : batch);
             if (!n) { /* everything resident is in transit: let it settle */
                 struct timespec ts = {0, 2 * 1000000L};
                 nanosleep(&ts, NULL);
@@ -202,17 +200,15 @@ int64_t pg_flush(dls_pager *p) {
             write_back_sorted(p, io, units, n, ok);
             for (uint32_t i = 0; i < n; i++) {
                 uint64_t v = units[i];
-                int unprotect = 0;
                 pg_lock(p, v);
                 if (!ok[i] || (p->flags[v] & UF_WAIT)) {
                     p->state[v] = U_DIRTY;
                     p->flags[v] &= (uint8_t)~UF_WAIT;
-                    unprotect = 1;
+                    pg_protect(p, v, 1, 0);
                 } else {
                     p->state[v] = U_CLEAN;
                 }
                 pg_unlock(p, v);
-                if (unprotect) pg_protect(p, v, 1, 0);
                 failed += !ok[i];
             }
         }

@@ -37,21 +37,21 @@ static dls_trend *trend_for(dls_pager *p, uint32_t tid, uint64_t stamp) {
     return &p->trends[oldest];
 }
 
-/* Queue units first, first+stride, ... that are absent, while the budget has room for them. */
-static void prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t count, int write) {
+/* Queue units first, first+stride, ... that are absent.  At most a quarter of the budget is asked
+ * for ahead at once: a prefetch displaces resident units (the workers reserve room as for a fault),
+ * and a stream must not flush the whole cache. */
+static uint32_t prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t count, int write) {
     uint32_t picked[256];
     uint32_t k = 0;
-    pthread_mutex_lock(&p->slot_mu);
-    uint64_t room = p->resident < p->hi ? p->hi - p->resident : 0;
-    pthread_mutex_unlock(&p->slot_mu);
+    uint64_t cap = p->local_units / 4 > 2 ? p->local_units / 4 : 2;
     pthread_mutex_lock(&p->q_mu);
-    uint64_t queued = p->pref.len, space = p->pref.cap - p->pref.len;
+    uint64_t queued = p->pref.len;
     pthread_mutex_unlock(&p->q_mu);
-    room = room > queued ? room - queued : 0;
+    uint64_t room = cap > queued ? cap - queued : 0;
     if (count > room) count = (uint32_t)room;
-    if (count > space) count = (uint32_t)space;
     if (count > 256) count = 256;
-    for (uint32_t i = 0; i < count; i++) {
+    uint32_t covered = 0;
+    for (uint32_t i = 0; i < count; i++, covered++) {
         int64_t v = first + stride * (int64_t)i;
         if (v < 0 || (uint64_t)v >= p->nunits) break;
         pg_lock(p, (uint64_t)v);
@@ -62,12 +62,13 @@ static void prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t count
         }
         pg_unlock(p, (uint64_t)v);
     }
-    if (!k) return;
+    if (!k) return covered;
     pthread_mutex_lock(&p->q_mu);
     for (uint32_t i = 0; i < k; i++) pg_queue_push(&p->pref, picked[i]);
     pthread_cond_broadcast(&p->q_cv);
     pthread_mutex_unlock(&p->q_mu);
     PG_ADD(p, prefetched_units, k);
+    return covered;
 }
 
 enum { A_NONE, A_WAKE, A_UNPROTECT, A_FETCH };
@@ -83,6 +84,10 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
         if (s == U_CLEAN) {
             p->state[u] = U_DIRTY;
             if (p->ref[u] < 3) p->ref[u]++; /* written: worth keeping (CLOCK) */
+            /* Unprotect (and wake the writer) before anyone can see DIRTY: an evictor that took the unit
+             * between our unlock and a later unprotect would protect, copy and drop it, and the unprotect
+             * would then let a write land that no write-back ever sees. */
+            pg_protect(p, u, 1, 0);
             action = A_UNPROTECT;
         } else if (s == U_ABSENT) { /* dropped after the write faulted: fetch it again, writable */
             p->state[u] = U_FETCHING;
@@ -123,13 +128,17 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
     }
     if (wp) PG_ADD(p, faults_wp, 1);
     else PG_ADD(p, faults_missing, 1);
-    if (action == A_UNPROTECT) pg_protect(p, u, 1, 0); /* also wakes the writer */
+    if (!wp && s == U_FETCHING) PG_ADD(p, faults_inflight, 1);
     if (action == A_FETCH) pg_queue_demand(p, u);
     if (demand && p->cfg.prefetch_bytes) {
         int64_t first, stride;
         uint32_t max_depth = (uint32_t)(p->cfg.prefetch_bytes / p->unit);
-        uint32_t n = dls_trend_fault(trend_for(p, tid, seq), (int64_t)u, max_depth, &first, &stride);
-        if (n) prefetch(p, first, stride, n, write);
+        dls_trend *t = trend_for(p, tid, seq);
+        uint32_t n = dls_trend_fault(t, (int64_t)u, max_depth, &first, &stride);
+        if (n) {
+            uint32_t covered = prefetch(p, first, stride, n, write);
+            if (covered < n) dls_trend_cut(t, first + stride * (int64_t)covered); /* the rest was not asked for */
+        }
     }
 }
 
@@ -198,17 +207,15 @@ static int install(dls_pager *p, pg_io *io, uint64_t u, uint32_t n) {
     }
     for (uint32_t i = 0; i < n; i++) {
         uint64_t v = u + i;
-        int unprotect = 0;
         pg_lock(p, v);
         uint8_t st = writable[i] ? U_DIRTY : U_CLEAN;
         if (st == U_CLEAN && (p->flags[v] & UF_WAIT)) { /* a write came while it was on its way */
             st = U_DIRTY;
-            unprotect = 1;
+            pg_protect(p, v, 1, 0);
         }
         p->state[v] = st;
         p->flags[v] &= (uint8_t)~(UF_WAIT | UF_WRITE | UF_CLAIMED | UF_QUEUED);
         pg_unlock(p, v);
-        if (unprotect) pg_protect(p, v, 1, 0);
         pg_ring_add(p, v);
     }
     pthread_mutex_lock(&p->inst_mu);

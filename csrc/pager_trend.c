@@ -56,7 +56,7 @@ uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t
         int64_t span = (target - from) / s;
         if (span < 0) return 0;
         uint32_t count = (uint32_t)span + 1;
-        t->lo = from;
+        t->lo = unit; /* the stream is here now: what lies behind is done */
         t->next = from + s * (int64_t)count;
         *first = from;
         *stride = s;
@@ -74,9 +74,13 @@ uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t
     }
     t->stride = d;
     t->depth = max_depth < 2 ? max_depth : 2;
-    t->lo = unit + d;
-    t->next = t->lo + d * (int64_t)t->depth;
-    *first = t->lo;
+    t->lo = unit;
+    t->next = unit + d + d * (int64_t)t->depth;
+    *first = unit + d;
     *stride = d;
     return t->depth;
+}
+
+void dls_trend_cut(dls_trend *t, int64_t next) {
+    if (t->stride) t->next = next;
 }

@@ -19,13 +19,15 @@ typedef struct dls_trend {
     int64_t hist[DLS_TREND_HIST];
     uint32_t n, pos;  /* faults held, next slot */
     int64_t stride;   /* of the running stream, 0 for none */
-    int64_t lo, next; /* the stream's last window starts at lo; next is the first unit not asked for */
+    int64_t lo, next; /* the stream's latest fault, and the first unit not asked for yet */
     uint32_t depth;   /* units the stream runs ahead */
 } dls_trend;
 
 void dls_trend_init(dls_trend *t);
 /* Record a fault on `unit`; returns how many units to prefetch: *first, *first + *stride, ... */
 uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t *first, int64_t *stride);
+/* Only the units before `next` were asked for after all: the stream goes on from there. */
+void dls_trend_cut(dls_trend *t, int64_t next);
 /* The majority delta among the last `window` deltas, 0 when there is none. */
 int64_t dls_trend_majority(const dls_trend *t, uint32_t window);
 #endif
