@@ -87,8 +87,13 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
     p->size = cfg->nbytes;
     p->nunits = cfg->nbytes / cfg->unit;
     p->local_units = cfg->local_bytes / cfg->unit;
-    uint64_t slack = p->local_units / 32 ? p->local_units / 32 : 1; /* room for faults while the evictor runs */
-    uint64_t step = p->local_units / 16 ? p->local_units / 16 : 1;  /* evicted per wake-up */
+    /* room for faults while the evictor runs, and how much one wake-up evicts: batches of several
+     * units, so a write-back is one pipelined request per copy, not one round trip per unit */
+    uint64_t slack = p->local_units / 32 ? p->local_units / 32 : 1;
+    uint64_t step = p->local_units / 8;
+    uint64_t floor_step = p->local_units / 4 < 8 ? p->local_units / 4 : 8;
+    if (step < floor_step) step = floor_step;
+    if (step < 1) step = 1;
     p->hi = p->local_units - slack;
     p->lo = p->hi > step ? p->hi - step : 0;
     p->rng = 0x9E3779B97F4A7C15ull;
@@ -262,6 +267,9 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
                 p->flags[u] |= UF_QUEUED;
                 queue[nq++] = u;
             }
+        } else if (s == U_EVICTING || s == U_WRITEBACK) {
+            /* on its way out: keep it (write-back) or bring it straight back (drop), as for a fault */
+            p->flags[u] |= UF_WAIT | (write ? UF_WRITE : 0);
         } else if (s == U_CLEAN && write && p->wp) {
             p->state[u] = U_DIRTY;
             pg_protect(p, u, 1, 0); /* under the lock: no evictor may protect it again in between */
