@@ -209,7 +209,7 @@ static int install(dls_pager *p, pg_io *io, uint64_t u, uint32_t n) {
         uint64_t v = u + i;
         pg_lock(p, v);
         uint8_t st = writable[i] ? U_DIRTY : U_CLEAN;
-        if (st == U_CLEAN && (p->flags[v] & UF_WAIT)) { /* a write came while it was on its way */
+        if (st == U_CLEAN && (p->flags[v] & (UF_WAIT | UF_WRITE))) { /* a write came (or was announced) meanwhile */
             st = U_DIRTY;
             pg_protect(p, v, 1, 0);
         }
