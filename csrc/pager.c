@@ -274,6 +274,7 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
             p->state[u] = U_DIRTY;
             pg_protect(p, u, 1, 0); /* under the lock: no evictor may protect it again in between */
         }
+        if ((s == U_CLEAN || s == U_DIRTY) && p->ref[u] < 3) p->ref[u]++; /* wanted soon: CLOCK keeps it */
         pg_unlock(p, u);
     }
     if (nq) {

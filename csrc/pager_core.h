@@ -190,9 +190,10 @@ int pg_wake(dls_pager *p, uint8_t *addr, uint64_t len);
 void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code);
 
 /* pager_io.c: reads and writes against the copies */
-/* Read units [u, u+n) (one extent) into io->bounce from a readable copy, failing over; 0, or
- * DLS_E_IO when no copy could serve them (the units are lost). */
-int pg_fetch(dls_pager *p, pg_io *io, uint64_t u, uint32_t n);
+/* Read units[0..n) (sorted, one extent, at most io->max_units) back to back into io->bounce from a
+ * readable copy, in one batched request, failing over; 0, or DLS_E_IO when no copy could serve them
+ * (the units are lost). */
+int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
 /* Write the given units (sorted, write-protected, one extent) to every writable copy; 0 when a
  * durable (live or evicting) copy took them all, else a wire status. */
 int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);

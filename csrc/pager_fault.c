@@ -188,25 +188,25 @@ static int copy_in(dls_pager *p, uint8_t *dst, const uint8_t *src, uint64_t len,
     return 0;
 }
 
-/* Units [u, u+n) are in io->bounce: map them in and settle their states.  <0 when they could not be
- * mapped in (the range is gone). */
-static int install(dls_pager *p, pg_io *io, uint64_t u, uint32_t n) {
+/* units[0..n) (sorted) are back to back in io->bounce: map them in and settle their states.  <0 when
+ * they could not be mapped in (the range is gone). */
+static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
     uint8_t writable[256];
     for (uint32_t i = 0; i < n; i++) {
-        pg_lock(p, u + i);
-        writable[i] = (p->flags[u + i] & UF_WRITE) || !p->wp;
-        pg_unlock(p, u + i);
+        pg_lock(p, units[i]);
+        writable[i] = (p->flags[units[i]] & UF_WRITE) || !p->wp;
+        pg_unlock(p, units[i]);
     }
-    for (uint32_t i = 0; i < n;) {
+    for (uint32_t i = 0; i < n;) { /* one UFFDIO_COPY per run of adjacent units installed alike */
         uint32_t j = i + 1;
-        while (j < n && writable[j] == writable[i]) j++;
-        int rc = copy_in(p, pg_addr(p, u + i), io->bounce + (size_t)i * p->unit, (uint64_t)(j - i) * p->unit,
+        while (j < n && writable[j] == writable[i] && units[j] == units[j - 1] + 1) j++;
+        int rc = copy_in(p, pg_addr(p, units[i]), io->bounce + (size_t)i * p->unit, (uint64_t)(j - i) * p->unit,
                          writable[i]);
         if (rc < 0) return rc;
         i = j;
     }
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t v = u + i;
+        uint64_t v = units[i];
         pg_lock(p, v);
         uint8_t st = writable[i] ? U_DIRTY : U_CLEAN;
         if (st == U_CLEAN && (p->flags[v] & (UF_WAIT | UF_WRITE))) { /* a write came (or was announced) meanwhile */
@@ -224,36 +224,50 @@ static int install(dls_pager *p, pg_io *io, uint64_t u, uint32_t n) {
     return 0;
 }
 
-/* Take units [u, u+n): claim them, fetch what was claimed in contiguous runs, install or lose them. */
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Fetch and install units[0..n) (sorted, one extent), or poison them when no copy has them. */
+static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
+    pg_reserve(p, n);
+    int rc = p->closing ? DLS_E_CLOSED : pg_fetch(p, io, units, n);
+    if (rc == DLS_OK && install(p, io, units, n) < 0) rc = DLS_E_INTERNAL;
+    if (rc == DLS_OK) return;
+    pg_release(p, n);
+    if (p->closing) return;
+    uint32_t idx;
+    pg_extent_of(p, units[0], &idx);
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        pg_lose(p, idx, units[i], j - i, rc);
+        i = j;
+    }
+}
+
+/* Take the popped units: claim them (another worker may have them), then fetch what is ours, one
+ * batched read per extent, however scattered the units are in it. */
 static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n) {
-    uint8_t mine[256];
+    uint64_t mine[256];
+    uint32_t k = 0;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t v = units[i];
         pg_lock(p, v);
-        mine[i] = p->state[v] == U_FETCHING && !(p->flags[v] & UF_CLAIMED);
-        if (mine[i]) p->flags[v] |= UF_CLAIMED;
+        if (p->state[v] == U_FETCHING && !(p->flags[v] & UF_CLAIMED)) {
+            p->flags[v] |= UF_CLAIMED;
+            mine[k++] = v;
+        }
         pg_unlock(p, v);
     }
-    for (uint32_t i = 0; i < n;) {
-        if (!mine[i]) {
-            i++;
-            continue;
-        }
+    qsort(mine, k, sizeof mine[0], cmp_u64);
+    for (uint32_t i = 0; i < k;) {
+        pg_extent *e = pg_extent_of(p, mine[i], NULL);
+        uint64_t end = e->first_unit + e->nunits;
         uint32_t j = i + 1;
-        while (j < n && mine[j] && units[j] == units[j - 1] + 1) j++;
-        uint64_t u = units[i];
-        uint32_t k = j - i;
-        pg_reserve(p, k);
-        int rc = p->closing ? DLS_E_CLOSED : pg_fetch(p, io, u, k);
-        if (rc == DLS_OK && install(p, io, u, k) < 0) rc = DLS_E_INTERNAL;
-        if (rc != DLS_OK) {
-            pg_release(p, k);
-            if (!p->closing) {
-                uint32_t idx;
-                pg_extent_of(p, u, &idx);
-                pg_lose(p, idx, u, k, rc);
-            }
-        }
+        while (j < k && mine[j] < end && j - i < io->max_units) j++;
+        fetch_group(p, io, mine + i, j - i);
         i = j;
     }
 }
@@ -271,15 +285,21 @@ void *pg_worker_main(void *arg) {
             pthread_mutex_unlock(&p->q_mu);
             break;
         }
-        /* demand first; a run of adjacent units of one extent goes as one batched read */
-        pg_queue *q = p->demand.len ? &p->demand : &p->pref;
         uint32_t n = 0, nx;
-        pg_queue_pop(q, &units[n++]);
-        pg_extent *e = pg_extent_of(p, units[0], NULL);
-        uint64_t end = e->first_unit + e->nunits;
-        while (n < max && pg_queue_peek(q, &nx) == 0 && nx == units[n - 1] + 1 && nx < end) {
-            pg_queue_pop(q, &nx);
-            units[n++] = nx;
+        if (p->demand.len) {
+            /* faults and prefetch calls first: this worker's share of what waits (the others take the
+             * rest in parallel), read as one batch per extent */
+            uint64_t share = (p->demand.len + (uint64_t)p->nworkers - 1) / (uint64_t)p->nworkers;
+            while (n < max && n < share && pg_queue_pop(&p->demand, &nx) == 0) units[n++] = nx;
+        } else {
+            /* a sequential stream: a run of adjacent units of one extent */
+            pg_queue_pop(&p->pref, &units[n++]);
+            pg_extent *e = pg_extent_of(p, units[0], NULL);
+            uint64_t end = e->first_unit + e->nunits;
+            while (n < max && pg_queue_peek(&p->pref, &nx) == 0 && nx == units[n - 1] + 1 && nx < end) {
+                pg_queue_pop(&p->pref, &nx);
+                units[n++] = nx;
+            }
         }
         pthread_mutex_unlock(&p->q_mu);
         serve(p, io, units, n);

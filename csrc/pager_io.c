@@ -68,22 +68,22 @@ static int read_any(dls_pager *p, pg_io *io, uint32_t idx, uint32_t n, uint64_t 
     return DLS_E_IO;
 }
 
-int pg_fetch(dls_pager *p, pg_io *io, uint64_t u, uint32_t n) {
+int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
     uint32_t idx;
-    pg_extent *e = pg_extent_of(p, u, &idx);
+    pg_extent *e = pg_extent_of(p, units[0], &idx);
     uint32_t with_data = 0;
     for (uint32_t i = 0; i < n; i++) {
-        io->units[i] = u + i;
-        io->offs[i] = (u + i - e->first_unit) * p->unit;
+        io->units[i] = units[i];
+        io->offs[i] = (units[i] - e->first_unit) * p->unit;
         io->lens[i] = (uint32_t)p->unit;
-        with_data += (__atomic_load_n(&p->flags[u + i], __ATOMIC_ACQUIRE) & UF_HAS_DATA) != 0;
+        with_data += (__atomic_load_n(&p->flags[units[i]], __ATOMIC_ACQUIRE) & UF_HAS_DATA) != 0;
     }
     if (!with_data) { /* never written back: the copies hold zeros, no need to ask them */
         memset(io->bounce, 0, (size_t)n * p->unit);
         PG_ADD(p, zero_units, n);
         return DLS_OK;
     }
-    int rc = read_any(p, io, idx, n, idx + u, NULL);
+    int rc = read_any(p, io, idx, n, idx + units[0], NULL);
     if (rc == DLS_OK) {
         PG_ADD(p, fetch_runs, 1);
         PG_ADD(p, fetched_units, n);
