@@ -115,7 +115,7 @@ def dlrm(args, place: Place) -> dict:
 
     from rdma.torch import place_embeddings
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # the same in every mode; the machine has 2 cores for the program, the engine and donors
     torch.manual_seed(0)
     rows = args.ws // (DIM * 4)
 

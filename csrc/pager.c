@@ -372,13 +372,6 @@ void dls_pager_close(dls_pager *p) {
     if (!p || p->closed) return;
     p->closed = 1;
     __atomic_store_n(&p->closing, 1, __ATOMIC_SEQ_CST);
-    if (p->base) {
-        /* Replace the mapping: its memory goes back, the registration with it; a thread blocked in a
-         * fault is woken into the PROT_NONE range (SIGSEGV), and no later mapping can take the range
-         * while views of it may still exist. */
-        mmap(p->base, p->size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p->uffd >= 0) pg_wake(p, p->base, p->size);
-    }
     if (p->wakefd >= 0) {
         uint64_t one = 1;
         if (write(p->wakefd, &one, sizeof one) < 0) { /* the fault thread also checks `closing` */ }
@@ -391,10 +384,18 @@ void dls_pager_close(dls_pager *p) {
         if (i == 1) pthread_cond_broadcast(&p->evict_cv);
         pthread_mutex_unlock(mus[i]);
     }
+    /* The engine's threads first: an evictor may be copying a unit out of the mapping right now. */
     if (p->started) {
         pthread_join(p->fault_thread, NULL);
         for (int i = 0; i < p->nworkers; i++) pthread_join(p->workers[i], NULL);
         for (int i = 0; i < p->nevictors; i++) pthread_join(p->evictors[i], NULL);
+    }
+    if (p->base) {
+        /* Then replace the mapping: its memory goes back, the registration with it; a thread blocked in
+         * a fault is woken into the PROT_NONE range (SIGSEGV), and no later mapping can take the range
+         * while views of it may still exist. */
+        mmap(p->base, p->size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p->uffd >= 0) pg_wake(p, p->base, p->size);
     }
 }
 

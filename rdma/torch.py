@@ -107,11 +107,27 @@ def _lookup_hook(region: RemoteRegion, weight):
     return pre_hook
 
 
+def _reset_in_slices(mod, region: RemoteRegion) -> None:
+    """What ``reset_parameters`` does to an embedding (normal(0, 1), the padding row zeroed), a slice
+    of rows at a time: torch's normal_ makes two passes over its tensor, and a slice that fits in
+    local memory keeps the second pass from fetching back what the first just wrote out."""
+    import torch
+
+    w = mod.weight
+    row_bytes = max(1, w.stride(0) * w.element_size())
+    step = max(1, min(16 << 20, region.local_bytes // 4) // row_bytes)
+    with torch.no_grad():
+        for i in range(0, w.shape[0], step):
+            w[i:i + step].normal_()
+        if getattr(mod, "padding_idx", None) is not None:
+            w[mod.padding_idx].fill_(0)
+
+
 def place_embeddings(model, region: RemoteRegion, min_bytes: int = MIN_TABLE_BYTES,
                      prefetch: bool = True) -> list[str]:
     """Move every ``nn.Embedding`` and ``nn.EmbeddingBag`` whose table is at least ``min_bytes`` into
-    ``region``.  A table on the meta device is initialised there as its module would (its
-    ``reset_parameters``), so a table bigger than local memory never exists locally.  Returns the
+    ``region``.  A table on the meta device is initialised there as its module would (normal(0, 1),
+    the padding row zeroed), so a table bigger than local memory never exists locally.  Returns the
     names of the tables moved."""
     import torch
 
@@ -126,7 +142,7 @@ def place_embeddings(model, region: RemoteRegion, min_bytes: int = MIN_TABLE_BYT
         if not place_tensors(mod, region, ["weight"]):
             continue
         if was_meta:
-            mod.reset_parameters()  # normal_ in place (and the padding row zeroed): straight into the region
+            _reset_in_slices(mod, region)
         if prefetch:
             mod.register_forward_pre_hook(_lookup_hook(region, mod.weight))
         moved.append(f"{name}.weight" if name else "weight")

@@ -4,6 +4,8 @@ Each prints what it observed, one line each, flushed, before the signal it expec
 ``lost <broker|->``: every copy of the first extent goes; ``read`` must raise, a touch is SIGBUS.
 ``close <broker|->``: threads touch the region while the main thread closes it: each touch gives the
 right bytes until the close, and then SIGSEGV (never other bytes, never a hang).
+``close-busy <broker|->``: a close while units are being written back; nothing touches the region
+after it, so the process lives on.
 With a broker URL the copies are on real donors (the parent kills them when the child says
 ``ready``, then writes a line to the child's stdin); with ``-`` on slab servers in this process.
 """
@@ -26,19 +28,19 @@ def say(*parts) -> None:
     print(*parts, flush=True)
 
 
-def open_region(broker: str, nbytes: int, local: int):
+def open_region(broker: str, nbytes: int, local: int, unit: int = UNIT):
     if broker == "-":
         from tests.rdma.regions import LocalCluster
 
         cluster = LocalCluster(2)
-        region, _ = cluster.region(nbytes, local, unit=UNIT, replicas=2)
+        region, _ = cluster.region(nbytes, local, unit=unit, replicas=2)
         return region, cluster
     from nodesvc.bus.procs import wait_until
     from rdma import RemoteMemory
 
     mem = RemoteMemory(broker, replicas=2, seed=11)
     wait_until(lambda: len(mem.donors()) >= 2, 20, "donors")
-    return mem.map(nbytes, local_bytes=local, unit=UNIT), mem
+    return mem.map(nbytes, local_bytes=local, unit=unit), mem
 
 
 def lost(broker: str) -> None:
@@ -93,5 +95,16 @@ def close(broker: str) -> None:
     say("survived", ops)
 
 
+def close_busy(broker: str) -> None:
+    """Close right after a large write: the engine is still writing units back.  Nothing touches the
+    region after close, so the process must live on."""
+    region, _ = open_region(broker, 16 << 20, 2 << 20, unit=4096)  # small units: many write-backs in flight
+    region.array(np.uint8)[:] = 7
+    region.close()
+    say("closed")
+    time.sleep(0.5)
+    say("survived")
+
+
 if __name__ == "__main__":
-    {"lost": lost, "close": close}[sys.argv[1]](sys.argv[2])
+    {"lost": lost, "close": close, "close-busy": close_busy}[sys.argv[1]](sys.argv[2])

@@ -313,6 +313,14 @@ def test_closing_while_threads_touch_it_is_sigsegv_never_wrong_bytes():
     assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stdout, out.stderr)
 
 
+def test_closing_while_the_engine_writes_back_is_safe():
+    for _ in range(3):  # the engine's own threads never touch the range after it is made PROT_NONE
+        out = subprocess.run([sys.executable, "-m", "tests.rdma.region_child", "close-busy", "-"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == ["closed", "survived"], (out.returncode, out.stdout,
+                                                                                    out.stderr)
+
+
 def test_bad_geometry_is_refused_with_a_reason(local_cluster):
     with pytest.raises(ValueError, match="multiple of 4096"):
         local_cluster.region(SLAB, local_bytes=SLAB, unit=5000)
