@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ws", type=int, default=256 * MIB, help="working set, bytes")
     p.add_argument("--broker", default="")
     p.add_argument("--dir", default="/var/tmp", help="memmap: directory of the file")
-    p.add_argument("--unit", type=int, default=64 << 10)
+    p.add_argument("--unit", type=int, default=4096)
     p.add_argument("--units", type=int, nargs="*", default=[4096, 64 << 10])
     p.add_argument("--policy", default="clock")
     p.add_argument("--prefetch-bytes", type=int, default=1 << 20)

@@ -111,7 +111,7 @@ struct dls_pager {
 
     uint8_t *state, *flags, *ref;
     uint32_t *crc;       /* CRC-32C of each unit as last written back */
-    uint64_t *evict_seq; /* eviction clock when the unit last left, 0 never */
+    uint32_t *evict_seq; /* eviction clock (mod 2^32) when the unit last left, 0 never: 13 bytes a unit in all */
     pthread_mutex_t stripe[PG_STRIPES];
 
     pg_extent *ext;
@@ -131,7 +131,7 @@ struct dls_pager {
 
     pthread_mutex_t ring_mu; /* eviction candidates */
     pg_queue ring;
-    uint64_t evict_clock;
+    uint32_t evict_clock;
     uint64_t rng;
 
     pthread_mutex_t inst_mu; /* prefetch waiters */

@@ -105,11 +105,12 @@ static int keep_if_wanted(dls_pager *p, uint64_t u, int written) {
     return keep;
 }
 
-static void drop(dls_pager *p, uint64_t u, int was_dirty) {
-    madvise(pg_addr(p, u), p->unit, MADV_DONTNEED);
+/* After MADV_DONTNEED: ABSENT, or straight back to FETCHING when a fault came while it went. */
+static void settle_dropped(dls_pager *p, uint64_t u, int was_dirty) {
     int refetch = 0;
     pg_lock(p, u);
-    p->evict_seq[u] = __atomic_add_fetch(&p->evict_clock, 1, __ATOMIC_RELAXED);
+    uint32_t seq = __atomic_add_fetch(&p->evict_clock, 1, __ATOMIC_RELAXED);
+    p->evict_seq[u] = seq ? seq : 1;
     if (p->flags[u] & UF_WAIT) { /* touched while it went: bring it back for the waiter */
         p->state[u] = U_FETCHING;
         p->flags[u] = (uint8_t)((p->flags[u] & ~UF_WAIT) | UF_QUEUED);
@@ -118,27 +119,66 @@ static void drop(dls_pager *p, uint64_t u, int was_dirty) {
         p->state[u] = U_ABSENT;
     }
     pg_unlock(p, u);
-    pg_release(p, 1);
     if (was_dirty) PG_ADD(p, evicted_dirty, 1);
     else PG_ADD(p, evicted_clean, 1);
     if (refetch) pg_queue_demand(p, u);
 }
 
+/* Drop sorted units (all EVICTING): one MADV_DONTNEED per run of adjacent units. */
+static void drop_sorted(dls_pager *p, const uint64_t *units, const uint8_t *was_dirty, uint32_t n) {
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        madvise(pg_addr(p, units[i]), (size_t)(j - i) * p->unit, MADV_DONTNEED);
+        for (uint32_t k = i; k < j; k++) settle_dropped(p, units[k], was_dirty[k]);
+        pg_release(p, j - i);
+        i = j;
+    }
+}
+
+/* Write-protect sorted units, one ioctl per run of adjacent units. */
+static void protect_sorted(dls_pager *p, const uint64_t *units, uint32_t n) {
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        pg_protect(p, units[i], j - i, 1);
+        i = j;
+    }
+}
+
 static void evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t *dirty, uint32_t n) {
-    uint64_t wb[256];
-    uint8_t ok[256];
-    uint32_t nw = 0;
-    for (uint32_t i = 0; i < n; i++)
-        if (dirty[i]) wb[nw++] = victims[i];
+    uint64_t wb[256], gone[256];
+    uint8_t ok[256], gone_dirty[256];
+    uint32_t nw = 0, ng = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (dirty[i]) {
+            wb[nw++] = victims[i];
+        } else {
+            gone_dirty[ng] = 0;
+            gone[ng++] = victims[i];
+        }
+    }
     if (nw) {
         qsort(wb, nw, sizeof *wb, cmp_u64);
-        for (uint32_t i = 0; i < nw; i++) pg_protect(p, wb[i], 1, 1); /* from here on a write faults */
+        protect_sorted(p, wb, nw); /* from here on a write faults */
         write_back_sorted(p, io, wb, nw, ok);
         for (uint32_t i = 0; i < nw; i++)
-            if (!keep_if_wanted(p, wb[i], ok[i])) drop(p, wb[i], 1);
+            if (!keep_if_wanted(p, wb[i], ok[i])) {
+                gone_dirty[ng] = 1;
+                gone[ng++] = wb[i];
+            }
     }
-    for (uint32_t i = 0; i < n; i++)
-        if (!dirty[i]) drop(p, victims[i], 0);
+    /* sort what goes, carrying its dirty mark along */
+    for (uint32_t i = 1; i < ng; i++)
+        for (uint32_t j = i; j > 0 && gone[j - 1] > gone[j]; j--) {
+            uint64_t t = gone[j];
+            gone[j] = gone[j - 1];
+            gone[j - 1] = t;
+            uint8_t d = gone_dirty[j];
+            gone_dirty[j] = gone_dirty[j - 1];
+            gone_dirty[j - 1] = d;
+        }
+    drop_sorted(p, gone, gone_dirty, ng);
 }
 
 void *pg_evict_main(void *arg) {

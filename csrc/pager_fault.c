@@ -102,8 +102,8 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
         if (s == U_ABSENT) {
             p->state[u] = U_FETCHING;
             p->flags[u] |= UF_QUEUED | (write ? UF_WRITE : 0);
-            uint64_t left = p->evict_seq[u];
-            if (left && __atomic_load_n(&p->evict_clock, __ATOMIC_RELAXED) - left <= p->local_units)
+            uint32_t left = p->evict_seq[u];
+            if (left && (uint32_t)(__atomic_load_n(&p->evict_clock, __ATOMIC_RELAXED) - left) <= p->local_units)
                 p->ref[u] = 1; /* back soon after it left: keep it once more (CLOCK) */
             action = A_FETCH;
             demand = 1;

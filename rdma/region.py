@@ -47,7 +47,7 @@ from rdma.replica import EVICTING, LIVE, LOST, REBUILDING, Extent, Replica
 log = logging.getLogger("dlshare.rdma.region")
 
 # Chosen by `dlshare bench paging` (bench/RESULTS.md, "Paging"): the unit and policy sweep.
-DEFAULT_UNIT = 64 << 10
+DEFAULT_UNIT = 4 << 10
 DEFAULT_POLICY = "clock"
 POLICIES = {"fifo": lib.DLS_PAGER_FIFO, "clock": lib.DLS_PAGER_CLOCK, "random": lib.DLS_PAGER_RANDOM}
 UNIT_STATES = ("absent", "fetching", "clean", "dirty", "writeback", "evicting", "lost")
