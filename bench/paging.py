@@ -113,6 +113,35 @@ class MemoryLimit:
                 time.sleep(0.1)  # the exited process is still being torn down
 
 
+def disk_read_latency(directory: Path, nbytes: int = 64 * MIB, n: int = 2000) -> dict[str, float]:
+    """4 KiB O_DIRECT random reads of a file on the disk the swapfile and memmap use: what a page-in
+    from that disk costs here (a virtual disk served from the host's page cache is far faster than
+    a real SSD)."""
+    path = directory / "disk-probe.bin"
+    buf = np.frombuffer(os.urandom(MIB), np.uint8)
+    with open(path, "wb") as fh:
+        for _ in range(nbytes // MIB):
+            fh.write(buf)
+        fh.flush()
+        os.fsync(fh.fileno())
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        page = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT wants
+        rng = np.random.default_rng(6)
+        lat = np.empty(n, np.int64)
+        for i, blk in enumerate(rng.integers(0, nbytes // 4096, n)):
+            t = time.perf_counter_ns()
+            os.preadv(fd, [page], int(blk) * 4096)
+            lat[i] = time.perf_counter_ns() - t
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    p50, p99 = _pcts(lat)
+    return {"disk_read_4k_p50_us": p50, "disk_read_4k_p99_us": p99}
+
+
 class Swapfile:
     """A swapfile on the local disk, on for the swap baseline only."""
 
@@ -257,6 +286,11 @@ def run(args) -> dict[str, Any]:
                 if pol != "clock":
                     go(f"{wl}_region50_{pol}", wl, "region", 0.5, wargs + region + ["--policy", pol])
         raw = echo.measure(2000)
+        try:
+            disk = disk_read_latency(tmp)
+        except OSError as exc:
+            disk = {}
+            notes.append(f"disk read latency not measured: {exc}")
         go("latency", "latency", "region", None, region + ["--units", "4096", str(64 << 10),
                                                            "--samples", "400" if quick else "2000"])
         raw = np.concatenate([raw, echo.measure(2000)])
@@ -309,6 +343,7 @@ def run(args) -> dict[str, Any]:
         "unit_bytes": DEFAULT_UNIT,
     }
     m["raw_socket_rtt_p50_us"], m["raw_socket_rtt_p99_us"] = _pcts(raw)
+    m.update(disk)
     for k, r in runs.items():
         if not k.startswith("_") and _value(r) is not None:
             m[f"{k}_{'samples_per_s' if 'samples_per_s' in r else 'gbps'}"] = _value(r)
@@ -347,10 +382,11 @@ def _print(result: dict[str, Any]) -> None:
                      "peak MiB": round(r.get("cgroup", {}).get("max_usage_bytes", 0) / MIB) or "-"})
     print(f"\n## paging ({'quick' if result['quick'] else 'full'}, working set {m['working_set_bytes'] // MIB} MiB)\n")
     print(report.markdown_table(rows, ["run", "value", "unit", "limit MiB", "peak MiB"]))
-    lat = [{"measure": k, "value": m[k]} for k in ("fault_4k_p50_us", "fault_4k_p99_us", "fault_64k_p50_us",
+    lat = [{"measure": k, "value": m.get(k)} for k in ("fault_4k_p50_us", "fault_4k_p99_us", "fault_64k_p50_us",
                                                    "fault_64k_p99_us", "fault_unit_p50_us",
                                                    "fault_unit_p99_us", "raw_socket_rtt_p50_us",
-                                                   "raw_socket_rtt_p99_us", "donor_kill_lost_bytes")]
+                                                   "raw_socket_rtt_p99_us", "disk_read_4k_p50_us",
+                                                   "disk_read_4k_p99_us", "donor_kill_lost_bytes")]
     print(report.markdown_table(lat, ["measure", "value"]))
     for wl, s in result["sweep"].items():
         print(f"sweep {wl}: units {s['unit']}, policies {s['policy']}")

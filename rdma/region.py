@@ -88,7 +88,7 @@ class RegionBuffer(RemoteBuffer):
         self.engine: _Engine | None = None
 
     def replicas_changed(self, ext: Extent) -> None:
-        if self.engine is not None:
+        if self.engine is not None and not self.engine.closed:  # a closed engine moves nothing any more
             with ext.lock:
                 self.engine.sync(ext)
 
@@ -394,8 +394,8 @@ class RemoteRegion:
         (so several arrays share a region without sharing units)."""
         self._check()
         dt = np.dtype(dtype)
-        if shape is None:
-            start = 0 if offset is None else int(offset)
+        if shape is None:  # the rest of the region, from offset or from the next free part
+            start = self._next if offset is None else int(offset)
             shape = ((self.nbytes - start) // dt.itemsize,)
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
@@ -414,7 +414,7 @@ class RemoteRegion:
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         if shape is None:
-            start = 0 if offset is None else int(offset)
+            start = self._next if offset is None else int(offset)
             shape = ((self.nbytes - start) // itemsize,)
         shape = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
         count = 1
