@@ -15,6 +15,7 @@ from bench import report
 
 BENCHES = {
     "memory": "bench.memory",
+    "paging": "bench.paging",
     "agg": "bench.agg",
     "sched": "bench.sched",
     "sched-service": "bench.sched_service",

@@ -47,6 +47,7 @@ class RunSpec:
     cwd: str | None = None
     alloc: CgroupLimits | None = None
     gpus: tuple[int, ...] = ()
+    remote_memory_bytes: int | None = None  # donor memory the job may borrow (every copy counted)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,11 @@ def parse_op(cmd: Command, protected_pids: frozenset[int] = frozenset({1})) -> A
         if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < 1024 for g in gpus):
             raise PayloadError("gpus must be a list of GPU indices")
         has_alloc = any(k in a for k in ("cpus", "cpuset", "memory_bytes"))
-        return RunSpec(job, tuple(argv), dict(env), cwd, _alloc(a, job) if has_alloc else None, tuple(gpus))
+        remote = arg(a, "remote_memory_bytes", int, required=False)
+        if remote is not None and not (0 <= remote <= 1 << 50):
+            raise PayloadError(f"remote_memory_bytes must be between 0 and 1 PiB, got {remote}")
+        return RunSpec(job, tuple(argv), dict(env), cwd, _alloc(a, job) if has_alloc else None, tuple(gpus),
+                       remote or None)
     if cmd.op == "stop":
         job = _job(a)
         sig = arg(a, "signal", (int, str), required=False, default="SIGTERM")

@@ -8,6 +8,11 @@
         out = buf.read(4096, 4096)            # from one live copy, page CRCs checked
         pages = buf.read_pages([7, 3, 900])   # batched gather, pipelined in C
         cache = SpillCache(4 << 30, remote=mem)  # key -> bytes, LRU locally, spills to mem
+        with mem.map(8 << 30, local_bytes=2 << 30) as region:  # pages on donors, 2 GiB resident
+            table = region.array(np.float32, (rows, 64))        # plain numpy, no copy
+            emb = region.tensor(torch.float32, (rows, 64))      # or a CPU torch tensor
+
+    region = region_from_env()  # in a job started by a node daemon with remote_memory_bytes
 
 Donors are node daemons started with ``lend = true`` (nodesvc/daemon/donor.py).
 
@@ -20,7 +25,9 @@ nor ``bench``; the donor side (nodesvc.daemon.donor) imports rdma, not the rever
 Inside, each module imports only modules listed before it: native, wire,
 placement and replica (none imports another); native_mem; buffer (which
 declares the ReplicaIO it needs); dataplane (which provides it); control;
-remote; spill.  ``lint-imports`` fails on a circle.
+region (the mapping and its C engine); remote; spill; env (region_from_env);
+torch (the PyTorch helper, which imports torch only when called).
+``lint-imports`` fails on a circle.
 
 The names below are the public surface, re-exported here on purpose; every other
 module and name is the package's own business and may change.
@@ -29,7 +36,7 @@ module and name is the package's own business and may change.
 from rdma.native import crc32c
 
 __all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataLostError", "ReplicaState",
-           "SpillCache"]
+           "SpillCache", "RemoteRegion", "region_from_env", "place_embeddings", "place_tensors"]
 
 # Imported on first use: the consumer pulls in the MQTT stack, which the donor side
 # and the C-only tools (aggregator kernels, crc32c) do not need.
@@ -40,6 +47,10 @@ _LAZY = {
     "RemoteMemoryError": "rdma.native_mem",
     "ReplicaState": "rdma.replica",
     "SpillCache": "rdma.spill",
+    "RemoteRegion": "rdma.region",
+    "region_from_env": "rdma.env",
+    "place_embeddings": "rdma.torch",
+    "place_tensors": "rdma.torch",
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,10 +23,13 @@ import numpy as np
 from rdma import wire
 from rdma.native import crc32c
 from rdma.native_mem import RemoteMemoryError
-from rdma.replica import EVICTING, LIVE, Extent, Replica
+from rdma.replica import EVICTING, LIVE, REBUILDING, Extent, Replica
+
+log = logging.getLogger("dlshare.rdma")
 
 MAX_SEG = wire.MAX_SEG_BYTES
 PARALLEL_MIN = 1 << 20  # below this a batch is not worth handing to other threads
+REBUILD_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short enough not to stall writers
 
 
 class DataLostError(RemoteMemoryError):
@@ -79,7 +83,7 @@ class RemoteBuffer:
         self._starts = np.array([e.first_page for e in extents], dtype=np.int64)
         self._start_list = [e.first_page for e in extents]
         zero_crc = crc32c(bytes(page_size))  # fresh slabs are zero-filled mmaps
-        self.page_crc = np.full(self.npages, zero_crc, dtype=np.uint32)
+        self.page_crc = np.full(self.npages, zero_crc, dtype=np.uint32) if checksums else None
         self.freed = False
 
     # --- public API ----------------------------------------------------------------------
@@ -186,6 +190,38 @@ class RemoteBuffer:
 
     def placement(self) -> list[list[dict[str, Any]]]:
         return [[r.describe() for r in list(e.replicas)] for e in self.extents]
+
+    def replicas_changed(self, ext: Extent) -> None:
+        """The copies of ``ext`` changed (one added, lost, or moved to another state).  A plain
+        buffer reads ``ext.replicas`` on every call and has nothing to do; a region's engine
+        keeps its own copy map and follows (rdma.region)."""
+
+    def rebuild_into(self, ext: Extent, new: Replica, write_copy: Callable[..., None]) -> int | None:
+        """Fill ``new`` (already in ``ext.replicas``, REBUILDING: writes reach it) with the extent's
+        data from a live copy, a chunk at a time under ``ext.lock`` so no write lands between a
+        chunk's read and its write.  ``write_copy(rep, offs, lens, src)`` writes one copy.  Returns
+        the bytes copied, or None when it failed (the caller drops ``new``)."""
+        P = self.page
+        chunk_pages = REBUILD_CHUNK // P
+        tmp = np.empty(chunk_pages * P, dtype=np.uint8)
+        copied = 0
+        for p in range(0, ext.npages, chunk_pages):
+            n = min(chunk_pages, ext.npages - p)
+            pages = np.arange(ext.first_page + p, ext.first_page + p + n, dtype=np.int64)
+            offs, lens = ext.segments(pages, P)
+            with ext.lock:
+                if new.state is not REBUILDING:
+                    return None
+                try:
+                    self.read_extent_locked(ext, pages, tmp[: n * P])
+                    write_copy(new, offs, lens, tmp[: n * P])
+                except DataLostError:
+                    return None
+                except (RemoteMemoryError, ConnectionError) as exc:
+                    log.warning("rebuild target %s failed: %s", new.node, exc)
+                    return None
+            copied += n * P
+        return copied
 
     def read_extent_locked(self, ext: Extent, pages: np.ndarray, dst: np.ndarray) -> None:
         """Pages of ``ext`` (sorted indices) from a live copy into dst, failing over and checking

@@ -21,19 +21,16 @@ import uuid
 import weakref
 from typing import Any
 
-import numpy as np
-
 from nodesvc.bus.rpc import CommandError
-from rdma.buffer import DataLostError, RemoteBuffer
+from rdma.buffer import RemoteBuffer
 from rdma.control import ControlPlane
 from rdma.dataplane import DataPlane
 from rdma.native_mem import Endpoint, RemoteMemoryError
 from rdma.placement import DonorView, NoDonorError, choose_one, place_replicas
+from rdma.region import DEFAULT_POLICY, DEFAULT_UNIT, RegionBuffer, RemoteRegion, check_geometry
 from rdma.replica import EVICTING, LIVE, LOST, REBUILDING, Extent, Replica, ReplicaState
 
 log = logging.getLogger("dlshare.rdma")
-
-COPY_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short enough not to stall writers
 
 
 def _replica(node: str, res: dict, slab: dict, initial: ReplicaState = LIVE) -> Replica:
@@ -105,6 +102,37 @@ class RemoteMemory:
         the advertised free slabs, counted down as the plan fills), then each
         donor gets one batched ``map`` command, all donors at once.  Positions a
         donor refuses are placed again one by one."""
+        buf = RemoteBuffer(self.dataplane, nbytes, self.page_size, self._place(nbytes), self.checksums)
+        self._buffers.add(buf)
+        return buf
+
+    def map(self, nbytes: int, local_bytes: int, unit: int = DEFAULT_UNIT, policy: str = DEFAULT_POLICY,
+            **engine: Any) -> RemoteRegion:
+        """A :class:`~rdma.region.RemoteRegion`: one anonymous mapping of ``nbytes`` (rounded up to
+        ``unit``) whose pages live on donors, at most ``local_bytes`` of it resident.
+
+        The copies are placed as :meth:`alloc` places a buffer's (and fail over, are rebuilt and
+        move on reclaim the same way); the region's C engine moves the data.  ``unit``: bytes a
+        fault fetches, a multiple of 4096 (at most 1 MiB) that divides the donors' slab size.
+        ``policy``: ``clock``, ``fifo`` or ``random``.  ``engine``: ``fetch_workers``,
+        ``evict_threads``, ``prefetch_bytes`` (0: no sequential prefetch)."""
+        check_geometry(nbytes, local_bytes, unit, policy)
+        size = -(-nbytes // unit) * unit
+        extents = self._place(size)
+        try:
+            buf = RegionBuffer(self.dataplane, size, self.page_size, extents, unit)
+        except ValueError:
+            self._unmap_many([r for e in extents for r in e.replicas])
+            raise
+        self._buffers.add(buf)
+        try:
+            return RemoteRegion(buf, local_bytes, policy, io_timeout_ms=self.io_timeout_ms, **engine)
+        except BaseException:
+            buf.free()
+            raise
+
+    def _place(self, nbytes: int) -> list[Extent]:
+        """Extents of slabs for ``nbytes`` (see :meth:`alloc`)."""
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
         P = self.page_size
@@ -164,9 +192,7 @@ class RemoteMemory:
         leftover = [r for v in granted.values() for r in v]
         if leftover:
             self._unmap_many(leftover)
-        buf = RemoteBuffer(self.dataplane, nbytes, P, extents, self.checksums)
-        self._buffers.add(buf)
-        return buf
+        return extents
 
     def _unmap_many(self, reps: list[Replica]) -> None:
         """Give slabs back, one command per donor, all donors at once."""
@@ -240,9 +266,16 @@ class RemoteMemory:
             self.stats["replicas_lost"] += 1
         return True
 
+    def _changed(self, buf: RemoteBuffer, ext: Extent) -> None:
+        try:
+            buf.replicas_changed(ext)
+        except Exception:  # noqa: BLE001 - a region closing under us; the repairer must go on
+            log.exception("following the copies of extent %d failed", ext.index)
+
     def _replica_failed(self, buf: RemoteBuffer, ext: Extent, rep: Replica, exc: BaseException) -> None:
         if not self._lose(rep):
             return
+        self._changed(buf, ext)
         log.warning("lost copy of extent %d on %s (slab %d): %s", ext.index, rep.node, rep.slab, exc)
         code = getattr(exc, "code", None)
         if code in (-2, -3, -6) or isinstance(exc, ConnectionError):
@@ -297,6 +330,7 @@ class RemoteMemory:
                     if r.node == node and self._lose(r):
                         hit = True
                 if hit:
+                    self._changed(buf, ext)
                     self._repairs.put((buf, ext))
 
     def _donor_event(self, node: str, body: dict[str, Any]) -> None:
@@ -319,6 +353,7 @@ class RemoteMemory:
                     rep.move(LOST)
                 else:
                     return
+                self._changed(buf, ext)
                 self._repairs.put((buf, ext))
                 return
 
@@ -352,6 +387,7 @@ class RemoteMemory:
                         if r.move(LOST) is not None:
                             self._unmap(r, wait=False)
                     ext.replicas = [r for r in ext.replicas if r.state is not LOST]
+                    self._changed(buf, ext)
                     return True
                 if not live and not evicting:
                     log.error("extent %d of a buffer has no copy left: its data is lost", ext.index)
@@ -364,39 +400,22 @@ class RemoteMemory:
                 return False
             with ext.lock:
                 ext.replicas.append(new)  # from now on writes reach it too
-            if not self._copy_into(buf, ext, new):
+                self._changed(buf, ext)
+            copied = buf.rebuild_into(ext, new, self.dataplane.write)
+            if copied is None:
                 with ext.lock:
                     if new in ext.replicas:
                         ext.replicas.remove(new)
+                    new.move(LOST)
+                    self._changed(buf, ext)
                 self._unmap(new, wait=False)
                 return False
+            self.stats["bytes_copied"] += copied
             with ext.lock:
                 if new in ext.replicas and new.move(LIVE, only_from=REBUILDING) is not None:
                     self.stats["replicas_rebuilt"] += 1
                     log.info("extent %d rebuilt on %s (slab %d)", ext.index, new.node, new.slab)
-        return True
-
-    def _copy_into(self, buf: RemoteBuffer, ext: Extent, new: Replica) -> bool:
-        P = buf.page
-        chunk_pages = COPY_CHUNK // P
-        tmp = np.empty(chunk_pages * P, dtype=np.uint8)
-        for p in range(0, ext.npages, chunk_pages):
-            n = min(chunk_pages, ext.npages - p)
-            pages = np.arange(ext.first_page + p, ext.first_page + p + n, dtype=np.int64)
-            offs, lens = ext.segments(pages, P)
-            with ext.lock:  # no write may land between our read and our write of this chunk
-                if new.state is not REBUILDING:
-                    return False
-                try:
-                    buf.read_extent_locked(ext, pages, tmp[: n * P])
-                except DataLostError:
-                    return False
-                try:
-                    self.dataplane.write(new, offs, lens, tmp[: n * P])
-                except (RemoteMemoryError, ConnectionError) as exc:
-                    log.warning("rebuild target %s failed: %s", new.node, exc)
-                    return False
-            self.stats["bytes_copied"] += n * P
+                self._changed(buf, ext)
         return True
 
     def _renew_loop(self) -> None:

@@ -34,6 +34,12 @@ def _str(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
+def _borrowed(n: dict[str, Any]) -> str:
+    total = _gib(n["borrowed_bytes"])
+    donors = n.get("borrowed_from") or {}
+    return f"{total} from {', '.join(donors)}" if donors else total
+
+
 def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Pure: retained state payloads by topic -> the status document (also the --json output).
 
@@ -41,7 +47,7 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
     malformed one shows as missing, never as a crash.
     """
     nodes, aggs, scheds = [], [], []
-    borrowed: dict[str, int] = {}
+    borrowed: dict[str, dict[str, int]] = {}  # consumer -> donor -> bytes
     for topic, st in states.items():
         try:
             kind, ident, leaf = messages.parse_topic(topic)
@@ -55,7 +61,8 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             donor = _d(s.get("donor"))
             for consumer, nbytes in _d(donor.get("lent_to")).items():
                 if isinstance(nbytes, int) and not isinstance(nbytes, bool):
-                    borrowed[consumer] = borrowed.get(consumer, 0) + nbytes
+                    by_donor = borrowed.setdefault(consumer, {})
+                    by_donor[ident] = by_donor.get(ident, 0) + nbytes
             utils = s.get("gpu_util_percent")
             ts = _num(st.get("ts"))
             nodes.append({
@@ -86,7 +93,9 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
             scheds.append({"scheduler": ident, "status": status, "url": _str(st.get("url")),
                            "jobs": st.get("jobs") if isinstance(st.get("jobs"), (dict, int)) else None})
     for n in nodes:
-        n["borrowed_bytes"] = borrowed.get(n["node"], 0)
+        # what the node's jobs (regions, spill caches: consumers named after their node) borrow, and from whom
+        n["borrowed_from"] = dict(sorted(borrowed.get(n["node"], {}).items()))
+        n["borrowed_bytes"] = sum(n["borrowed_from"].values())
     key = lambda r: str(next(iter(r.values())))  # noqa: E731
     return {"nodes": sorted(nodes, key=key), "aggregators": sorted(aggs, key=key), "schedulers": sorted(scheds, key=key)}
 
@@ -132,7 +141,7 @@ def render(doc: dict[str, Any], console=None) -> None:
         cpu = "-" if n["cpus"] is None or n["cpu_percent"] is None else f"{n['cpu_percent']:.0f}%/{n['cpus']}"
         t.add_row(n["node"], f"[green]{n['status']}[/]" if online else f"[red]{n['status']}[/]", cpu,
                   f"{_gib(n['memory_available_bytes'])}/{_gib(n['memory_total_bytes'])}", gpus,
-                  _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]), _gib(n["borrowed_bytes"]),
+                  _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]), _borrowed(n),
                   "-" if n["jobs_running"] is None else str(n["jobs_running"]))
     console.print(t)
     if doc["aggregators"]:

@@ -292,6 +292,10 @@ class NodeDaemon:
             try:
                 # A job reaches the broker (and through it the aggregation servers) the way its node does.
                 env = {"DLSHARE_BROKER": self.cfg["dlshare"]["broker"], "DLSHARE_NODE_ID": self.node_id, **spec.env}
+                if spec.remote_memory_bytes:  # rdma.region_from_env() maps it
+                    env["DLSHARE_REMOTE_MEMORY_BYTES"] = str(spec.remote_memory_bytes)
+                if spec.alloc is not None and spec.alloc.memory_bytes:
+                    env["DLSHARE_MEMORY_BYTES"] = str(spec.alloc.memory_bytes)
                 jp = self.jobs.start(spec.job, list(spec.argv), env, spec.cwd, procs, spec.gpus)
             except RuntimeError as exc:
                 raise messages.PayloadError(str(exc)) from None

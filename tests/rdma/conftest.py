@@ -71,3 +71,26 @@ def control_factory() -> Callable[[str], ControlPlane]:
     yield open_
     for ctl in planes:
         ctl.close()
+
+
+@pytest.fixture
+def local_cluster():
+    """Three C slab servers in this process (tests/rdma/regions.py), for region engine tests without a
+    broker.  ``local_cluster.region(nbytes, local_bytes, ...)`` -> (RemoteRegion, LocalCopies); the
+    regions made are closed at the end of the test, before the servers stop."""
+    from tests.rdma.regions import LocalCluster
+
+    cluster = LocalCluster(3)
+    made = []
+    make = cluster.region
+
+    def region(*a, **kw):
+        r, io = make(*a, **kw)
+        made.append(r)
+        return r, io
+
+    cluster.region = region
+    yield cluster
+    for r in made:
+        r.close()
+    cluster.close()

@@ -1,0 +1,133 @@
+#ifndef DLSHARE_PAGER_H
+#define DLSHARE_PAGER_H
+/* The region engine: one anonymous mapping whose pages live on donors.
+ *
+ * The mapping is registered with userfaultfd (missing and write-protect
+ * modes).  A first touch of a unit (a run of pages, `unit` bytes) is a fault
+ * that a C fault thread hands to fetch workers; a worker reads the unit from
+ * a live copy into its own bounce buffer and installs it with UFFDIO_COPY.
+ * Clean units arrive write-protected, so the first write is a second fault
+ * that marks the unit dirty.  Eviction threads keep at most `local_bytes`
+ * resident, between a high and a low watermark: dirty units are written back
+ * to every copy first, then the pages go with MADV_DONTNEED.  Nothing on these
+ * paths touches Python.
+ *
+ * Python sets the copy map up (extent -> copies: endpoint, slab, token, role),
+ * updates it when copies move (rebuild, reclaim, failover), reads the events
+ * the engine raises (a copy that failed, a unit whose every copy is gone) and
+ * closes it.  See pager_core.h for the unit state machine. */
+#include <stddef.h>
+#include <stdint.h>
+
+#define DLS_PAGER_FIFO 0   /* evict in the order units came in */
+#define DLS_PAGER_CLOCK 1  /* second chance: a unit written while clean, or faulted back soon after it left, is kept once more */
+#define DLS_PAGER_RANDOM 2
+
+#define DLS_COPY_LIVE 1       /* holds the data: read and written */
+#define DLS_COPY_REBUILDING 2 /* being filled: written, never read */
+#define DLS_COPY_EVICTING 3   /* its donor wants it back: read only when no live copy answers; written */
+#define DLS_PAGER_MAX_COPIES 8
+#define DLS_PAGER_MAX_ENDPOINTS 256
+#define DLS_PAGER_MAX_UNIT (1u << 20)
+
+#define DLS_EV_COPY_FAILED 1 /* a copy gave an I/O error or bytes that fail the unit's checksum */
+#define DLS_EV_UNITS_LOST 2  /* every copy of units [unit, unit+count) is gone: they are poisoned (SIGBUS) */
+
+/* unit states, as dls_pager_unit_state reports them */
+#define DLS_UNIT_ABSENT 0
+#define DLS_UNIT_FETCHING 1
+#define DLS_UNIT_CLEAN 2
+#define DLS_UNIT_DIRTY 3
+#define DLS_UNIT_WRITEBACK 4
+#define DLS_UNIT_EVICTING 5
+#define DLS_UNIT_LOST 6
+
+typedef struct dls_pager_config {
+    uint64_t nbytes;         /* size of the mapping, a multiple of unit */
+    uint32_t unit;           /* bytes: a multiple of 4096, at most DLS_PAGER_MAX_UNIT */
+    uint64_t local_bytes;    /* resident at most this much (at least 4 units) */
+    int policy;              /* DLS_PAGER_FIFO, _CLOCK or _RANDOM */
+    int fetch_workers;       /* threads that fetch and install units */
+    int evict_threads;
+    uint64_t prefetch_bytes; /* how far a sequential stream may run ahead; 0 turns prefetch off */
+    int io_timeout_ms;
+    uint32_t nextents;
+} dls_pager_config;
+
+typedef struct dls_pager_event {
+    int32_t kind;
+    uint32_t extent;
+    int32_t endpoint; /* COPY_FAILED: the copy */
+    uint32_t slab;
+    int32_t code;     /* a wire status (wire.h) */
+    uint64_t unit;    /* UNITS_LOST: the first unit, and how many */
+    uint64_t count;
+} dls_pager_event;
+
+typedef struct dls_pager_stats {
+    uint64_t faults_missing;     /* first touches (and touches of evicted units) */
+    uint64_t faults_wp;          /* first writes to clean units */
+    uint64_t faults_stale;       /* faults already resolved when the fault thread read them */
+    uint64_t faults_inflight;    /* first touches of units already on their way (a prefetch not there yet) */
+    uint64_t fetched_units;      /* units installed with data from a copy */
+    uint64_t zero_units;         /* units installed as zeros (never written back: no fetch needed) */
+    uint64_t fetch_runs;         /* batched reads */
+    uint64_t prefetched_units;   /* units asked for ahead of a fault (sequential streams) */
+    uint64_t evicted_clean;
+    uint64_t evicted_dirty;
+    uint64_t written_back_units; /* by eviction and flush */
+    uint64_t writeback_failures; /* units no durable copy took (kept resident) */
+    uint64_t failovers;          /* reads served by another copy after one failed */
+    uint64_t copy_failures;
+    uint64_t units_lost;
+    uint64_t bytes_fetched;
+    uint64_t bytes_written;
+    uint64_t resident_units;
+    uint64_t local_units;
+    uint64_t budget_waits;       /* fetches that waited for eviction to make room */
+    uint64_t over_budget;        /* fetches that gave up waiting and went over local_bytes */
+    uint64_t events_dropped;
+    uint64_t user_mode_only;     /* 1: the fd was opened with UFFD_USER_MODE_ONLY */
+    uint64_t write_protect;      /* 1: write faults are tracked (else every unit counts as dirty) */
+} dls_pager_stats;
+
+typedef struct dls_pager dls_pager;
+
+/* Map and register the region (nothing runs yet).  NULL and a reason in err. */
+dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_len);
+void *dls_pager_base(dls_pager *p);
+uint64_t dls_pager_size(dls_pager *p);
+/* The id of a donor's slab server (the same host:port gives the same id); <0 when the table is full. */
+int dls_pager_endpoint(dls_pager *p, const char *host, int port);
+/* Define or replace the copies of extent idx: units [first_unit, first_unit+nunits), unit i of it at
+ * byte (i * unit) of each copy's slab.  tokens: 16 bytes per copy.  A copy that failed before keeps
+ * failing (the same endpoint, slab and token).  Waits for a write-back of the extent in flight. */
+int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64_t nunits, uint32_t ncopies,
+                         const int32_t *eps, const uint32_t *slabs, const uint8_t *tokens, const uint8_t *roles);
+/* Start the fault thread, fetch workers and evictors (every extent must be defined). */
+int dls_pager_start(dls_pager *p, char *err, size_t err_len);
+/* Bring units in (write: installed writable and dirty, so the writes that follow take no fault).
+ * timeout_ms > 0: wait until they are resident; returns how many are not (lost or still on
+ * their way), 0 when all are in; < 0 on a closed pager or a bad unit. */
+int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int write, int timeout_ms);
+/* Write every dirty unit back to every copy (they stay resident, clean).  0, or the number of
+ * units that no durable copy took. */
+int64_t dls_pager_flush(dls_pager *p);
+/* Copy every unit of extent idx that holds data from a readable copy into the copy (ep, slab,
+ * token), which must already be in the extent's map (as REBUILDING: writes reach it meanwhile).
+ * 0, or a wire status. */
+int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
+/* 1 and an event, 0 after timeout_ms, -1 once the pager is closed and no event is left. */
+int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms);
+void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st);
+int dls_pager_unit_state(dls_pager *p, uint64_t unit);
+/* How many of units [first, first+n) lost every copy (poisoned). */
+uint64_t dls_pager_lost_in(dls_pager *p, uint64_t first, uint64_t n);
+/* Stop everything: the range becomes PROT_NONE (its memory is freed; any later touch is SIGSEGV,
+ * never another mapping's bytes), threads blocked in a fault are woken into that, the threads end.
+ * Calls racing it return at once (-1 or DLS_E_CLOSED).  The address range stays reserved, and the
+ * descriptors open, until dls_pager_free. */
+void dls_pager_close(dls_pager *p);
+/* Close if needed, release the address range and free the pager: no other call may be in flight. */
+void dls_pager_free(dls_pager *p);
+#endif

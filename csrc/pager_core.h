@@ -1,0 +1,212 @@
+#ifndef DLSHARE_PAGER_CORE_H
+#define DLSHARE_PAGER_CORE_H
+/* The region engine's shared state (internal: pager*.c only).
+ *
+ * Unit states and who moves them (every change under the unit's stripe lock):
+ *
+ *   ABSENT ---fault/prefetch---> FETCHING ---installed---> CLEAN (write-protected) or DIRTY
+ *   CLEAN  ---write fault------> DIRTY (unprotected)
+ *   DIRTY  ---evictor/flush----> WRITEBACK (write-protected, sent to every copy)
+ *   WRITEBACK ---sent----------> EVICTING (evictor) or CLEAN (flush); DIRTY again when a write
+ *                                 waits, or when no durable copy took it
+ *   CLEAN  ---evictor----------> EVICTING ---MADV_DONTNEED---> ABSENT, or FETCHING at once when a
+ *                                 fault arrived meanwhile
+ *   FETCHING ---every copy gone--> LOST (poisoned: touching it is SIGBUS)
+ *
+ * A fault that finds its unit in transit (FETCHING, WRITEBACK, EVICTING) sets UF_WAIT; whoever
+ * settles the unit resolves it (the install wakes the range; a write-back that finds a writer
+ * waiting unprotects instead of evicting; a drop that finds one fetches again).  A unit is made
+ * writable only under its lock, in the same critical section that makes it DIRTY: otherwise an
+ * evictor could protect, copy and drop it in between, and a write would land unseen.  Lock order:
+ * extent io -> extent map; ring -> unit stripe; slot, queue, event and install mutexes are leaves. */
+#include <linux/userfaultfd.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pager.h"
+#include "pager_trend.h"
+#include "provider.h"
+
+/* Newer than the Debian 12 kernel headers (Linux 6.4 and 6.6); the running kernel says whether it has them. */
+#ifndef UFFD_FEATURE_POISON
+#define UFFD_FEATURE_POISON (1 << 14)
+struct uffdio_poison {
+    struct uffdio_range range;
+    __u64 mode;
+    __s64 updated;
+};
+#define UFFDIO_POISON _IOWR(UFFDIO, 0x08, struct uffdio_poison)
+#endif
+#ifndef UFFD_USER_MODE_ONLY
+#define UFFD_USER_MODE_ONLY 1
+#endif
+
+enum { U_ABSENT = DLS_UNIT_ABSENT, U_FETCHING = DLS_UNIT_FETCHING, U_CLEAN = DLS_UNIT_CLEAN,
+       U_DIRTY = DLS_UNIT_DIRTY, U_WRITEBACK = DLS_UNIT_WRITEBACK, U_EVICTING = DLS_UNIT_EVICTING,
+       U_LOST = DLS_UNIT_LOST };
+
+#define UF_HAS_DATA 0x01 /* its copies hold written-back data (else the unit is zeros: no fetch) */
+#define UF_WAIT 0x02     /* a fault arrived while the unit was in transit */
+#define UF_WRITE 0x04    /* install it writable: a write is waiting, or a caller will write */
+#define UF_QUEUED 0x08   /* in the demand queue */
+#define UF_CLAIMED 0x10  /* a worker is fetching it */
+#define UF_INRING 0x20   /* in the eviction ring */
+
+#define PG_STRIPES 256
+#define PG_MAX_RUN_BYTES (1u << 20) /* one batched fetch or write-back */
+#define PG_EV_CAP 1024
+#define PG_TRENDS 8 /* sequential detectors, one per faulting thread (LRU) */
+
+typedef struct pg_copy {
+    int32_t ep;
+    uint32_t slab;
+    uint8_t token[16];
+    uint8_t role;
+    uint8_t failed;
+} pg_copy;
+
+typedef struct pg_extent {
+    uint64_t first_unit, nunits;
+    pthread_mutex_t io;  /* held across one write-back or rebuild step of this extent */
+    pthread_mutex_t map; /* guards ncopies/copies */
+    uint32_t ncopies;
+    pg_copy copies[DLS_PAGER_MAX_COPIES];
+    int defined;
+} pg_extent;
+
+typedef struct pg_endpoint {
+    char host[256];
+    int port;
+} pg_endpoint;
+
+/* One thread's connections and buffers (a fetch worker, an evictor, a flush or rebuild call). */
+typedef struct pg_io {
+    dls_ep *conn[DLS_PAGER_MAX_ENDPOINTS];
+    uint8_t *bounce;
+    uint64_t *offs;
+    uint32_t *lens;
+    uint32_t *crcs;
+    uint64_t *units;
+    uint32_t max_units; /* per run */
+} pg_io;
+
+typedef struct pg_queue {
+    uint32_t *items;
+    uint64_t cap, head, len;
+} pg_queue;
+
+#define PG_STAT(p, field) (((uint64_t *)&(p)->stats)[offsetof(dls_pager_stats, field) / sizeof(uint64_t)])
+#define PG_ADD(p, field, n) __atomic_add_fetch(&PG_STAT(p, field), (uint64_t)(n), __ATOMIC_RELAXED)
+
+struct dls_pager {
+    dls_pager_config cfg;
+    uint8_t *base;
+    uint64_t size, unit, nunits;
+    uint64_t local_units, hi, lo; /* budget and watermarks, in units */
+    int uffd, wakefd;
+    int wp, poison, user_mode_only;
+    uint32_t zero_crc;
+    uint8_t *zeros; /* one unit of zeros, for never-written units */
+
+    uint8_t *state, *flags, *ref;
+    uint32_t *crc;       /* CRC-32C of each unit as last written back */
+    uint32_t *evict_seq; /* eviction clock (mod 2^32) when the unit last left, 0 never: 13 bytes a unit in all */
+    pthread_mutex_t stripe[PG_STRIPES];
+
+    pg_extent *ext;
+    uint32_t next;
+    pg_endpoint eps[DLS_PAGER_MAX_ENDPOINTS];
+    int neps;
+    pthread_mutex_t ep_mu;
+
+    pthread_mutex_t q_mu; /* demand and prefetch queues */
+    pthread_cond_t q_cv;
+    pg_queue demand, pref;
+
+    pthread_mutex_t slot_mu; /* residency */
+    pthread_cond_t slot_cv, evict_cv;
+    uint64_t resident; /* installed, or reserved for an install in flight */
+    int evict_now;
+
+    pthread_mutex_t ring_mu; /* eviction candidates */
+    pg_queue ring;
+    uint32_t evict_clock;
+    uint64_t rng;
+
+    pthread_mutex_t inst_mu; /* prefetch waiters */
+    pthread_cond_t inst_cv;
+
+    pthread_mutex_t ev_mu;
+    pthread_cond_t ev_cv;
+    dls_pager_event ev[PG_EV_CAP];
+    uint32_t ev_head, ev_len;
+
+    dls_trend trends[PG_TRENDS]; /* fault thread only */
+    uint32_t trend_tid[PG_TRENDS];
+    uint64_t trend_used[PG_TRENDS];
+
+    pthread_t fault_thread;
+    pthread_t *workers, *evictors;
+    int nworkers, nevictors;
+    int started, closed;
+    volatile int closing;
+    dls_pager_stats stats;
+};
+
+/* pager_core.c: locks, queues, events, the copy map */
+static inline pthread_mutex_t *pg_lock_of(dls_pager *p, uint64_t u) { return &p->stripe[u % PG_STRIPES]; }
+static inline void pg_lock(dls_pager *p, uint64_t u) { pthread_mutex_lock(pg_lock_of(p, u)); }
+static inline void pg_unlock(dls_pager *p, uint64_t u) { pthread_mutex_unlock(pg_lock_of(p, u)); }
+static inline uint8_t *pg_addr(dls_pager *p, uint64_t u) { return p->base + u * p->unit; }
+
+int pg_queue_init(pg_queue *q, uint64_t cap);
+void pg_queue_free(pg_queue *q);
+int pg_queue_push(pg_queue *q, uint32_t v);
+int pg_queue_pop(pg_queue *q, uint32_t *v);
+int pg_queue_peek(const pg_queue *q, uint32_t *v);
+
+pg_extent *pg_extent_of(dls_pager *p, uint64_t u, uint32_t *idx);
+/* The extent's copies at this moment. */
+uint32_t pg_copies(pg_extent *e, pg_copy *out);
+/* A copy failed: mark it (if it is still in the map) and tell Python, once. */
+void pg_copy_failed(dls_pager *p, uint32_t idx, const pg_copy *c, int code);
+void pg_event(dls_pager *p, const dls_pager_event *ev);
+
+pg_io *pg_io_new(dls_pager *p);
+void pg_io_free(pg_io *io);
+/* The connection of this io to endpoint ep, opened on first use; NULL when it cannot connect. */
+dls_ep *pg_io_conn(dls_pager *p, pg_io *io, int32_t ep);
+void pg_io_drop(pg_io *io, int32_t ep);
+
+/* Reserve n resident slots, waiting for eviction (and going over budget after a while). */
+void pg_reserve(dls_pager *p, uint64_t n);
+void pg_release(dls_pager *p, uint64_t n);
+
+/* uffd helpers: 0 or -errno */
+int pg_protect(dls_pager *p, uint64_t u, uint64_t n, int on);
+int pg_wake(dls_pager *p, uint8_t *addr, uint64_t len);
+/* Every copy of units [u, u+n) is gone: poison them (SIGBUS on touch) and say so. */
+void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code);
+
+/* pager_io.c: reads and writes against the copies */
+/* Read units[0..n) (sorted, one extent, at most io->max_units) back to back into io->bounce from a
+ * readable copy, in one batched request, failing over; 0, or DLS_E_IO when no copy could serve them
+ * (the units are lost). */
+int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
+/* Write the given units (sorted, write-protected, one extent) to every writable copy; 0 when a
+ * durable (live or evicting) copy took them all, else a wire status. */
+int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
+int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
+
+/* pager_fault.c */
+void *pg_fault_main(void *arg);
+void *pg_worker_main(void *arg);
+/* Queue unit u for a fetch (it must be FETCHING, set by the caller under its lock). */
+void pg_queue_demand(dls_pager *p, uint64_t u);
+
+/* pager_evict.c */
+void *pg_evict_main(void *arg);
+void pg_ring_add(dls_pager *p, uint64_t u);
+int64_t pg_flush(dls_pager *p);
+#endif

@@ -1,0 +1,258 @@
+/* The region engine's eviction: resident units wait in a ring in the order they came in; an
+ * evictor thread wakes above the high watermark and evicts down to the low one, a batch at a
+ * time.  FIFO takes the ring's head; CLOCK gives a unit with its reference count up (written
+ * while clean, or faulted back soon after it left) another turn instead; RANDOM picks anywhere.
+ * Dirty victims are write-protected and written back to every copy before their pages go with
+ * MADV_DONTNEED; clean ones are dropped at once.  flush() writes dirty units back in place. */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "pager_core.h"
+#include "wire.h"
+
+void pg_ring_add(dls_pager *p, uint64_t u) {
+    pg_lock(p, u);
+    int add = !(p->flags[u] & UF_INRING);
+    p->flags[u] |= UF_INRING;
+    pg_unlock(p, u);
+    if (!add) return;
+    pthread_mutex_lock(&p->ring_mu);
+    pg_queue_push(&p->ring, (uint32_t)u);
+    pthread_mutex_unlock(&p->ring_mu);
+}
+
+static uint64_t next_rand(dls_pager *p) { /* xorshift64: the victim choice of RANDOM, under ring_mu */
+    uint64_t x = p->rng;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return p->rng = x;
+}
+
+/* Up to max victims, moved to EVICTING (clean) or WRITEBACK (dirty) under their locks. */
+static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) {
+    uint32_t n = 0;
+    pthread_mutex_lock(&p->ring_mu);
+    uint64_t budget = 2 * p->ring.len + 16; /* CLOCK may pass every unit once before taking one */
+    while (n < max && p->ring.len && budget--) {
+        if (p->cfg.policy == DLS_PAGER_RANDOM && p->ring.len > 1) {
+            uint64_t k = next_rand(p) % p->ring.len;
+            uint64_t a = p->ring.head, b = (p->ring.head + k) % p->ring.cap;
+            uint32_t t = p->ring.items[a];
+            p->ring.items[a] = p->ring.items[b];
+            p->ring.items[b] = t;
+        }
+        uint32_t u;
+        pg_queue_pop(&p->ring, &u);
+        pg_lock(p, u);
+        uint8_t s = p->state[u];
+        int back = 0;
+        if (s == U_WRITEBACK) {
+            back = 1; /* a flush is writing it back: still resident */
+        } else if (s != U_CLEAN && s != U_DIRTY) {
+            p->flags[u] &= (uint8_t)~UF_INRING;
+        } else if (p->cfg.policy == DLS_PAGER_CLOCK && p->ref[u]) {
+            p->ref[u]--;
+            back = 1;
+        } else {
+            p->flags[u] &= (uint8_t)~UF_INRING;
+            p->state[u] = s == U_CLEAN ? U_EVICTING : U_WRITEBACK;
+            dirty[n] = s == U_DIRTY;
+            out[n++] = u;
+        }
+        pg_unlock(p, u);
+        if (back) pg_queue_push(&p->ring, u);
+    }
+    pthread_mutex_unlock(&p->ring_mu);
+    return n;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Write back sorted units of possibly several extents, one batch per extent; ok[i] per unit. */
+static void write_back_sorted(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n, uint8_t *ok) {
+    for (uint32_t i = 0; i < n;) {
+        pg_extent *e = pg_extent_of(p, units[i], NULL);
+        uint64_t end = e->first_unit + e->nunits;
+        uint32_t j = i + 1;
+        while (j < n && units[j] < end && j - i < io->max_units) j++;
+        int rc = pg_write_back(p, io, units + i, j - i);
+        memset(ok + i, rc == DLS_OK, j - i);
+        if (rc != DLS_OK) PG_ADD(p, writeback_failures, j - i);
+        i = j;
+    }
+}
+
+/* A written-back unit that a writer is waiting on stays, dirty again; one no copy took stays too. */
+static int keep_if_wanted(dls_pager *p, uint64_t u, int written) {
+    pg_lock(p, u);
+    int keep = !written || (p->flags[u] & UF_WAIT);
+    if (keep) {
+        p->state[u] = U_DIRTY;
+        p->flags[u] &= (uint8_t)~UF_WAIT;
+        pg_protect(p, u, 1, 0); /* wakes the writer; under the lock, like every unprotect */
+    } else {
+        p->state[u] = U_EVICTING;
+    }
+    pg_unlock(p, u);
+    if (keep) pg_ring_add(p, u);
+    return keep;
+}
+
+/* After MADV_DONTNEED: ABSENT, or straight back to FETCHING when a fault came while it went. */
+static void settle_dropped(dls_pager *p, uint64_t u, int was_dirty) {
+    int refetch = 0;
+    pg_lock(p, u);
+    uint32_t seq = __atomic_add_fetch(&p->evict_clock, 1, __ATOMIC_RELAXED);
+    p->evict_seq[u] = seq ? seq : 1;
+    if (p->flags[u] & UF_WAIT) { /* touched while it went: bring it back for the waiter */
+        p->state[u] = U_FETCHING;
+        p->flags[u] = (uint8_t)((p->flags[u] & ~UF_WAIT) | UF_QUEUED);
+        refetch = 1;
+    } else {
+        p->state[u] = U_ABSENT;
+    }
+    pg_unlock(p, u);
+    if (was_dirty) PG_ADD(p, evicted_dirty, 1);
+    else PG_ADD(p, evicted_clean, 1);
+    if (refetch) pg_queue_demand(p, u);
+}
+
+/* Drop sorted units (all EVICTING): one MADV_DONTNEED per run of adjacent units. */
+static void drop_sorted(dls_pager *p, const uint64_t *units, const uint8_t *was_dirty, uint32_t n) {
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        madvise(pg_addr(p, units[i]), (size_t)(j - i) * p->unit, MADV_DONTNEED);
+        for (uint32_t k = i; k < j; k++) settle_dropped(p, units[k], was_dirty[k]);
+        pg_release(p, j - i);
+        i = j;
+    }
+}
+
+/* Write-protect sorted units, one ioctl per run of adjacent units. */
+static void protect_sorted(dls_pager *p, const uint64_t *units, uint32_t n) {
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        pg_protect(p, units[i], j - i, 1);
+        i = j;
+    }
+}
+
+static void evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t *dirty, uint32_t n) {
+    uint64_t wb[256], gone[256];
+    uint8_t ok[256], gone_dirty[256];
+    uint32_t nw = 0, ng = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (dirty[i]) {
+            wb[nw++] = victims[i];
+        } else {
+            gone_dirty[ng] = 0;
+            gone[ng++] = victims[i];
+        }
+    }
+    if (nw) {
+        qsort(wb, nw, sizeof *wb, cmp_u64);
+        protect_sorted(p, wb, nw); /* from here on a write faults */
+        write_back_sorted(p, io, wb, nw, ok);
+        for (uint32_t i = 0; i < nw; i++)
+            if (!keep_if_wanted(p, wb[i], ok[i])) {
+                gone_dirty[ng] = 1;
+                gone[ng++] = wb[i];
+            }
+    }
+    /* sort what goes, carrying its dirty mark along */
+    for (uint32_t i = 1; i < ng; i++)
+        for (uint32_t j = i; j > 0 && gone[j - 1] > gone[j]; j--) {
+            uint64_t t = gone[j];
+            gone[j] = gone[j - 1];
+            gone[j - 1] = t;
+            uint8_t d = gone_dirty[j];
+            gone_dirty[j] = gone_dirty[j - 1];
+            gone_dirty[j - 1] = d;
+        }
+    drop_sorted(p, gone, gone_dirty, ng);
+}
+
+void *pg_evict_main(void *arg) {
+    dls_pager *p = arg;
+    pg_io *io = pg_io_new(p);
+    if (!io) return NULL;
+    uint32_t batch = io->max_units > 256 ? 256 : io->max_units;
+    if (batch > 64) batch = 64;
+    uint64_t victims[256];
+    uint8_t dirty[256];
+    for (;;) {
+        pthread_mutex_lock(&p->slot_mu);
+        while (!p->closing && p->resident <= p->hi && !p->evict_now) pthread_cond_wait(&p->evict_cv, &p->slot_mu);
+        int forced = p->evict_now;
+        p->evict_now = 0;
+        pthread_mutex_unlock(&p->slot_mu);
+        if (p->closing) break;
+        for (;;) {
+            pthread_mutex_lock(&p->slot_mu);
+            uint64_t need = p->resident > p->lo ? p->resident - p->lo : (uint64_t)forced;
+            pthread_mutex_unlock(&p->slot_mu);
+            forced = 0;
+            if (!need || p->closing) break;
+            uint32_t n = pick(p, victims, dirty, need < batch ? (uint32_t)need : batch);
+            if (!n) { /* everything resident is in transit: let it settle */
+                struct timespec ts = {0, 2 * 1000000L};
+                nanosleep(&ts, NULL);
+                break;
+            }
+            evict_batch(p, io, victims, dirty, n);
+        }
+    }
+    pg_io_free(io);
+    return NULL;
+}
+
+int64_t pg_flush(dls_pager *p) {
+    pg_io *io = pg_io_new(p);
+    if (!io) return -1;
+    uint32_t batch = io->max_units > 256 ? 256 : io->max_units;
+    uint64_t units[256];
+    uint8_t ok[256];
+    int64_t failed = 0;
+    for (uint32_t x = 0; x < p->next && !p->closing; x++) {
+        pg_extent *e = &p->ext[x];
+        uint64_t end = e->first_unit + e->nunits;
+        for (uint64_t u = e->first_unit; u < end && !p->closing;) {
+            uint32_t n = 0;
+            for (; u < end && n < batch; u++) {
+                pg_lock(p, u);
+                if (p->state[u] == U_DIRTY) {
+                    p->state[u] = U_WRITEBACK;
+                    units[n++] = u;
+                }
+                pg_unlock(p, u);
+            }
+            if (!n) continue;
+            for (uint32_t i = 0; i < n; i++) pg_protect(p, units[i], 1, 1);
+            write_back_sorted(p, io, units, n, ok);
+            for (uint32_t i = 0; i < n; i++) {
+                uint64_t v = units[i];
+                pg_lock(p, v);
+                if (!ok[i] || (p->flags[v] & UF_WAIT)) {
+                    p->state[v] = U_DIRTY;
+                    p->flags[v] &= (uint8_t)~UF_WAIT;
+                    pg_protect(p, v, 1, 0);
+                } else {
+                    p->state[v] = U_CLEAN;
+                }
+                pg_unlock(p, v);
+                failed += !ok[i];
+            }
+        }
+    }
+    pg_io_free(io);
+    return failed;
+}

@@ -1,0 +1,309 @@
+/* The region engine's fault path: the fault thread reads userfaultfd messages and moves units
+ * (pager_core.h has the states); fetch workers read units from a copy into their bounce
+ * buffers and install them with UFFDIO_COPY.  Sequential streams (pager_trend.h) are fetched
+ * ahead of their faults, one detector per faulting thread. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include "pager_core.h"
+#include "wire.h"
+
+#define PAGE 4096u
+
+void pg_queue_demand(dls_pager *p, uint64_t u) {
+    pthread_mutex_lock(&p->q_mu);
+    pg_queue_push(&p->demand, (uint32_t)u); /* room for every unit, each queued at most once (UF_QUEUED) */
+    pthread_cond_signal(&p->q_cv);
+    pthread_mutex_unlock(&p->q_mu);
+}
+
+static dls_trend *trend_for(dls_pager *p, uint32_t tid, uint64_t stamp) {
+    int oldest = 0;
+    for (int i = 0; i < PG_TRENDS; i++) {
+        if (p->trend_used[i] && p->trend_tid[i] == tid) {
+            p->trend_used[i] = stamp;
+            return &p->trends[i];
+        }
+        if (p->trend_used[i] < p->trend_used[oldest]) oldest = i;
+    }
+    dls_trend_init(&p->trends[oldest]);
+    p->trend_tid[oldest] = tid;
+    p->trend_used[oldest] = stamp;
+    return &p->trends[oldest];
+}
+
+/* Queue units first, first+stride, ... that are absent.  At most a quarter of the budget is asked
+ * for ahead at once: a prefetch displaces resident units (the workers reserve room as for a fault),
+ * and a stream must not flush the whole cache. */
+static uint32_t prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t count, int write) {
+    uint32_t picked[256];
+    uint32_t k = 0;
+    uint64_t cap = p->local_units / 4 > 2 ? p->local_units / 4 : 2;
+    pthread_mutex_lock(&p->q_mu);
+    uint64_t queued = p->pref.len;
+    pthread_mutex_unlock(&p->q_mu);
+    uint64_t room = cap > queued ? cap - queued : 0;
+    if (count > room) count = (uint32_t)room;
+    if (count > 256) count = 256;
+    uint32_t covered = 0;
+    for (uint32_t i = 0; i < count; i++, covered++) {
+        int64_t v = first + stride * (int64_t)i;
+        if (v < 0 || (uint64_t)v >= p->nunits) break;
+        pg_lock(p, (uint64_t)v);
+        if (p->state[v] == U_ABSENT) {
+            p->state[v] = U_FETCHING;
+            if (write) p->flags[v] |= UF_WRITE; /* a stream of writes: install it writable */
+            picked[k++] = (uint32_t)v;
+        }
+        pg_unlock(p, (uint64_t)v);
+    }
+    if (!k) return covered;
+    pthread_mutex_lock(&p->q_mu);
+    for (uint32_t i = 0; i < k; i++) pg_queue_push(&p->pref, picked[i]);
+    pthread_cond_broadcast(&p->q_cv);
+    pthread_mutex_unlock(&p->q_mu);
+    PG_ADD(p, prefetched_units, k);
+    return covered;
+}
+
+enum { A_NONE, A_WAKE, A_UNPROTECT, A_FETCH };
+
+static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint64_t seq) {
+    if (addr < (uintptr_t)p->base || addr >= (uintptr_t)p->base + p->size) return;
+    uint64_t u = (addr - (uintptr_t)p->base) / p->unit;
+    int wp = (fl & UFFD_PAGEFAULT_FLAG_WP) != 0, write = (fl & UFFD_PAGEFAULT_FLAG_WRITE) != 0;
+    int action = A_NONE, demand = 0;
+    pg_lock(p, u);
+    uint8_t s = p->state[u];
+    if (wp) {
+        if (s == U_CLEAN) {
+            p->state[u] = U_DIRTY;
+            if (p->ref[u] < 3) p->ref[u]++; /* written: worth keeping (CLOCK) */
+            /* Unprotect (and wake the writer) before anyone can see DIRTY: an evictor that took the unit
+             * between our unlock and a later unprotect would protect, copy and drop it, and the unprotect
+             * would then let a write land that no write-back ever sees. */
+            pg_protect(p, u, 1, 0);
+            action = A_UNPROTECT;
+        } else if (s == U_ABSENT) { /* dropped after the write faulted: fetch it again, writable */
+            p->state[u] = U_FETCHING;
+            p->flags[u] |= UF_WRITE | UF_QUEUED;
+            action = A_FETCH;
+        } else if (s == U_FETCHING || s == U_WRITEBACK || s == U_EVICTING) {
+            p->flags[u] |= UF_WAIT | UF_WRITE;
+        } else {
+            action = A_WAKE; /* DIRTY or LOST: resolved already */
+        }
+    } else {
+        if (s == U_ABSENT) {
+            p->state[u] = U_FETCHING;
+            p->flags[u] |= UF_QUEUED | (write ? UF_WRITE : 0);
+            uint32_t left = p->evict_seq[u];
+            if (left && (uint32_t)(__atomic_load_n(&p->evict_clock, __ATOMIC_RELAXED) - left) <= p->local_units)
+                p->ref[u] = 1; /* back soon after it left: keep it once more (CLOCK) */
+            action = A_FETCH;
+            demand = 1;
+        } else if (s == U_FETCHING) {
+            if (write) p->flags[u] |= UF_WRITE;
+            if (!(p->flags[u] & (UF_QUEUED | UF_CLAIMED))) { /* a prefetch not started yet: now it is wanted */
+                p->flags[u] |= UF_QUEUED;
+                action = A_FETCH;
+            }
+            demand = 1;
+        } else if (s == U_EVICTING) {
+            p->flags[u] |= UF_WAIT | (write ? UF_WRITE : 0);
+        } else {
+            action = A_WAKE; /* installed before we read the message */
+        }
+    }
+    pg_unlock(p, u);
+    if (action == A_WAKE) {
+        PG_ADD(p, faults_stale, 1);
+        pg_wake(p, (uint8_t *)(uintptr_t)(addr & ~(uint64_t)(PAGE - 1)), PAGE);
+        return;
+    }
+    if (wp) PG_ADD(p, faults_wp, 1);
+    else PG_ADD(p, faults_missing, 1);
+    if (!wp && s == U_FETCHING) PG_ADD(p, faults_inflight, 1);
+    if (action == A_FETCH) pg_queue_demand(p, u);
+    if (demand && p->cfg.prefetch_bytes) {
+        int64_t first, stride;
+        uint32_t max_depth = (uint32_t)(p->cfg.prefetch_bytes / p->unit);
+        dls_trend *t = trend_for(p, tid, seq);
+        uint32_t n = dls_trend_fault(t, (int64_t)u, max_depth, &first, &stride);
+        if (n) {
+            uint32_t covered = prefetch(p, first, stride, n, write);
+            if (covered < n) dls_trend_cut(t, first + stride * (int64_t)covered); /* the rest was not asked for */
+        }
+    }
+}
+
+void *pg_fault_main(void *arg) {
+    dls_pager *p = arg;
+    struct uffd_msg msgs[64];
+    struct pollfd pf[2] = {{.fd = p->uffd, .events = POLLIN}, {.fd = p->wakefd, .events = POLLIN}};
+    uint64_t seq = 0;
+    while (!p->closing) {
+        int r = poll(pf, 2, -1);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        if (p->closing) break;
+        if (pf[0].revents & (POLLERR | POLLHUP | POLLNVAL)) break;
+        ssize_t got = read(p->uffd, msgs, sizeof msgs);
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EINTR) continue;
+            break;
+        }
+        for (ssize_t i = 0; i < got / (ssize_t)sizeof msgs[0]; i++) {
+            if (msgs[i].event != UFFD_EVENT_PAGEFAULT) continue;
+            on_fault(p, msgs[i].arg.pagefault.address, msgs[i].arg.pagefault.flags,
+                     msgs[i].arg.pagefault.feat.ptid, ++seq);
+        }
+    }
+    return NULL;
+}
+
+/* UFFDIO_COPY of len bytes; 0, or -errno when the range is gone (the pager is closing). */
+static int copy_in(dls_pager *p, uint8_t *dst, const uint8_t *src, uint64_t len, int writable) {
+    uint64_t done = 0;
+    while (done < len) {
+        struct uffdio_copy c = {.dst = (uintptr_t)(dst + done), .src = (uintptr_t)(src + done), .len = len - done,
+                                .mode = (writable || !p->wp) ? 0 : UFFDIO_COPY_MODE_WP};
+        if (ioctl(p->uffd, UFFDIO_COPY, &c) == 0) return 0;
+        int e = errno;
+        if (c.copy > 0) done += (uint64_t)c.copy;
+        if (e == EAGAIN || e == EINTR) continue;
+        if (e == EEXIST) { /* a page is there already (not ours to overwrite): step over it */
+            done = (done / PAGE + 1) * PAGE;
+            continue;
+        }
+        return -e;
+    }
+    return 0;
+}
+
+/* units[0..n) (sorted) are back to back in io->bounce: map them in and settle their states.  <0 when
+ * they could not be mapped in (the range is gone). */
+static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
+    uint8_t writable[256];
+    for (uint32_t i = 0; i < n; i++) {
+        pg_lock(p, units[i]);
+        writable[i] = (p->flags[units[i]] & UF_WRITE) || !p->wp;
+        pg_unlock(p, units[i]);
+    }
+    for (uint32_t i = 0; i < n;) { /* one UFFDIO_COPY per run of adjacent units installed alike */
+        uint32_t j = i + 1;
+        while (j < n && writable[j] == writable[i] && units[j] == units[j - 1] + 1) j++;
+        int rc = copy_in(p, pg_addr(p, units[i]), io->bounce + (size_t)i * p->unit, (uint64_t)(j - i) * p->unit,
+                         writable[i]);
+        if (rc < 0) return rc;
+        i = j;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = units[i];
+        pg_lock(p, v);
+        uint8_t st = writable[i] ? U_DIRTY : U_CLEAN;
+        if (st == U_CLEAN && (p->flags[v] & (UF_WAIT | UF_WRITE))) { /* a write came (or was announced) meanwhile */
+            st = U_DIRTY;
+            pg_protect(p, v, 1, 0);
+        }
+        p->state[v] = st;
+        p->flags[v] &= (uint8_t)~(UF_WAIT | UF_WRITE | UF_CLAIMED | UF_QUEUED);
+        pg_unlock(p, v);
+        pg_ring_add(p, v);
+    }
+    pthread_mutex_lock(&p->inst_mu);
+    pthread_cond_broadcast(&p->inst_cv);
+    pthread_mutex_unlock(&p->inst_mu);
+    return 0;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Fetch and install units[0..n) (sorted, one extent), or poison them when no copy has them. */
+static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
+    pg_reserve(p, n);
+    int rc = p->closing ? DLS_E_CLOSED : pg_fetch(p, io, units, n);
+    if (rc == DLS_OK && install(p, io, units, n) < 0) rc = DLS_E_INTERNAL;
+    if (rc == DLS_OK) return;
+    pg_release(p, n);
+    if (p->closing) return;
+    uint32_t idx;
+    pg_extent_of(p, units[0], &idx);
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        pg_lose(p, idx, units[i], j - i, rc);
+        i = j;
+    }
+}
+
+/* Take the popped units: claim them (another worker may have them), then fetch what is ours, one
+ * batched read per extent, however scattered the units are in it. */
+static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n) {
+    uint64_t mine[256];
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = units[i];
+        pg_lock(p, v);
+        if (p->state[v] == U_FETCHING && !(p->flags[v] & UF_CLAIMED)) {
+            p->flags[v] |= UF_CLAIMED;
+            mine[k++] = v;
+        }
+        pg_unlock(p, v);
+    }
+    qsort(mine, k, sizeof mine[0], cmp_u64);
+    for (uint32_t i = 0; i < k;) {
+        pg_extent *e = pg_extent_of(p, mine[i], NULL);
+        uint64_t end = e->first_unit + e->nunits;
+        uint32_t j = i + 1;
+        while (j < k && mine[j] < end && j - i < io->max_units) j++;
+        fetch_group(p, io, mine + i, j - i);
+        i = j;
+    }
+}
+
+void *pg_worker_main(void *arg) {
+    dls_pager *p = arg;
+    pg_io *io = pg_io_new(p);
+    if (!io) return NULL;
+    uint32_t max = io->max_units > 256 ? 256 : io->max_units;
+    uint32_t units[256];
+    for (;;) {
+        pthread_mutex_lock(&p->q_mu);
+        while (!p->closing && !p->demand.len && !p->pref.len) pthread_cond_wait(&p->q_cv, &p->q_mu);
+        if (p->closing) {
+            pthread_mutex_unlock(&p->q_mu);
+            break;
+        }
+        uint32_t n = 0, nx;
+        if (p->demand.len) {
+            /* faults and prefetch calls first: this worker's share of what waits (the others take the
+             * rest in parallel), read as one batch per extent */
+            uint64_t share = (p->demand.len + (uint64_t)p->nworkers - 1) / (uint64_t)p->nworkers;
+            while (n < max && n < share && pg_queue_pop(&p->demand, &nx) == 0) units[n++] = nx;
+        } else {
+            /* a sequential stream: a run of adjacent units of one extent */
+            pg_queue_pop(&p->pref, &units[n++]);
+            pg_extent *e = pg_extent_of(p, units[0], NULL);
+            uint64_t end = e->first_unit + e->nunits;
+            while (n < max && pg_queue_peek(&p->pref, &nx) == 0 && nx == units[n - 1] + 1 && nx < end) {
+                pg_queue_pop(&p->pref, &nx);
+                units[n++] = nx;
+            }
+        }
+        pthread_mutex_unlock(&p->q_mu);
+        serve(p, io, units, n);
+    }
+    pg_io_free(io);
+    return NULL;
+}

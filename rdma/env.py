@@ -1,0 +1,95 @@
+"""A job's remote memory, from the environment its node daemon gave it.
+
+A node daemon that starts a job with ``remote_memory_bytes`` in its ``run``
+command puts the budget in the job's environment, next to the broker and the
+node's id that every job gets::
+
+    DLSHARE_BROKER=mqtt://...           the control plane (donors are found there)
+    DLSHARE_NODE_ID=n7                  what donors count the borrowed memory against
+    DLSHARE_REMOTE_MEMORY_BYTES=...     donor memory the job may use, every copy counted
+    DLSHARE_MEMORY_BYTES=...            the job's local memory limit, when it has one
+
+so a job maps its region with no address in its code::
+
+    import rdma
+    region = rdma.region_from_env()          # budget / replicas bytes, on donors
+    table = region.array(np.float32, (rows, dim))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rdma.region import DEFAULT_UNIT, RemoteRegion
+from rdma.remote import RemoteMemory
+
+ENV_BROKER = "DLSHARE_BROKER"
+ENV_BUDGET = "DLSHARE_REMOTE_MEMORY_BYTES"
+ENV_LOCAL_LIMIT = "DLSHARE_MEMORY_BYTES"
+ENV_REGION_LOCAL = "DLSHARE_REGION_LOCAL_BYTES"
+ENV_REPLICAS = "DLSHARE_REMOTE_REPLICAS"
+DEFAULT_LOCAL = 256 << 20  # resident share when nothing says otherwise
+
+
+def _env_int(name: str, env: dict[str, str]) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a whole number of bytes, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"${name} must not be negative, got {value}")
+    return value
+
+
+def budget_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the environment grants (pure: for callers that size things before mapping).
+
+    ``region_bytes``: the largest region the budget allows (``budget // replicas``, down to a
+    whole unit); ``local_bytes``: the resident share (``$DLSHARE_REGION_LOCAL_BYTES``, else a
+    quarter of ``$DLSHARE_MEMORY_BYTES``, else 256 MiB, never more than the region)."""
+    env = dict(os.environ) if env is None else env
+    broker = env.get(ENV_BROKER)
+    budget = _env_int(ENV_BUDGET, env)
+    if not broker or budget is None:
+        missing = [n for n, v in ((ENV_BROKER, broker), (ENV_BUDGET, budget)) if not v and v != 0]
+        raise LookupError(f"no remote memory in this environment ({', '.join(missing)} unset): start the job "
+                          "through a dlshare node daemon's `run` command with remote_memory_bytes")
+    replicas = _env_int(ENV_REPLICAS, env) or 2
+    region = budget // replicas // DEFAULT_UNIT * DEFAULT_UNIT
+    if region <= 0:
+        raise ValueError(f"${ENV_BUDGET}={budget} is too small for one {DEFAULT_UNIT}-byte unit "
+                         f"with {replicas} copies")
+    local = _env_int(ENV_REGION_LOCAL, env)
+    if local is None:
+        limit = _env_int(ENV_LOCAL_LIMIT, env)
+        local = limit // 4 if limit else DEFAULT_LOCAL
+    return {"broker": broker, "budget_bytes": budget, "replicas": replicas, "region_bytes": region,
+            "local_bytes": min(local, region)}
+
+
+def region_from_env(nbytes: int | None = None, local_bytes: int | None = None, *, discover_timeout_s: float = 15.0,
+                    **map_options: Any) -> RemoteRegion:
+    """Map this job's remote-memory budget as one region (see the module docstring).
+
+    ``nbytes``: a smaller region than the budget allows (more is refused).  The region owns
+    its RemoteMemory: closing the region closes it."""
+    grant = budget_from_env()
+    size = grant["region_bytes"] if nbytes is None else int(nbytes)
+    if size > grant["region_bytes"]:
+        raise ValueError(f"{size} bytes asked; the budget of {grant['budget_bytes']} bytes with "
+                         f"{grant['replicas']} copies allows {grant['region_bytes']}")
+    local = grant["local_bytes"] if local_bytes is None else int(local_bytes)
+    unit = int(map_options.pop("unit", DEFAULT_UNIT))
+    local = max(local, 4 * unit)
+    mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s)
+    try:
+        region = mem.map(size, local_bytes=local, unit=unit, **map_options)
+    except BaseException:
+        mem.close()
+        raise
+    region._own(mem)
+    return region
