@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,29 @@ class DataFormatError(ValueError):
     """A data file that cannot be used as what it should be; the message names the file and row."""
 
 
+def read_capped(p: str | os.PathLike[str], limit: int, error: type[Exception] = ValueError,
+                where: str | None = None) -> bytes:
+    """At most ``limit`` bytes of a file (``-``: standard input), for every reader of files an operator
+    hands in: ``error`` naming ``where`` (default: the path) when it cannot be read or is larger, so
+    that ``/dev/zero`` or a directory is one clear error, never a hang or a traceback."""
+    where = str(p) if where is None else where
+    try:
+        if str(p) == "-":
+            raw = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(p, "rb") as fh:
+                raw = fh.read(limit + 1)
+    except OSError as exc:
+        raise error(f"{where}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > limit:
+        size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit >> 10} KiB"
+        raise error(f"{where}: larger than {size}")
+    return raw
+
+
 def read_text(p: str | os.PathLike[str]) -> str:
     """A data file as text: UTF-8 (a byte-order mark dropped), at most MAX_DATA_BYTES."""
-    try:
-        with open(p, "rb") as fh:
-            raw = fh.read(MAX_DATA_BYTES + 1)
-    except OSError as exc:
-        raise DataFormatError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_DATA_BYTES:
-        raise DataFormatError(f"{p}: larger than {MAX_DATA_BYTES >> 20} MiB")
+    raw = read_capped(p, MAX_DATA_BYTES, DataFormatError)
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

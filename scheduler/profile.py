@@ -164,13 +164,9 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
 def _read(name_or_path: str | Path) -> tuple[str, str]:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
-        try:
-            with open(p, "rb") as fh:
-                raw = fh.read(MAX_PROFILE_BYTES + 1)
-        except OSError as exc:
-            raise ProfileError(f"profile {p}: cannot read: {exc.strerror or exc}") from None
-        if len(raw) > MAX_PROFILE_BYTES:
-            raise ProfileError(f"profile {p}: larger than {MAX_PROFILE_BYTES >> 10} KiB")
+        from scheduler.data import read_capped
+
+        raw = read_capped(p, MAX_PROFILE_BYTES, ProfileError, f"profile {p}")
         try:
             return raw.decode("utf-8-sig"), str(p)
         except UnicodeDecodeError:

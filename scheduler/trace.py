@@ -196,14 +196,10 @@ def decode_trace(raw: bytes, source: str = "<trace>") -> str:
 
 def load_trace(path: str | Path, *, check_models: bool = True) -> list[TraceJob]:
     """Read and parse a trace file (see :func:`parse_trace`); at most MAX_TRACE_BYTES are read."""
+    from scheduler.data import read_capped
+
     p = Path(path)
-    try:
-        with open(p, "rb") as fh:
-            raw = fh.read(MAX_TRACE_BYTES + 1)
-    except OSError as exc:
-        raise TraceError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_TRACE_BYTES:
-        raise TraceError(f"{p}: larger than {MAX_TRACE_BYTES >> 20} MiB, the most a trace may be")
+    raw = read_capped(p, MAX_TRACE_BYTES, TraceError)
     text = decode_trace(raw, str(p))
     thr = sens = None
     if check_models:

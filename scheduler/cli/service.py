@@ -224,17 +224,10 @@ MAX_SPEC_BYTES = 16 << 20  # the largest valid spec (256 args and 128 variables 
 def _read_spec(name: str) -> dict[str, Any]:
     """A job spec file (``-``: stdin): one JSON object of finite numbers; any problem is a
     ValueError naming the file."""
+    from scheduler.data import read_capped
+
     where = "stdin" if name == "-" else name
-    try:
-        if name == "-":
-            raw = sys.stdin.buffer.read(MAX_SPEC_BYTES + 1)
-        else:
-            with open(name, "rb") as fh:
-                raw = fh.read(MAX_SPEC_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"job spec {where}: cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_SPEC_BYTES:
-        raise ValueError(f"job spec {where}: larger than {MAX_SPEC_BYTES >> 20} MiB")
+    raw = read_capped(name, MAX_SPEC_BYTES, ValueError, f"job spec {where}")
 
     def finite(text: str) -> float:
         v = float(text)
