@@ -18,6 +18,7 @@ from nodesvc.cgroups import CgroupLimits, parse_cpuset
 from nodesvc.bus.messages import Command, PayloadError, arg, check_id
 
 MAX_ARGV = 256
+MAX_RUN_ID = 256
 MAX_ARG_LEN = 4096
 MAX_ENV = 256
 MAX_PIDS = 4096
@@ -48,6 +49,7 @@ class RunSpec:
     alloc: CgroupLimits | None = None
     gpus: tuple[int, ...] = ()
     remote_memory_bytes: int | None = None  # donor memory the job may borrow (every copy counted)
+    run_id: str = ""  # the sender's name for this run, echoed in the job's exit (tells runs of one job apart)
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,11 @@ def parse_op(cmd: Command, protected_pids: frozenset[int] = frozenset({1})) -> A
         remote = arg(a, "remote_memory_bytes", int, required=False)
         if remote is not None and not (0 <= remote <= 1 << 50):
             raise PayloadError(f"remote_memory_bytes must be between 0 and 1 PiB, got {remote}")
+        run_id = arg(a, "run_id", str, required=False, default="")
+        if len(run_id) > MAX_RUN_ID or not run_id.isprintable():
+            raise PayloadError(f"run_id must be at most {MAX_RUN_ID} printable characters")
         return RunSpec(job, tuple(argv), dict(env), cwd, _alloc(a, job) if has_alloc else None, tuple(gpus),
-                       remote or None)
+                       remote or None, run_id)
     if cmd.op == "stop":
         job = _job(a)
         sig = arg(a, "signal", (int, str), required=False, default="SIGTERM")

@@ -36,6 +36,7 @@ class JobProcess:
     exited_at: float | None = None
     log_path: str | None = None
     memory_bytes: int | None = None
+    run_id: str = ""  # the run command's run_id, echoed in the exit event and telemetry
     last_usage: dict = field(default_factory=dict)
     _ps: dict[int, psutil.Process] = field(default_factory=dict)
 
@@ -114,7 +115,7 @@ class JobTable:
         self.jobs: dict[str, JobProcess] = {}
 
     def start(self, job: str, argv: list[str], env: dict[str, str], cwd: str | None,
-              cgroup_procs: list[str], gpus: tuple[int, ...] = ()) -> JobProcess:
+              cgroup_procs: list[str], gpus: tuple[int, ...] = (), run_id: str = "") -> JobProcess:
         cur = self.jobs.get(job)
         if cur is not None and cur.state == "running":
             raise RuntimeError(f"job {job} is already running (pid {cur.root_pids()})")
@@ -130,7 +131,7 @@ class JobTable:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 cwd=cwd or None, env=full_env, start_new_session=True,
             )
-        jp = JobProcess(job=job, popen=popen, gpus=tuple(gpus), log_path=str(log_path))
+        jp = JobProcess(job=job, popen=popen, gpus=tuple(gpus), log_path=str(log_path), run_id=run_id)
         self.jobs[job] = jp
         log.info("started job %s pid %d: %s", job, popen.pid, " ".join(argv))
         return jp

@@ -126,7 +126,8 @@ class NodeDaemon:
             alloc = allocations.get(name)
             jobs[name] = {**u, "state": jp.state, "exit_code": jp.exit_code, "gpus": list(jp.gpus),
                           "memory_limit_bytes": alloc.memory_bytes if alloc else None,
-                          "oom_kills": self.cgroups.oom_kills(name) if alloc else 0}
+                          "oom_kills": self.cgroups.oom_kills(name) if alloc else 0,
+                          **({"run_id": jp.run_id} if jp.run_id else {})}
             if alloc and alloc.memory_bytes and jp.state == "running":
                 reserved_unused += max(0, alloc.memory_bytes - u["rss_bytes"])
         promised = sum(a.memory_bytes or 0 for a in allocations.values())
@@ -203,7 +204,7 @@ class NodeDaemon:
                     log.info("job %s exited with %s", jp.job, jp.exit_code)
                     await self.bus.publish(self.topic("events"), messages.encode({
                         "event": "job_exit", "node": self.node_id, "job": jp.job, "exit_code": jp.exit_code,
-                        "oom_killed": oom > 0, "ts": jp.exited_at,
+                        "oom_killed": oom > 0, "ts": jp.exited_at, **({"run_id": jp.run_id} if jp.run_id else {}),
                     }), qos=1)
                 self.jobs.forget_exited()
             except Exception:  # reaping must go on, or exited jobs become zombies
@@ -296,7 +297,7 @@ class NodeDaemon:
                     env["DLSHARE_REMOTE_MEMORY_BYTES"] = str(spec.remote_memory_bytes)
                 if spec.alloc is not None and spec.alloc.memory_bytes:
                     env["DLSHARE_MEMORY_BYTES"] = str(spec.alloc.memory_bytes)
-                jp = self.jobs.start(spec.job, list(spec.argv), env, spec.cwd, procs, spec.gpus)
+                jp = self.jobs.start(spec.job, list(spec.argv), env, spec.cwd, procs, spec.gpus, spec.run_id)
             except RuntimeError as exc:
                 raise messages.PayloadError(str(exc)) from None
             except OSError as exc:

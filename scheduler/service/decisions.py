@@ -235,7 +235,7 @@ class DecisionCarrier:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, s.gpus))
                 # `run` with the allocation applies it (cgroups) and starts the process group in one command.
                 run = {"job": d.job, "cpus": max(0.01, float(cpus)), "memory_bytes": max(1 << 20, int(mem)),
-                       "argv": row.spec["command"], "env": env, "gpus": list(s.gpus)}
+                       "argv": row.spec["command"], "env": env, "gpus": list(s.gpus), "run_id": d.stimulus_id}
                 if row.spec.get("cwd"):
                     run["cwd"] = row.spec["cwd"]
                 await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run")

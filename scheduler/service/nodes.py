@@ -53,13 +53,16 @@ class LiveNode:
         """The jobs the node says it runs (its telemetry's ``jobs`` that have not exited)."""
         return tuple(sorted(j for j, u in self.job_usage.items() if u.get("state") != "exited"))
 
-    def exited(self) -> dict[str, int | None]:
-        """Jobs the node reports as exited: id -> exit code (None when it does not say)."""
+    def exited(self) -> dict[str, tuple[int | None, str]]:
+        """Jobs the node reports as exited: id -> (exit code (None when it does not say), the run_id
+        of the run that exited ("" when it does not say))."""
         out = {}
         for j, u in self.job_usage.items():
             if u.get("state") == "exited":
                 code = u.get("exit_code")
-                out[j] = code if isinstance(code, int) and not isinstance(code, bool) else None
+                run_id = u.get("run_id")
+                out[j] = (code if isinstance(code, int) and not isinstance(code, bool) else None,
+                          run_id if isinstance(run_id, str) else "")
         return out
 
 

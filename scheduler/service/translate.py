@@ -55,8 +55,8 @@ class Translator:
         if not was_online:
             svc.store.log_event("node_online", node=node.id, data={"cpus": node.cpu_count, "gpus": len(node.gpus)})
         self.report(node, force=not was_online)
-        for job, code in node.exited().items():
-            self.job_exited(node.id, job, code, "")
+        for job, (code, run_id) in node.exited().items():
+            self.job_exited(node.id, job, code, "", run_id)
 
     def report(self, node: LiveNode, force: bool = False) -> None:
         """A NodeReport when the node's resources or its running jobs changed, or every ``report_s``."""
@@ -140,16 +140,22 @@ class Translator:
     def on_event(self, node_id: str, ev: dict[str, Any]) -> None:
         if ev.get("event") == "job_exit" and isinstance(ev.get("job"), str):
             code = ev.get("exit_code")
+            run_id = ev.get("run_id")
             self.job_exited(node_id, ev["job"], code if isinstance(code, int) and not isinstance(code, bool) else None,
-                            "oom-killed" if ev.get("oom_killed") else "")
+                            "oom-killed" if ev.get("oom_killed") else "", run_id if isinstance(run_id, str) else "")
 
-    def job_exited(self, node_id: str, job_id: str, code: int | None, why: str) -> None:
-        """The job's processes on ``node_id`` exited: its row, then ``JobFinished`` (once)."""
+    def job_exited(self, node_id: str, job_id: str, code: int | None, why: str, run_id: str = "") -> None:
+        """The job's processes on ``node_id`` exited: its row, then ``JobFinished`` (once).  ``run_id``
+        (the placement's id, sent with ``run``) names the run that exited: the exit of an older run
+        on the same node (stopped when its node was lost and placed there again) ends nothing."""
         svc = self.svc
         rec = svc.core.records.get(job_id)
         if (rec is None or rec.job.state is not JobState.RUNNING or rec.external or job_id in self.exiting
                 or node_id not in {sh.node for sh in rec.shards}):
             return  # already handled (the event and the telemetry both say so), or a run it has left
+        if run_id and run_id != rec.placed_by:
+            log.info("job %s: an exit on %s of an earlier run (%s) ends nothing", job_id, node_id, run_id)
+            return
         self.exiting.add(job_id)
         ok = code == 0
         reason = None if ok else (why or f"exited with code {code}")

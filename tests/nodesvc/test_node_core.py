@@ -13,7 +13,7 @@ from tests.nodesvc.strategies import json_values
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(["ping", "allocate", "release", "run", "stop", "nope"]),
        st.dictionaries(st.sampled_from(["job", "pids", "cpus", "cpuset", "memory_bytes", "argv", "env", "cwd",
-                                        "signal", "gpus"]), json_values, max_size=6))
+                                        "signal", "gpus", "run_id"]), json_values, max_size=6))
 def test_parse_op_random_args_only_payload_error(op, args):
     try:
         spec = parse_op(messages.Command("c", op, args))
@@ -40,6 +40,12 @@ def test_parse_op_specs_and_refusals_say_why():
     with pytest.raises(PayloadError, match="unknown op"):
         parse_op(messages.Command("c", "format-disk", {}))
     assert isinstance(parse_op(messages.Command("c", "stop", {"job": "j", "signal": "kill"})), StopSpec)
+    run = {"job": "j", "argv": ["true"]}
+    assert parse_op(messages.Command("c", "run", {**run, "run_id": "ev-1/place"})).run_id == "ev-1/place"
+    assert parse_op(messages.Command("c", "run", run)).run_id == ""
+    for bad in ("x" * 257, "a\nb"):
+        with pytest.raises(PayloadError, match="run_id"):
+            parse_op(messages.Command("c", "run", {**run, "run_id": bad}))
 
 
 def test_reply_cache_is_bounded_lru():

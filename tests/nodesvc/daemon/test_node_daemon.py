@@ -113,7 +113,7 @@ async def test_run_under_allocation_reports_usage_and_exit(mosquitto, node_daemo
     async with NodeClient(mosquitto.url) as nc:
         busy = "import time\nt=time.time()\nwhile time.time()-t<4: pass\n"
         res = await nc.call("n-run", "run", job="busy", argv=[sys.executable, "-c", busy], cpus=0.5,
-                            memory_bytes=128 << 20, cmd_id="run-1")
+                            memory_bytes=128 << 20, run_id="place-7", cmd_id="run-1")
         assert res["pid"] > 0
         # a replayed command id is answered again without starting a second process
         again = await nc.call("n-run", "run", job="busy", argv=[sys.executable, "-c", busy], cmd_id="run-1")
@@ -122,12 +122,12 @@ async def test_run_under_allocation_reports_usage_and_exit(mosquitto, node_daemo
             mosquitto.url, "dlshare/v1/node/n-run/telemetry",
             lambda o: o["jobs"].get("busy", {}).get("cpu_percent", 0) > 5)
         j = t["jobs"]["busy"]
-        assert j["cpu_percent"] < 70 and j["memory_limit_bytes"] == 128 << 20
+        assert j["cpu_percent"] < 70 and j["memory_limit_bytes"] == 128 << 20 and j["run_id"] == "place-7"
         assert t["memory"]["promised_bytes"] == 128 << 20
         with pytest.raises(CommandError, match="already running"):
             await nc.call("n-run", "run", job="busy", argv=["true"])
         ev = await asyncio.wait_for(nc.events.get(), timeout=15)
-        assert ev == {**ev, "event": "job_exit", "job": "busy", "exit_code": 0}
+        assert ev == {**ev, "event": "job_exit", "job": "busy", "exit_code": 0, "run_id": "place-7"}
         assert (await nc.call("n-run", "release", job="busy"))["released"] is True
 
 

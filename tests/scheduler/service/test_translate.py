@@ -105,3 +105,27 @@ def test_an_exit_from_a_node_the_job_has_left_is_ignored(tmp_path):
     svc.translator.job_exited(where, job, 0, "")  # the event and the telemetry both say so: once
     svc.round()
     assert svc.store.get_job(job).state == "done" and svc.core.records[job].job.state.value == "done"
+
+
+def test_the_exit_of_an_earlier_run_on_the_same_node_ends_nothing(tmp_path):
+    """A node lost (its Last Will at a broker restart) and back: the job placed there again must not
+    be ended by the exit of the run stopped meanwhile; the exit of the current run ends it."""
+    clock = Clock()
+    svc = service(tmp_path, clock)
+    svc.translator.on_telemetry(telemetry("a", gpus=1))
+    svc.round()
+    job = svc.submit({"model": "resnet50", "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30, "command": ["x"]})[0].id
+    svc.round()
+    first = svc.core.records[job].placed_by
+    svc.translator.on_node_state("a", {"status": "offline"})
+    svc.round()
+    svc.translator.on_node_state("a", {"status": "online"})
+    svc.translator.on_telemetry(telemetry("a", gpus=1))
+    svc.round()
+    rec = svc.core.records[job]
+    assert rec.job.state.value == "running" and rec.shards[0].node == "a" and rec.placed_by != first
+    svc.translator.on_event("a", {"event": "job_exit", "job": job, "exit_code": -15, "run_id": first})
+    assert not svc._events and svc.store.get_job(job).state == "running"
+    svc.translator.on_event("a", {"event": "job_exit", "job": job, "exit_code": 0, "run_id": rec.placed_by})
+    svc.round()
+    assert svc.store.get_job(job).state == "done"
