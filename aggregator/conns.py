@@ -166,6 +166,7 @@ class Conn:
         self.hello_deadline = hello_deadline
         self.alive = True
         self.ended = False  # the reader cleaned up (ConnectionLost handled)
+        self.registered = False  # a HELLO was accepted
         self._out: deque = deque()
         self._sending = False
         self._lock = threading.Lock()

@@ -254,7 +254,7 @@ class AggregationServer:
                 self._ep.register(lfd, select.EPOLLIN)
             for conn in [c for c in list(self._unwelcome) if now >= c.hello_deadline]:
                 self._unwelcome.discard(conn)
-                if conn not in self.core.conn_job:
+                if not conn.registered:
                     self._kick(conn, "hello_timeout", f"no HELLO accepted within {self.hello_timeout_s:g} s "
                                f"(agg.hello_timeout_s)")
             self._close_due(now)
@@ -354,7 +354,7 @@ class AggregationServer:
             log.warning("closing %s: %s", conn.peer, exc)
             conn.send(error("bad_message", str(exc)))
             raise _Gone() from None
-        if h.mtype != MsgType.HELLO and conn in self._unwelcome:
+        if h.mtype != MsgType.HELLO and not conn.registered:
             # Nothing but HELLO before HELLO: a stranger's payload is never read.
             conn.send(error("bad_message", f"{h.mtype.name} before HELLO"))
             raise _Gone()
@@ -372,8 +372,9 @@ class AggregationServer:
                 raise _Gone() from None
             self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello))
             with self._lock:
-                if conn in self.core.conn_job:
-                    self._unwelcome.discard(conn)
+                conn.registered = conn in self.core.conn_job
+            if conn.registered:
+                self._unwelcome.discard(conn)
         elif h.mtype == MsgType.BYE:
             raise _Gone(orderly=True)
         elif h.mtype == MsgType.DRAINED:
