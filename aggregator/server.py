@@ -44,6 +44,7 @@ from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MAX_CHUNK_BYTES, MsgType, ProtocolError, error, parse_header,
                                  parse_hello)
 from aggregator.scheduling import PoolController
+from aggregator.telemetry import run_telemetry
 from aggregator.sockio import IDLE, SOCK_BUF, recv_frame
 from nodesvc.bus import config
 from nodesvc.bus.procs import split_hostport
@@ -494,75 +495,6 @@ class AggregationServer:
         }
 
 
-# --- MQTT telemetry and commands ----------------------------------------------------------------
-
-
-async def _telemetry(server: AggregationServer, broker: str, interval: float, stop: asyncio.Event) -> None:
-    from nodesvc.bus import messages
-    from nodesvc.bus.mqtt import Bus
-
-    sid = server.server_id
-    state_t = messages.topic("agg", sid, "state")
-    last = {"t": time.monotonic(), "in": server.bytes_in, "out": server.bytes_out}
-
-    def state(st: dict[str, Any], rate_in: float = 0.0) -> bytes:
-        # The retained state carries a load summary, so `dlshare status` shows load from retained
-        # messages alone; telemetry has the full figures.
-        pool = st["pool"]
-        summary = {"cores": pool["size"], "min_cores": pool["min"], "max_cores": pool["max"],
-                   "busy": pool["busy_fraction"], "cores_avg": pool["cores_avg"], "jobs": sorted(st["jobs"]),
-                   "bytes_in_per_s": rate_in, "draining": st["draining"],
-                   "drained": bool(st["drain"] and st["drain"]["moved"])}
-        return messages.encode({"status": "online", "server": sid, "address": st["address"], "ts": time.time(),
-                                "summary": summary})
-
-    async def on_connect(bus: Bus) -> None:
-        await bus.publish(state_t, state(server.stats()), qos=1, retain=True)
-
-    async def on_message(topic: str, payload: bytes) -> None:
-        cid = messages.command_id_of(payload)
-        try:
-            cmd = messages.parse_command(payload)
-            if cmd.op == "ping":
-                result: Any = {"pong": True}
-            elif cmd.op == "stats":
-                result = server.stats()
-            elif cmd.op == "drain":
-                server.drain()
-                result = {"draining": True}
-            else:
-                raise messages.PayloadError(f"unknown op {cmd.op!r} (known: ping, stats, drain)")
-            await bus.publish(messages.topic("agg", sid, "reply"), messages.reply(cmd.id, True, result), qos=1)
-        except messages.PayloadError as exc:
-            log.warning("bad command on %s: %s", topic, exc)
-            await bus.publish(messages.topic("agg", sid, "reply"), messages.reply(cid, False, error=str(exc)), qos=1)
-
-    bus = Bus(broker, f"dlshare-agg-{sid}", subscriptions=[(messages.topic("agg", sid, "cmd"), 1)],
-              handler=on_message, on_connect=on_connect,
-              will=(state_t, messages.encode({"status": "offline", "server": sid, "address": server.stats()["address"]}), 1, True))
-    bus_stop = asyncio.Event()  # outlives ``stop`` long enough to publish the offline state
-    runner = asyncio.ensure_future(bus.run(bus_stop))
-    try:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
-            except TimeoutError:
-                pass
-            now = time.monotonic()
-            dt = max(1e-9, now - last["t"])
-            st = server.stats()
-            st["ts"] = time.time()
-            st["bytes_in_per_s"] = round((server.bytes_in - last["in"]) / dt, 1)
-            st["bytes_out_per_s"] = round((server.bytes_out - last["out"]) / dt, 1)
-            last.update(t=now, **{"in": server.bytes_in, "out": server.bytes_out})
-            await bus.publish(messages.topic("agg", sid, "telemetry"), messages.encode(st))
-            await bus.publish(state_t, state(st, st["bytes_in_per_s"]), qos=1, retain=True)
-        await bus.publish(state_t, messages.encode({"status": "offline", "server": sid, "address": server.stats()["address"]}), qos=1, retain=True)
-    finally:
-        bus_stop.set()
-        await runner
-
-
 def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
           ready_event: threading.Event | None = None) -> AggregationServer:
     """Run an aggregation server from config until ``stop_event`` is set.
@@ -591,7 +523,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
             async def main() -> None:
                 ev = asyncio.Event()
                 astop.append((asyncio.get_running_loop(), ev))
-                await _telemetry(server, broker, float(a["telemetry_interval_s"]), ev)
+                await run_telemetry(server, broker, float(a["telemetry_interval_s"]), ev)
             asyncio.run(main())
 
         loop_thread = threading.Thread(target=run_bus, name="agg-mqtt", daemon=True)
