@@ -9,7 +9,11 @@ connection, bounded memory for stalled pushes, and job secrets."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,7 +25,8 @@ from hypothesis import given, settings, strategies as st
 from aggregator import Client
 from aggregator.protocol import (HEADER_SIZE, DType, MsgType, Op, ProtocolError, data_header, hello, parse_header,
                                  parse_hello)
-from nodesvc.bus.procs import wait_until
+from nodesvc.bus.procs import free_port, stop_proc, wait_port, wait_until
+from tests.adversarial.conftest import ROOT
 from tests.aggregator.agg_proc import ServerProc
 from tests.rdma.rawsock import recv_exact
 
@@ -307,3 +312,38 @@ def test_fuzz_hello_bodies_give_a_hello_or_a_protocol_error(body):
     assert 0 <= h.rank < h.world
     assert h.secret is None or (isinstance(h.secret, str) and 8 <= len(h.secret) <= 256 and h.secret.isprintable())
     assert h.secret is None or h.secret not in repr(h)
+
+
+def test_out_of_descriptors_the_server_neither_spins_nor_stops_accepting(tmp_path):
+    """Promise: when the server runs out of file descriptors (RLIMIT_NOFILE 64 here, 80 connections
+    waiting) it pauses accepting instead of spinning a core (under 0.5 CPU-seconds in 2 s), and once
+    descriptors are free again it accepts and serves a new job."""
+    port = free_port()
+    env = {**os.environ, "DLSHARE_AGG_HELLO_TIMEOUT_S": "60"}
+    with open(tmp_path / "agg.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aggregator.cli", "--listen", f"127.0.0.1:{port}", "--broker", "", "--max-cores", "1"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    socks: list[socket.socket] = []
+    try:
+        wait_port(port, proc=proc)
+        ps = psutil.Process(proc.pid)
+        socks = [_connect(port) for _ in range(80)]
+        wait_until(lambda: ps.num_fds() >= 60, timeout=10)
+        t0 = ps.cpu_times()
+        time.sleep(2.0)
+        t1 = ps.cpu_times()
+        busy = (t1.user + t1.system) - (t0.user + t0.system)
+        assert busy < 0.5, f"{busy:.2f} CPU-seconds in 2 s while out of descriptors"
+        for s in socks:
+            s.close()
+        socks = []
+        with Client([f"127.0.0.1:{port}"], "after-emfile", 0, 1, secret=SECRET, connect_timeout_s=20) as c:
+            x = np.full(4, 3.0, dtype=np.float32)
+            c.allreduce(x)
+            assert np.array_equal(x, np.full(4, 3.0, dtype=np.float32))
+    finally:
+        for s in socks:
+            s.close()
+        stop_proc(proc)
