@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -35,7 +36,7 @@ import numpy as np
 from aggregator.inflight import AggregationError, CopyPool, Op, Unit
 from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
 from aggregator.placement import HashRing, NoServer, Placement, split
-from aggregator.protocol import DType, Header, MsgType, Op as ReduceOp
+from aggregator.protocol import SECRET_ENV, DType, Header, MsgType, Op as ReduceOp
 
 __all__ = ["Client", "AggregationError", "HashRing", "as_bytes", "make_layout"]
 
@@ -100,13 +101,15 @@ class Client:
     Without it, each key is checked across ranks within its round (what DDP's
     changing buckets need).  ``failover`` keeps a copy of what each round
     pushed so that a dead server's chunks can be retried elsewhere (module
-    docstring); it costs one memory copy of the pushed bytes.
+    docstring); it costs one memory copy of the pushed bytes.  ``secret``: the job's shared
+    secret, the same on every rank (default: the ``DLSHARE_AGG_SECRET`` environment variable); the
+    first HELLO of a job registers it on each server and every later HELLO must present it.
     """
 
     def __init__(self, servers: list[str] | str, job: str, rank: int, world: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None,
-                 failover: bool = True) -> None:
+                 failover: bool = True, secret: str | None = None) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         if not 0 <= rank < world:
@@ -114,6 +117,7 @@ class Client:
         if chunk_bytes <= 0 or chunk_bytes % 4:
             raise ValueError("chunk_bytes must be a positive multiple of 4")
         self.job, self.rank, self.world = job, rank, world
+        self.secret = secret if secret is not None else (os.environ.get(SECRET_ENV) or None)
         self.layout = None if layout is None else make_layout(layout)
         self._layout = None if self.layout is None else {k: (n, dt) for k, n, dt in self.layout}
         self.chunk_bytes = chunk_bytes

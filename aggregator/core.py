@@ -12,6 +12,8 @@ and ``now``; each decision carries the ``stimulus_id`` of the event behind it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable
@@ -150,6 +152,18 @@ class AggregationJob:
     bytes_in: int = 0
     rounds_done: int = 0
     held_bytes: int = 0  # chunks received and not yet reduced or dropped
+    secret: bytes | None = field(default=None, repr=False)  # SHA-256 of the secret its first HELLO set
+
+
+def secret_digest(secret: str | None) -> bytes | None:
+    return None if secret is None else hashlib.sha256(secret.encode()).digest()
+
+
+def same_secret(have: bytes | None, given: bytes | None) -> bool:
+    """Constant-time comparison of two digests; two absent secrets match (an open job)."""
+    if have is None or given is None:
+        return have is None and given is None
+    return hmac.compare_digest(have, given)
 
 
 def _describe(h: Header) -> str:
@@ -171,11 +185,15 @@ class AggregationCore:
     """All jobs of one server.  Not thread-safe: the shell serialises calls."""
 
     def __init__(self, server_id: str, round_timeout_s: float, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
-                 min_chunk_charge: int = 4096, unit_charge_per_rank: int = 8) -> None:
+                 min_chunk_charge: int = 4096, unit_charge_per_rank: int = 8, require_secret: bool = False) -> None:
         """``max_job_bytes`` bounds what one job may pin.  Each pushed chunk is charged at least
         ``min_chunk_charge`` bytes and each open unit ``unit_charge_per_rank * world`` more, for its
         bookkeeping: otherwise a job with a large world pushing tiny chunks would pin gigabytes of
-        Python objects while its payload count stayed near zero."""
+        Python objects while its payload count stayed near zero.
+
+        A job's first HELLO sets its secret (or none, unless ``require_secret``); every later HELLO of
+        the job must present the same one, or it is refused and the job is left as it was."""
+        self.require_secret = require_secret
         self.server_id = server_id
         self.min_chunk_charge = min_chunk_charge
         self.unit_charge_per_rank = unit_charge_per_rank
@@ -235,6 +253,17 @@ class AggregationCore:
             msg = "this connection already said HELLO"
             return [Send(ev.conn, error("bad_message", msg), sid), Close(ev.conn, sid)]
         job = self.jobs.get(h.job)
+        digest = secret_digest(h.secret)
+        if digest is None and self.require_secret:
+            msg = (f"server {self.server_id} requires a job secret: every rank of job {h.job} must present "
+                   f"the same one (set DLSHARE_AGG_SECRET or pass secret= to the client)")
+            return [Send(ev.conn, error("auth_required", msg), sid), Close(ev.conn, sid)]
+        if job is not None and not same_secret(job.secret, digest):
+            # Checked before anything else about the job, so a stranger learns nothing more and
+            # the running job keeps its ranks and its rounds.
+            msg = (f"job {h.job} is registered on server {self.server_id} with another secret (or none): "
+                   f"HELLO for rank {h.rank} refused")
+            return [Send(ev.conn, error("auth_failed", msg), sid), Close(ev.conn, sid)]
         if job is not None and job.world != h.world:
             msg = f"job {h.job} has world size {job.world} on server {self.server_id}; rank {h.rank} says {h.world}"
             return [Send(ev.conn, error("world_mismatch", msg), sid), Close(ev.conn, sid)]
@@ -244,7 +273,7 @@ class AggregationCore:
                 msg = f"rank {h.rank} registered a layout that differs from job {h.job}'s: {diff}"
                 return [Send(ev.conn, error("layout_mismatch", msg), sid), Close(ev.conn, sid)]
         if job is None:
-            job = AggregationJob(h.job, self._next_handle, h.world)
+            job = AggregationJob(h.job, self._next_handle, h.world, secret=digest)
             self._next_handle += 1
             if self.draining:
                 job.drain_from = 0

@@ -176,7 +176,7 @@ class ServerLink:
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.client.timeout_s * 1000))
         c = self.client
-        sock.sendall(hello(c.job, c.rank, c.world, c.layout, next_round))
+        sock.sendall(hello(c.job, c.rank, c.world, c.layout, next_round, c.secret))
         # plain socket calls here: the socket still has its connect timeout (non-blocking underneath)
         h = parse_header(_recv_timed(sock, HEADER_SIZE))
         return h, parse_body(_recv_timed(sock, h.nbytes))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nodesvc.bus.messages import PayloadError, check_id
@@ -52,7 +52,7 @@ class ProtocolError(ValueError):
 
 
 class MsgType(enum.IntEnum):
-    HELLO = 1  # client -> server: {"job", "rank", "world"}
+    HELLO = 1  # client -> server: {"job", "rank", "world"[, "secret", "layout", "next_round"]}
     WELCOME = 2  # server -> client: {"server", "job_handle"}
     PUSH = 3  # client -> server: a gradient chunk
     RESULT = 4  # server -> client: the reduced chunk
@@ -191,6 +191,12 @@ class Hello:
     world: int
     layout: Layout | None = None  # optional: the keys the job will push, checked on every push
     next_round: int | None = None  # the first round this rank has not started (asks for a JOINED)
+    secret: str | None = field(default=None, repr=False)  # the job's shared secret (never logged)
+
+
+MIN_SECRET = 8  # characters: shorter ones are refused as a typo or a placeholder
+MAX_SECRET = 256
+SECRET_ENV = "DLSHARE_AGG_SECRET"  # where clients read the job's secret when none is passed
 
 
 def parse_layout(obj: Any) -> Layout:
@@ -235,14 +241,21 @@ def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
     nxt = obj.get("next_round")
     if nxt is not None and (not isinstance(nxt, int) or isinstance(nxt, bool) or not 0 <= nxt < MAX_ROUND):
         raise ProtocolError(f"HELLO next_round must be an integer 0..{MAX_ROUND - 1}, not {nxt!r}")
-    return Hello(job, rank, world, None if layout is None else parse_layout(layout), nxt)
+    secret = obj.get("secret")
+    if secret is not None and (not isinstance(secret, str) or not MIN_SECRET <= len(secret) <= MAX_SECRET
+                               or not secret.isprintable()):
+        raise ProtocolError(f"HELLO secret must be a printable string of {MIN_SECRET}..{MAX_SECRET} characters")
+    return Hello(job, rank, world, None if layout is None else parse_layout(layout), nxt, secret)
 
 
 MAX_ROUND = 1 << 62
 
 
-def hello(job: str, rank: int, world: int, layout: Layout | None = None, next_round: int | None = None) -> bytes:
+def hello(job: str, rank: int, world: int, layout: Layout | None = None, next_round: int | None = None,
+          secret: str | None = None) -> bytes:
     body: dict[str, Any] = {"job": job, "rank": rank, "world": world}
+    if secret is not None:
+        body["secret"] = secret
     if layout is not None:
         body["layout"] = [list(e) for e in layout]
     if next_round is not None:

@@ -1,11 +1,20 @@
 """The aggregation server shell: TCP connections, the elastic pool, timers, MQTT telemetry.
 
-Each connection has a reader thread that receives headers and payloads straight
-into pooled buffers, and a sender thread with a queue, so a slow peer never
-blocks a pool thread.  Both move whole messages in C (aggregator/sockio.py), one
-GIL release per message.  All
-state changes go through :class:`~aggregator.core.AggregationCore` under one
-lock; the decisions it returns are carried out here.
+No thread belongs to a connection (aggregator/conns.py).  One poller thread
+accepts connections and watches idle ones with epoll; a connection that becomes
+readable is read by a pooled worker thread until it has been quiet for
+``READ_LINGER_S`` (so a round's chunks stream without a hand-off each), then goes
+back to epoll.  Headers and payloads are received straight into pooled buffers
+in C (aggregator/sockio.py), one GIL release per message, each within a frame
+deadline.  Sends are queued per connection and flushed by a borrowed worker, so
+a slow peer never blocks a pool thread.  All state changes go through
+:class:`~aggregator.core.AggregationCore` under one lock; the decisions it
+returns are carried out here.
+
+Ceilings (README, "Aggregation security"): a connection must complete HELLO within
+``hello_timeout_s`` and every frame within ``frame_timeout_s``; connections are capped in
+total and per peer address; payload bytes being received are capped in total and per
+peer address.
 
 ``serve(cfg, stop_event, ready_event)`` runs a server from a config dict (the
 ``agg`` section) until ``stop_event`` is set; ``python -m aggregator.cli``
@@ -15,25 +24,28 @@ lock; the decisions it returns are carried out here.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import os
 import logging
-import queue
+import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from aggregator import kernel
+from aggregator.conns import Conn, PeerCounts, RecvBudget, Workers, guard_peer
 from aggregator.core import (DEFAULT_MAX_JOB_BYTES, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
                              Release, Send, Tick)
 from aggregator.interleave import RoundOrder
 from aggregator.membership import DrainAck
 from aggregator.pool import BufferPool, ElasticPool
-from aggregator.protocol import (HEADER_SIZE, MsgType, ProtocolError, error, parse_header, parse_hello)
+from aggregator.protocol import (HEADER_SIZE, MAX_CHUNK_BYTES, MsgType, ProtocolError, error, parse_header,
+                                 parse_hello)
 from aggregator.scheduling import PoolController
-from aggregator.sockio import SOCK_BUF, recv_exact, send_all
+from aggregator.telemetry import run_telemetry
+from aggregator.sockio import IDLE, SOCK_BUF, recv_frame
 from nodesvc.bus import config
 from nodesvc.bus.procs import split_hostport
 
@@ -43,6 +55,11 @@ log = logging.getLogger("dlshare.agg")
 # connection; 256 KiB keeps that small next to a round and still fills a 10 Gbit/s link at
 # 200 us RTT from a single connection (raise it for long fat networks).
 RECV_BUF = 256 << 10
+# A worker keeps reading a connection this long after its last message before handing it back to
+# epoll: a round's chunks arrive back to back, and a hand-off per chunk would cost two thread
+# wake-ups each.  Between rounds (the compute phase) the connection holds no thread.
+READ_LINGER_S = 0.2
+CLOSE_DELAY_S = 0.5  # a shut-down descriptor is closed this much later, once no thread can still use it
 
 config.register_section("agg", {
     "listen": "127.0.0.1:7700",
@@ -54,6 +71,13 @@ config.register_section("agg", {
     "max_job_bytes": 4 << 30,  # unfinished reductions one job may hold in server memory
     "interleave": True,  # overlapping rounds of different jobs are read first come, first served
     "recv_buffer_bytes": RECV_BUF,  # per connection; bounds what a held-back job pushes meanwhile
+    "require_secret": False,  # refuse a HELLO without a job secret (otherwise the first HELLO sets it or none)
+    "hello_timeout_s": 10.0,  # a connection must be registered (HELLO accepted) within this
+    "frame_timeout_s": 10.0,  # each header and payload must arrive within this of its start
+    "max_connections": 1024,
+    "max_connections_per_peer": 256,  # per peer IP address
+    "max_receiving_bytes": 1 << 30,  # payload bytes being received at once, all peers
+    "max_receiving_bytes_per_peer": 256 << 20,  # ... and per peer IP address
 })
 
 
@@ -70,103 +94,70 @@ def resolve(cfg: dict) -> dict:
         raise config.ConfigError("agg.round_timeout_s must be positive")
     if not 4096 <= a["recv_buffer_bytes"] <= 1 << 30:
         raise config.ConfigError("agg.recv_buffer_bytes must be 4096..1073741824")
+    for key in ("hello_timeout_s", "frame_timeout_s"):
+        if not 0.05 <= a[key] <= 3600:
+            raise config.ConfigError(f"agg.{key} must be 0.05..3600 seconds")
+    if not 1 <= a["max_connections_per_peer"] <= a["max_connections"] <= 100_000:
+        raise config.ConfigError("agg.max_connections_per_peer must be 1..max_connections (at most 100000)")
+    if not MAX_CHUNK_BYTES <= a["max_receiving_bytes_per_peer"] <= a["max_receiving_bytes"]:
+        raise config.ConfigError(f"agg.max_receiving_bytes_per_peer must be {MAX_CHUNK_BYTES} (one chunk)"
+                                 f"..max_receiving_bytes")
     return {**cfg, "agg": a}
 
 
-class _Conn:
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.outq: queue.SimpleQueue = queue.SimpleQueue()
-        self.alive = True
-        self.bye = False
+class _Gone(Exception):
+    """The reader ends this connection (after queueing an error, if any)."""
 
-    def __repr__(self) -> str:
-        return f"<conn {self.peer}>"
-
-    def send(self, header: bytes, payload: memoryview | None = None, done=None) -> None:
-        if not self.alive:
-            if done:
-                done()
-            return
-        self.outq.put((header, payload, done))
-
-    def sender(self) -> None:
-        while True:
-            item = self.outq.get()
-            if item is None:
-                break
-            if item == "close":
-                self.close()
-                continue
-            header, payload, done = item
-            try:
-                if self.alive:
-                    send_all(self.sock, header, payload)
-            except OSError:
-                self.close()
-            finally:
-                if done:
-                    done()
-        # drain what is left so that every buffer goes back to the pool
-        while True:
-            try:
-                item = self.outq.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, tuple) and item[2]:
-                item[2]()
-
-    def close_after_flush(self) -> None:
-        """Close once what is queued (typically an error message) has been sent."""
-        self.outq.put("close")
-
-    def close(self) -> None:
-        if self.alive:
-            self.alive = False
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def __init__(self, orderly: bool = False) -> None:
+        self.orderly = orderly
 
 
-def _guard_peer(sock: socket.socket, send_timeout_s: float) -> None:
-    """A peer that stops reading must not pin the server: a send that blocks this long fails,
-    which closes the connection and fails its rounds (its queued results are then released).
-    TCP keepalive finds peers whose host died without a reset."""
-    sec = int(send_timeout_s)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    struct.pack("ll", sec, int((send_timeout_s - sec) * 1_000_000)))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, val in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, opt):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+_ARM = select.EPOLLIN | select.EPOLLONESHOT
 
 
 class AggregationServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, server_id: str = "agg0", min_cores: int = 1,
                  max_cores: int = 4, round_timeout_s: float = 30.0, tick_s: float = 0.1,
                  shrink_after_s: float = 1.0, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
-                 interleave: bool = True, recv_buffer_bytes: int = RECV_BUF) -> None:
+                 interleave: bool = True, recv_buffer_bytes: int = RECV_BUF, require_secret: bool = False,
+                 hello_timeout_s: float = 10.0, frame_timeout_s: float = 10.0, max_connections: int = 1024,
+                 max_connections_per_peer: int = 256, max_receiving_bytes: int = 1 << 30,
+                 max_receiving_bytes_per_peer: int = 256 << 20) -> None:
         """``interleave``: read overlapping rounds of different jobs first come, first served
         (aggregator/interleave.py) instead of all at once; ``recv_buffer_bytes``: each connection's
-        receive buffer, which bounds what a held-back job can still push meanwhile."""
+        receive buffer, which bounds what a held-back job can still push meanwhile.  The rest are the
+        ceilings of the module docstring (config keys of the same names)."""
         self.server_id = server_id
         self.send_timeout_s = max(1.0, round_timeout_s)
-        self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes)
+        self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes, require_secret=require_secret)
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
         self._lock = threading.Lock()
         self._turns = threading.Condition(self._lock)
         self.order = RoundOrder() if interleave else None
         self.recv_buffer_bytes = recv_buffer_bytes
+        self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
+        self._frame_ms = max(1, int(frame_timeout_s * 1000))
+        self._linger_ms = int(READ_LINGER_S * 1000)
+        self.peers = PeerCounts(max_connections, max_connections_per_peer)
+        self.budget = RecvBudget(max_receiving_bytes, max_receiving_bytes_per_peer)
+        # at most one reader and one sender task per connection: the cap never starves a connection
+        self.workers = Workers(server_id, 2 * max_connections + 2)
         self._eids = itertools.count(1)  # the core's stimulus ids: a counter, unique per server
         self._tick_s = tick_s
         self._stop = threading.Event()
-        self._conns: set[_Conn] = set()
+        self._conns: dict[int, Conn] = {}  # by descriptor
+        self._unwelcome: set[Conn] = set()  # not yet registered: the hello deadline applies
+        self._closing: list[tuple[float, Conn]] = []
+        self._closing_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.listener = socket.create_server((host, port), backlog=128)
+        self.listener.setblocking(False)
         self.address = self.listener.getsockname()[:2]
+        self._ep = select.epoll()
+        self._ep.register(self.listener.fileno(), select.EPOLLIN)
+        self._paused_until = 0.0  # accept paused (out of descriptors) until then
+        self.refused = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.started = time.monotonic()
@@ -175,7 +166,7 @@ class AggregationServer:
 
     def start(self) -> "AggregationServer":
         self.pool.start()
-        for fn, name in ((self._accept_loop, "accept"), (self._tick_loop, "tick")):
+        for fn, name in ((self._poll_loop, "poll"), (self._tick_loop, "tick")):
             t = threading.Thread(target=fn, name=f"{self.server_id}-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -186,20 +177,16 @@ class AggregationServer:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
-        except OSError:
-            pass
+        for t in self._threads:
+            t.join(timeout=2)
         try:
             self.listener.close()
         except OSError:
             pass
-        for c in list(self._conns):
+        for c in list(self._conns.values()):
             c.close()
-            c.outq.put(None)
+        self.workers.stop()
         self.pool.stop()
-        for t in self._threads:
-            t.join(timeout=2)
 
     def drain(self) -> None:
         """Move every job's future rounds to the other servers (clients re-route)."""
@@ -246,89 +233,210 @@ class AggregationServer:
             self.bytes_out += d.nbytes
             c.send(header, payload, done)
 
-    # --- threads ---
+    # --- the poller: accepts, idle connections, deadlines ---
 
-    def _accept_loop(self) -> None:
+    def _poll_loop(self) -> None:
+        lfd = self.listener.fileno()
         while not self._stop.is_set():
             try:
+                events = self._ep.poll(0.1)
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                if fd == lfd:
+                    self._accept_some()
+                    continue
+                conn = self._conns.get(fd)
+                if conn is not None:
+                    self.workers.submit(lambda c=conn: self._read(c))
+            now = time.monotonic()
+            if self._paused_until and now >= self._paused_until:
+                self._paused_until = 0.0
+                self._ep.register(lfd, select.EPOLLIN)
+            for conn in [c for c in list(self._unwelcome) if now >= c.hello_deadline]:
+                self._unwelcome.discard(conn)
+                if not conn.registered:
+                    self._kick(conn, "hello_timeout", f"no HELLO accepted within {self.hello_timeout_s:g} s "
+                               f"(agg.hello_timeout_s)")
+            self._close_due(now)
+        self._ep.close()
+
+    def _accept_some(self) -> None:
+        for _ in range(64):
+            try:
                 sock, addr = self.listener.accept()
-            except OSError:
+            except BlockingIOError:
                 return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: the listener stays readable, so stop watching it for a while
+                    # instead of spinning; the backlog waits in the kernel meanwhile.
+                    log.warning("aggregation server %s cannot accept: %s; pausing accepts 0.5 s", self.server_id, exc)
+                    self._ep.unregister(self.listener.fileno())
+                    self._paused_until = time.monotonic() + 0.5
+                    return
+                if self._stop.is_set():
+                    return
+                continue  # ECONNABORTED and the like: that peer is gone
+            why = self.peers.admit(addr[0])
+            if why is not None:
+                self.refused += 1
+                try:
+                    sock.send(error("too_many_connections", f"connection refused: {why}"), socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.recv_buffer_bytes)
-            _guard_peer(sock, self.send_timeout_s)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
-            self._conns.add(conn)
-            threading.Thread(target=conn.sender, name=f"{self.server_id}-send", daemon=True).start()
-            threading.Thread(target=self._reader, args=(conn,), name=f"{self.server_id}-recv", daemon=True).start()
+            guard_peer(sock, self.send_timeout_s)
+            conn = Conn(sock, addr[0], addr[1], self.workers, time.monotonic() + self.hello_timeout_s)
+            self._conns[conn.fd] = conn
+            self._unwelcome.add(conn)
+            self._ep.register(conn.fd, _ARM)
 
-    def _reader(self, conn: _Conn) -> None:
+    def _kick(self, conn: Conn, code: str, msg: str) -> None:
+        """End a connection from outside its reader: the shutdown wakes the reader, which cleans up."""
+        log.info("closing %s: %s", conn.peer, msg)
+        conn.send(error(code, msg))
+        conn.close_after_flush()
+
+    def _close_due(self, now: float) -> None:
+        with self._closing_lock:
+            due = [c for t, c in self._closing if t <= now]
+            self._closing = [(t, c) for t, c in self._closing if t > now]
+        for conn in due:
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+
+    # --- reading (a borrowed worker thread) ---
+
+    def _read(self, conn: Conn) -> None:
         hbuf = bytearray(HEADER_SIZE)
         hview = memoryview(hbuf)
-        orderly = False
+        wait_ms = 0  # epoll said readable
         try:
             while not self._stop.is_set():
-                if not recv_exact(conn.sock, hview):
-                    break
-                try:
-                    h = parse_header(hbuf)
-                except ProtocolError as exc:
-                    log.warning("closing %s: %s", conn.peer, exc)
-                    conn.send(error("bad_message", str(exc)))
-                    break
-                if h.mtype == MsgType.PUSH:
-                    job = self._take_turn(conn, h)
-                    buf = self.buffers.acquire(h.nbytes)
+                got = recv_frame(conn.sock, hview, wait_ms, self._frame_ms)
+                if got == IDLE:
+                    if not conn.alive:
+                        raise _Gone()
                     try:
-                        got = recv_exact(conn.sock, memoryview(buf))
-                    finally:
-                        if job is not None:
-                            with self._turns:
-                                self.order.end(job, conn, time.monotonic())
-                                self._turns.notify_all()
-                    if not got:
-                        raise ConnectionError("peer closed the connection mid-message")
-                    self.bytes_in += h.nbytes
-                    self._handle(ChunkArrived(str(next(self._eids)), time.monotonic(), conn, h, buf))
-                    continue
-                payload = bytearray(h.nbytes)
-                if h.nbytes and not recv_exact(conn.sock, memoryview(payload)):
-                    raise ConnectionError("peer closed the connection mid-message")
-                if h.mtype == MsgType.HELLO:
-                    try:
-                        hello = parse_hello(payload)
-                    except ProtocolError as exc:
-                        conn.send(error("bad_message", str(exc)))
-                        break
-                    self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello))
-                elif h.mtype == MsgType.BYE:
-                    orderly = True
-                    break
-                elif h.mtype == MsgType.DRAINED:
-                    self._handle(DrainAck(str(next(self._eids)), time.monotonic(), conn))
-                else:
-                    conn.send(error("bad_message", f"a server does not accept {h.mtype.name} messages"))
-                    break
+                        self._ep.modify(conn.fd, _ARM)  # quiet: back to epoll, this thread goes
+                    except (OSError, ValueError):
+                        raise _Gone() from None
+                    return
+                if not got:
+                    raise _Gone()
+                self._message(conn, hbuf)
+                wait_ms = self._linger_ms
+            raise _Gone()
+        except _Gone as g:
+            self._end(conn, g.orderly)
+        except TimeoutError as exc:
+            log.info("closing %s: %s", conn.peer, exc)
+            conn.send(error("frame_timeout", f"{exc} (agg.frame_timeout_s)"))
+            self._end(conn, False)
         except (ConnectionError, OSError) as exc:
             log.debug("connection %s lost: %s", conn.peer, exc)
-        finally:
-            with self._lock:
-                who = self.core.conn_job.get(conn)
-            self._handle(ConnectionLost(str(next(self._eids)), time.monotonic(), conn, orderly))
-            if who is not None and self.order is not None:
-                with self._lock:
-                    if who[0] not in self.core.jobs:
-                        self.order.forget(who[0])
-            conn.close_after_flush()  # the sender flushes what is queued (an error), shuts the socket down
-            conn.outq.put(None)  # and ends
-            self._conns.discard(conn)
-            # the descriptor itself is closed a little later, once no thread can still be using it
-            closer = threading.Timer(0.5, self._finish, args=(conn,))
-            closer.daemon = True
-            closer.start()
+            self._end(conn, False)
+        except Exception:
+            log.exception("closing %s after an unexpected error", conn.peer)
+            self._end(conn, False)
 
-    def _take_turn(self, conn: _Conn, h) -> str | None:
+    def _message(self, conn: Conn, hbuf: bytearray) -> None:
+        try:
+            h = parse_header(hbuf)
+        except ProtocolError as exc:
+            log.warning("closing %s: %s", conn.peer, exc)
+            conn.send(error("bad_message", str(exc)))
+            raise _Gone() from None
+        if h.mtype != MsgType.HELLO and not conn.registered:
+            # Nothing but HELLO before HELLO: a stranger's payload is never read.
+            conn.send(error("bad_message", f"{h.mtype.name} before HELLO"))
+            raise _Gone()
+        if h.mtype == MsgType.PUSH:
+            self._push(conn, h)
+            return
+        payload = bytearray(h.nbytes)
+        if h.nbytes and not recv_frame(conn.sock, memoryview(payload), -1, self._frame_ms):
+            raise ConnectionError("peer closed the connection mid-message")
+        if h.mtype == MsgType.HELLO:
+            try:
+                hello = parse_hello(payload)
+            except ProtocolError as exc:
+                conn.send(error("bad_message", str(exc)))
+                raise _Gone() from None
+            self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello))
+            with self._lock:
+                conn.registered = conn in self.core.conn_job
+            if conn.registered:
+                self._unwelcome.discard(conn)
+        elif h.mtype == MsgType.BYE:
+            raise _Gone(orderly=True)
+        elif h.mtype == MsgType.DRAINED:
+            self._handle(DrainAck(str(next(self._eids)), time.monotonic(), conn))
+        else:
+            conn.send(error("bad_message", f"a server does not accept {h.mtype.name} messages"))
+            raise _Gone()
+
+    def _push(self, conn: Conn, h) -> None:
+        job = self._take_turn(conn, h)
+        try:
+            if not self.budget.acquire(conn.ip, h.nbytes, self.frame_timeout_s):
+                msg = (f"no room to receive a {h.nbytes}-byte chunk within {self.frame_timeout_s:g} s: "
+                       f"{self.budget.used} bytes are being received (agg.max_receiving_bytes"
+                       f"{'_per_peer' if self.budget.used + h.nbytes <= self.budget.total else ''})")
+                conn.send(error("busy", msg, h.round, h.key, h.chunk))
+                raise _Gone()
+            try:
+                buf = self.buffers.acquire(h.nbytes)
+                try:
+                    got = recv_frame(conn.sock, memoryview(buf), -1, self._frame_ms)
+                except BaseException:
+                    self.buffers.release(buf)
+                    raise
+            finally:
+                self.budget.release(conn.ip, h.nbytes)
+        finally:
+            if job is not None:
+                with self._turns:
+                    self.order.end(job, conn, time.monotonic())
+                    self._turns.notify_all()
+        if not got:
+            self.buffers.release(buf)
+            raise ConnectionError("peer closed the connection mid-message")
+        self.bytes_in += h.nbytes
+        self._handle(ChunkArrived(str(next(self._eids)), time.monotonic(), conn, h, buf))
+
+    def _end(self, conn: Conn, orderly: bool) -> None:
+        if conn.ended:
+            return
+        conn.ended = True
+        try:
+            self._ep.unregister(conn.fd)
+        except (OSError, ValueError):
+            pass
+        with self._lock:
+            who = self.core.conn_job.get(conn)
+        self._handle(ConnectionLost(str(next(self._eids)), time.monotonic(), conn, orderly))
+        if who is not None and self.order is not None:
+            with self._lock:
+                if who[0] not in self.core.jobs:
+                    self.order.forget(who[0])
+        conn.close_after_flush()  # the sender flushes what is queued (an error), shuts the socket down
+        self._unwelcome.discard(conn)
+        self._conns.pop(conn.fd, None)
+        self.peers.leave(conn.ip)
+        # the descriptor itself is closed a little later, once no thread can still be using it
+        with self._closing_lock:
+            self._closing.append((time.monotonic() + CLOSE_DELAY_S, conn))
+
+    def _take_turn(self, conn: Conn, h) -> str | None:
         """Hold this push while another job's earlier round is being received (``interleave``)."""
         if self.order is None:
             return None
@@ -343,13 +451,6 @@ class AggregationServer:
                 self._turns.wait(self.order.idle_s)
             self.order.begin(who[0], conn, time.monotonic())
         return who[0]
-
-    def _finish(self, conn: _Conn) -> None:
-        conn.close()
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
 
     def _tick_loop(self) -> None:
         last_obs = 0.0
@@ -383,6 +484,9 @@ class AggregationServer:
             "jobs": jobs,
             "uptime_s": now - self.started,
             "connections": len(self._conns),
+            "refused_connections": self.refused,
+            "io_threads": self.workers.live,
+            "receiving_bytes": self.budget.used,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "draining": draining,
@@ -391,81 +495,13 @@ class AggregationServer:
         }
 
 
-# --- MQTT telemetry and commands ----------------------------------------------------------------
-
-
-async def _telemetry(server: AggregationServer, broker: str, interval: float, stop: asyncio.Event) -> None:
-    from nodesvc.bus import messages
-    from nodesvc.bus.mqtt import Bus
-
-    sid = server.server_id
-    state_t = messages.topic("agg", sid, "state")
-    last = {"t": time.monotonic(), "in": server.bytes_in, "out": server.bytes_out}
-
-    def state(st: dict[str, Any], rate_in: float = 0.0) -> bytes:
-        # The retained state carries a load summary, so `dlshare status` shows load from retained
-        # messages alone; telemetry has the full figures.
-        pool = st["pool"]
-        summary = {"cores": pool["size"], "min_cores": pool["min"], "max_cores": pool["max"],
-                   "busy": pool["busy_fraction"], "cores_avg": pool["cores_avg"], "jobs": sorted(st["jobs"]),
-                   "bytes_in_per_s": rate_in, "draining": st["draining"],
-                   "drained": bool(st["drain"] and st["drain"]["moved"])}
-        return messages.encode({"status": "online", "server": sid, "address": st["address"], "ts": time.time(),
-                                "summary": summary})
-
-    async def on_connect(bus: Bus) -> None:
-        await bus.publish(state_t, state(server.stats()), qos=1, retain=True)
-
-    async def on_message(topic: str, payload: bytes) -> None:
-        cid = messages.command_id_of(payload)
-        try:
-            cmd = messages.parse_command(payload)
-            if cmd.op == "ping":
-                result: Any = {"pong": True}
-            elif cmd.op == "stats":
-                result = server.stats()
-            elif cmd.op == "drain":
-                server.drain()
-                result = {"draining": True}
-            else:
-                raise messages.PayloadError(f"unknown op {cmd.op!r} (known: ping, stats, drain)")
-            await bus.publish(messages.topic("agg", sid, "reply"), messages.reply(cmd.id, True, result), qos=1)
-        except messages.PayloadError as exc:
-            log.warning("bad command on %s: %s", topic, exc)
-            await bus.publish(messages.topic("agg", sid, "reply"), messages.reply(cid, False, error=str(exc)), qos=1)
-
-    bus = Bus(broker, f"dlshare-agg-{sid}", subscriptions=[(messages.topic("agg", sid, "cmd"), 1)],
-              handler=on_message, on_connect=on_connect,
-              will=(state_t, messages.encode({"status": "offline", "server": sid, "address": server.stats()["address"]}), 1, True))
-    bus_stop = asyncio.Event()  # outlives ``stop`` long enough to publish the offline state
-    runner = asyncio.ensure_future(bus.run(bus_stop))
-    try:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
-            except TimeoutError:
-                pass
-            now = time.monotonic()
-            dt = max(1e-9, now - last["t"])
-            st = server.stats()
-            st["ts"] = time.time()
-            st["bytes_in_per_s"] = round((server.bytes_in - last["in"]) / dt, 1)
-            st["bytes_out_per_s"] = round((server.bytes_out - last["out"]) / dt, 1)
-            last.update(t=now, **{"in": server.bytes_in, "out": server.bytes_out})
-            await bus.publish(messages.topic("agg", sid, "telemetry"), messages.encode(st))
-            await bus.publish(state_t, state(st, st["bytes_in_per_s"]), qos=1, retain=True)
-        await bus.publish(state_t, messages.encode({"status": "offline", "server": sid, "address": server.stats()["address"]}), qos=1, retain=True)
-    finally:
-        bus_stop.set()
-        await runner
-
-
 def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
           ready_event: threading.Event | None = None) -> AggregationServer:
     """Run an aggregation server from config until ``stop_event`` is set.
 
     ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s,
-    max_job_bytes, interleave, recv_buffer_bytes;
+    max_job_bytes, interleave, recv_buffer_bytes, require_secret, hello_timeout_s, frame_timeout_s,
+    max_connections, max_connections_per_peer, max_receiving_bytes, max_receiving_bytes_per_peer;
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
     cfg = resolve(cfg)
@@ -473,7 +509,12 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
     host, port = split_hostport(a["listen"], 7700)
     server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"],
                                max_job_bytes=a["max_job_bytes"], interleave=bool(a["interleave"]),
-                               recv_buffer_bytes=int(a["recv_buffer_bytes"])).start()
+                               recv_buffer_bytes=int(a["recv_buffer_bytes"]),
+                               require_secret=bool(a["require_secret"]), hello_timeout_s=float(a["hello_timeout_s"]),
+                               frame_timeout_s=float(a["frame_timeout_s"]), max_connections=int(a["max_connections"]),
+                               max_connections_per_peer=int(a["max_connections_per_peer"]),
+                               max_receiving_bytes=int(a["max_receiving_bytes"]),
+                               max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"])).start()
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
     astop: list = []
@@ -482,7 +523,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
             async def main() -> None:
                 ev = asyncio.Event()
                 astop.append((asyncio.get_running_loop(), ev))
-                await _telemetry(server, broker, float(a["telemetry_interval_s"]), ev)
+                await run_telemetry(server, broker, float(a["telemetry_interval_s"]), ev)
             asyncio.run(main())
 
         loop_thread = threading.Thread(target=run_bus, name="agg-mqtt", daemon=True)

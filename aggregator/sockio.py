@@ -47,3 +47,28 @@ def send_all(sock: socket.socket, header, payload=None) -> None:
         raise OSError(-rc, os.strerror(-rc))
     if rc != want:  # pragma: no cover - dls_agg_send2 loops until done
         raise OSError(errno.EIO, f"sent {rc} of {want} bytes")
+
+
+IDLE = -1  # recv_frame: nothing arrived within wait_ms
+
+
+def recv_frame(sock: socket.socket, view, wait_ms: int, timeout_ms: int) -> int:
+    """Fill ``view`` within ``timeout_ms`` of its first byte (a frame deadline).
+
+    With ``wait_ms >= 0``, wait at most that long for the first byte and return :data:`IDLE` if none
+    came.  Returns 1 when filled, 0 on EOF before the first byte; raises :class:`TimeoutError` when
+    the deadline passed mid-frame and :class:`ConnectionError` when the peer closed mid-frame."""
+    buf = ffi.from_buffer(view, require_writable=True)
+    n = len(buf)
+    rc = lib.dls_agg_recv_deadline(sock.fileno(), buf, n, wait_ms, timeout_ms)
+    if rc == n:
+        return 1
+    if rc == 0 and n:
+        return 0
+    if rc == -errno.EAGAIN:
+        return IDLE
+    if rc == -errno.ETIMEDOUT:
+        raise TimeoutError(f"frame of {n} bytes not received within {timeout_ms / 1000:g} s")
+    if rc == -errno.ECONNRESET:
+        raise ConnectionError("peer closed the connection mid-message")
+    raise OSError(-rc, os.strerror(-rc))

@@ -6,6 +6,9 @@
     client = Client(["127.0.0.1:7700"], job="resnet-42", rank=rank, world=world)
     ddp.register_comm_hook(AggState(client), comm_hook)
 
+The job's secret (README, Security) comes from the ``DLSHARE_AGG_SECRET`` environment variable
+the launcher gives every rank, or ``Client(..., secret=...)``.
+
 Each bucket is reduced as key ``bucket.index()`` of round ``iteration``; the
 iteration advances after the bucket DDP flags as the last of the iteration.
 Keys are per round and the server checks each key's size across ranks in that

@@ -2,6 +2,9 @@
 #include "agg_io.h"
 
 #include <errno.h>
+#include <poll.h>
+#include <time.h>
+#include <sys/time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -42,6 +45,41 @@ long dls_agg_recv_exact(int fd, void *buf, size_t len) {
         ssize_t k = recv(fd, (char *)buf + got, len - got, MSG_WAITALL);
         if (k < 0) {
             if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (k == 0) return got == 0 ? 0 : -ECONNRESET;
+        got += (size_t)k;
+    }
+    return (long)got;
+}
+
+static long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+long dls_agg_recv_deadline(int fd, void *buf, size_t len, int wait_ms, int timeout_ms) {
+    if (wait_ms >= 0) {
+        struct pollfd p = {fd, POLLIN, 0};
+        int r;
+        do r = poll(&p, 1, wait_ms); while (r < 0 && errno == EINTR);
+        if (r < 0) return -errno;
+        if (r == 0) return -EAGAIN;
+    }
+    long deadline = now_ms() + timeout_ms;
+    size_t got = 0;
+    while (got < len) {
+        long left = deadline - now_ms();
+        if (left <= 0) return -ETIMEDOUT;
+        /* SO_RCVTIMEO bounds one recv in total, even with MSG_WAITALL, so the whole message
+         * ends by the deadline however the peer trickles it. */
+        struct timeval tv = {left / 1000, (left % 1000) * 1000};
+        if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0) return -errno;
+        ssize_t k = recv(fd, (char *)buf + got, len - got, MSG_WAITALL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return -ETIMEDOUT;
             return -errno;
         }
         if (k == 0) return got == 0 ? 0 : -ECONNRESET;

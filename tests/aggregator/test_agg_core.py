@@ -257,3 +257,35 @@ def test_every_decision_carries_the_stimulus_id_of_its_event():
     assert {type(x) for x in d} >= {Send, Close, Release} and {x.stimulus_id for x in d} == {"hello-again"}
     d = core.handle(Drain("drain-1", 0.0))
     assert d and {x.stimulus_id for x in d} == {"drain-1"}
+
+
+def test_a_hello_with_a_wrong_secret_is_refused_and_leaves_the_job_as_it_was():
+    """The first HELLO sets the job's secret; a later one with another (or none) gets auth_failed and
+    a Close for itself only: rank 0 keeps its connection and the round in flight completes."""
+    core = AggregationCore("s", 5.0)
+    a, b = Conn("a"), Conn("b")
+    for r, c in enumerate((a, b)):
+        d = core.handle(Register(f"h{r}", 0.0, c, Hello("j", r, 2, secret="right-secret")))
+        assert msgs(d, c)[0][1].mtype == MsgType.WELCOME
+    hd = core.jobs["j"].handle
+    assert push(core, a, 0, 2, 0, handle=hd) == []
+    for k, wrong in enumerate(("wrong-secret", None)):
+        x = Conn(f"x{k}")
+        d = core.handle(Register(f"x{k}", 0.1, x, Hello("j", 0, 2, secret=wrong)))
+        assert [m[2]["code"] for m in msgs(d)] == ["auth_failed"] and {m[0] for m in msgs(d)} == {x}
+        assert [c.conn for c in d if isinstance(c, Close)] == [x]
+    assert core.jobs["j"].conns == {0: a, 1: b}
+    (red,) = push(core, b, 1, 2, 0, handle=hd)
+    assert isinstance(red, Reduce) and red.conns == (a, b)
+
+
+def test_a_job_without_a_secret_stays_open_unless_the_server_requires_one():
+    core = AggregationCore("s", 5.0)
+    assert msgs(core.handle(Register("h", 0.0, Conn("a"), Hello("j", 0, 2))))[0][1].mtype == MsgType.WELCOME
+    d = core.handle(Register("h2", 0.0, Conn("b"), Hello("j", 1, 2, secret="late-secret")))
+    assert msgs(d)[0][2]["code"] == "auth_failed"  # an open job cannot be captured by a later secret either
+    strict = AggregationCore("s", 5.0, require_secret=True)
+    d = strict.handle(Register("h", 0.0, Conn("a"), Hello("j", 0, 2)))
+    assert msgs(d)[0][2]["code"] == "auth_required" and "j" not in strict.jobs
+    d = strict.handle(Register("h", 0.0, Conn("a"), Hello("j", 0, 2, secret="s" * 8)))
+    assert msgs(d)[0][1].mtype == MsgType.WELCOME

@@ -141,7 +141,7 @@ def test_a_peer_that_stops_reading_cannot_block_the_server_forever():
     import socket
     import time as _time
 
-    from aggregator.server import _guard_peer
+    from aggregator.conns import guard_peer as _guard_peer
     from aggregator.sockio import send_all
 
     lst = socket.create_server(("127.0.0.1", 0))
