@@ -134,10 +134,12 @@ class Shard:
 
 @dataclass
 class Allocation:
-    """CPU cores and host memory granted to a job on one node."""
+    """CPU cores and host memory granted to a job on one node: ``memory_bytes`` of the node's own
+    (local) memory and ``remote_bytes`` lent by donors (see :mod:`scheduler.donors`)."""
 
     cpus: float
     memory_bytes: int
+    remote_bytes: int = 0
 
 
 @dataclass
