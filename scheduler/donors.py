@@ -9,7 +9,8 @@ first until what it promised fits.  The job keeps running on what is left (see
 :mod:`scheduler.remote_memory` for what the bytes are worth).
 
 Each holder also reserves the remote read rate it needs (its *demand*, bytes/s); a donor's bandwidth
-is shared max-min fairly between its borrowers' demands (:func:`~scheduler.remote_memory.fair_shares`).
+is reserved to its borrowers' demands, oldest first (:func:`~scheduler.remote_memory.reserved_shares`):
+a newcomer gets what is left, so it never slows an older borrower down.
 
 Pure: no clock, no I/O.  The ledger (:mod:`scheduler.ledger`) owns one and changes it only while it
 handles an event.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.remote_memory import RemoteLink, fair_shares
+from scheduler.remote_memory import RemoteLink, reserved_shares
 
 Holder = tuple[str, str]  # (job id, the node the job runs on)
 
@@ -65,23 +66,24 @@ class DonorPool:
         return len(self.promised.get(donor, {}))
 
     def supply(self, holder: Holder) -> float:
-        """The read rate the holder's donors give it (bytes/s): its max-min fair share of the
-        donor's bandwidth, the least over its donors (no donor: the link's rate)."""
+        """The read rate the holder's donors give it (bytes/s): what is left of the donor's
+        bandwidth after the older borrowers' reservations, the least over its donors (no donor:
+        the link's rate)."""
         out = self.link.read_bytes_per_s
         for donor in self.holds.get(holder, {}):
             demands = {h: self.demand.get(h, 0.0) for h in self.promised.get(donor, {})}
-            out = min(out, fair_shares(demands, self.link.donor_bytes_per_s).get(holder, out))
+            out = min(out, reserved_shares(demands, self.link.donor_bytes_per_s).get(holder, out))
         return out
 
     def share_if_added(self, demand: float) -> float:
-        """The fair share a new borrower of ``demand`` bytes/s would get on the donor it would be
-        given (the one with the most free bytes)."""
+        """The read rate a new borrower of ``demand`` bytes/s would get on the donor it would be
+        given (the one with the most free bytes): what the older borrowers leave."""
         donor = self._freest()
         if donor is None:
             return 0.0
         demands: dict[Any, float] = {h: self.demand.get(h, 0.0) for h in self.promised.get(donor, {})}
         demands["new"] = demand
-        return fair_shares(demands, self.link.donor_bytes_per_s)["new"]
+        return reserved_shares(demands, self.link.donor_bytes_per_s)["new"]
 
     def stats(self) -> dict[str, Any]:
         return {"donors": sum(1 for c in self.capacity.values() if c > 0), "capacity_bytes": self.total_capacity(),
@@ -135,8 +137,7 @@ class DonorPool:
         its newest donor, or grows on the donors with the most free bytes.  Returns what it holds."""
         nbytes = max(0, int(nbytes))
         have = self.held(holder)
-        if nbytes < have:
-            self.freed = True
+        if nbytes < have:  # (not offered round: a job gives back only what it no longer needs)
             mine = self.holds[holder]
             for donor in reversed(list(mine)):
                 cut = min(have - nbytes, mine[donor])

@@ -15,7 +15,8 @@ remote byte is worth a local byte times an **efficiency** ``e`` in [0, 1]:
   access over the cached samples), gives the **remote demand**;
 * the **supply**: the least of the remote read bandwidth, what the job's loader streams can pull at
   the measured per-read latency (one sample in flight per core), and the job's share of its donor's
-  bandwidth when several jobs borrow from one donor (max-min fair, :func:`fair_shares`).
+  bandwidth when several jobs borrow from one donor (reserved oldest borrower first,
+  :func:`reserved_shares`).
 
 ``e = min(1, supply / demand)``.  Measured (``dlshare bench memory``, bench/RESULTS.md, full run of
 2026-11-21 on the 2-vCPU development VM, loopback TCP): batched 4 KiB page reads at 2.561 GB/s and a
@@ -90,22 +91,16 @@ def efficiency(demand: float, supply: float) -> float:
     return max(0.0, min(1.0, supply / demand))
 
 
-def fair_shares(demands: dict[Any, float], capacity: float) -> dict[Any, float]:
-    """Max-min fair split of a donor's ``capacity`` (bytes/s) between borrowers' ``demands``."""
+def reserved_shares(demands: dict[Any, float], capacity: float) -> dict[Any, float]:
+    """A donor's ``capacity`` (bytes/s) reserved to its borrowers' ``demands`` in the order given
+    (oldest borrower first): each gets what is left after the older ones, so a newcomer never takes
+    read rate an older borrower's level depends on (the core admits a borrower only at the
+    efficiency what is left gives it)."""
     out: dict[Any, float] = {}
-    left = capacity
-    pending = sorted(demands.items(), key=lambda kv: kv[1])
-    while pending:
-        share = left / len(pending)
-        key, d = pending[0]
-        if d <= share:
-            out[key] = d
-            left -= d
-            pending.pop(0)
-        else:
-            for key, _ in pending:
-                out[key] = share
-            break
+    left = max(0.0, capacity)
+    for key, d in demands.items():
+        out[key] = min(max(0.0, d), left) if d > 0 else left
+        left = max(0.0, left - max(0.0, d))
     return out
 
 
@@ -113,5 +108,5 @@ def effective_memory(local_bytes: float, remote_bytes: float, e: float) -> float
     return local_bytes + max(0.0, e) * remote_bytes
 
 
-__all__ = ["RemoteLink", "input_rate", "remote_demand", "efficiency", "fair_shares", "effective_memory",
+__all__ = ["RemoteLink", "input_rate", "remote_demand", "efficiency", "reserved_shares", "effective_memory",
            "SAMPLE_BYTES", "READ_BYTES_PER_S", "READ_LATENCY_S"]

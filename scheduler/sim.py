@@ -166,6 +166,8 @@ class SimResult:
     decisions: int
     wall_s: float
     slowdown: np.ndarray = field(default_factory=lambda: np.zeros(0))  # JCT / isolated duration, per job
+    lent: dict[str, Any] = field(default_factory=dict)  # the donor pool's books at the end (with donors)
+    lent_peak_bytes: int = 0  # the most lent memory promised at once
 
     @property
     def worst_slowdown(self) -> float | None:
@@ -187,6 +189,8 @@ class SimResult:
             "gpu_util": self.gpu_util, "cpu_util": self.cpu_util, "mem_util": self.mem_util,
             "preemptions": self.preemptions, "events": self.events, "decisions": self.decisions,
             "sim_wall_s": self.wall_s,
+            **({"lent_peak_bytes": self.lent_peak_bytes, "lent_reclaimed_bytes": self.lent["reclaimed_bytes"]}
+               if self.lent else {}),
         }
 
 
@@ -199,13 +203,14 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
              predictors: Any = None, truth: GroundTruth | None = None, report_delay_s: float = 60.0,
              restart_overhead_s: float = 0.0, progress: bool = False, trace_name: str = "",
              on_decision: Callable[[Any], None] | None = None, donors: Sequence[Node] = (),
-             reclaims: Sequence[tuple[float, str, int]] = ()) -> SimResult:
+             reclaims: Sequence[tuple[float, str, int]] = (), remote_link: Any = None) -> SimResult:
     """Run ``trace`` on ``cluster`` under ``profile``; seeded and reproducible.
     ``predictors``: default, what a live system knows (see the module docstring);
     ``"oracle"``: every pair's true speeds; or a :class:`Predictors` of your own.
     ``donors``: more nodes (CPU-only data-preparation nodes with ``lendable_bytes``) whose idle
     memory profiles with a lent-memory allocator (``lent``) hand out; ``reclaims``: (time, donor,
-    bytes) at which a donor takes that much of its lendable memory back."""
+    bytes) at which a donor takes that much of its lendable memory back; ``remote_link``: a
+    :class:`scheduler.remote_memory.RemoteLink` instead of the measured one."""
     from scheduler import data
     from scheduler.predictors import Predictors
     from scheduler.predictors.sensitivity import SensitivityModel
@@ -220,6 +225,8 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         predictors = oracle_predictors(truth)
     state = SchedulerState(prof, [*cluster.make_nodes(), *donors], predictors=predictors, rng=random.Random(seed))
     pool = state.ledger.pool
+    if remote_link is not None:
+        pool.link = remote_link
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
 
@@ -243,6 +250,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
     n_events = n_decisions = 0
     finished = 0
     tick_pending: set[float] = set()
+    lent_peak = 0
     report_pending: set[str] = set()
     bar = _progress(len(trace)) if progress else None
 
@@ -402,6 +410,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
             elif isinstance(d, Reject):
                 jobs[d.job].finished = t
         if lent_changed:  # a donor's borrowers changed: every borrower's share of it may have
+            lent_peak = max(lent_peak, sum(sum(h.values()) for h in pool.holds.values()))
             for holder in pool.holds:
                 touched[holder[1]] = None
         for nid in touched:
@@ -434,6 +443,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         mem_util=mem_area / (total_mem * span),
         preemptions=sum(r.preemptions for r in state.records.values()), failed=len(jobs) - len(done),
         events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall, slowdown=slowdown,
+        lent=pool.stats() if pool.capacity else {}, lent_peak_bytes=lent_peak,
     )
 
 

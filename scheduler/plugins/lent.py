@@ -32,17 +32,21 @@ from scheduler.plugins.allocation import SynergyTune
 class LentMemory(SynergyTune):
     demand_by_shape = True  # the minimum is synergy's: a function of the node's resources only
 
-    def __init__(self, cpu_step: float = 1.0, mem_step_gb: float = 10.0, min_efficiency: float = 0.5) -> None:
+    def __init__(self, cpu_step: float = 1.0, mem_step_gb: float = 10.0, min_efficiency: float = 0.5,
+                 levels_without_donors: bool = False) -> None:
         super().__init__(cpu_step, mem_step_gb)
         if not 0.0 < float(min_efficiency) <= 1.0:
             raise ValueError(f"min_efficiency must be in (0, 1], got {min_efficiency!r}")
         self.min_efficiency = float(min_efficiency)
+        # True: run the level greedy on local memory and cores even with no donor (a baseline that
+        # separates what lent memory adds from what the level-crossing greedy adds).
+        self.levels_without_donors = bool(levels_without_donors)
 
     def split(self, ns: NodeState, ctx: Context) -> dict[str, Allocation]:
         base = super().split(ns, ctx)
         pool = ctx.pool
         sens = ctx.predictors.sensitivity
-        if pool is None or sens is None or not ns.node.gpus or not base:
+        if (pool is None and not self.levels_without_donors) or sens is None or not ns.node.gpus or not base:
             return base
         nid = ns.node.id
         jobs = [j for j in base if not ctx.records[j].job.cpu_only
@@ -51,17 +55,26 @@ class LentMemory(SynergyTune):
             return base
         local = {j: float(a.memory_bytes) for j, a in base.items()}
         cpus = {j: a.cpus for j, a in base.items()}
-        remote = {j: float(pool.held((j, nid))) for j in jobs}
+        remote = {j: float(pool.held((j, nid))) if pool is not None else 0.0 for j in jobs}
         free_local = max(0.0, ns.node.memory_bytes - sum(local.values()))
-        free_remote = float(pool.total_free())
+        free_remote = float(pool.total_free()) if pool is not None else 0.0
         free_cpus = max(0.0, ns.node.cores - sum(cpus.values()))
         # Costs in shares of the node, as synergy weighs a memory step against a CPU step.
         per_byte = 1.0 / max(1.0, float(ns.node.memory_bytes))
         per_core = 1.0 / max(1, ns.node.cores)
 
+        memo: dict[tuple[str, float, float], float] = {}  # the pool does not change during a split
+
         def eff(j: str, loc: float, rem: float) -> float:
             if rem <= 0:
                 return 1.0
+            key = (j, loc, rem)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = _eff(j, loc, rem)
+            return hit
+
+        def _eff(j: str, loc: float, rem: float) -> float:
             job = ctx.records[j].job
             target = sens.speed(job.model, job.gpus, cpus[j], loc + rem)
             demand = rm.remote_demand(rm.input_rate(sens, job.model, job.gpus, target), loc, rem)
@@ -95,6 +108,8 @@ class LentMemory(SynergyTune):
                     dl = min(need, free_local)
                     dr = 0.0
                     if need - dl > 0:
+                        if pool is None:
+                            continue
                         # the lent bytes that reach the level at their efficiency (which falls as they grow)
                         e = e_now if rem > 0 else 1.0
                         for _it in range(4):

@@ -138,7 +138,7 @@ def test_borrowing_stops_where_the_donor_cannot_carry_the_reads():
 def test_efficiency_model():
     assert rm.efficiency(0.0, 1.0) == 1.0
     assert rm.efficiency(200.0, 100.0) == 0.5
-    assert rm.fair_shares({"a": 10.0, "b": 100.0, "c": 100.0}, 110.0) == {"a": 10.0, "b": 50.0, "c": 50.0}
+    assert rm.reserved_shares({"a": 10.0, "b": 80.0, "c": 100.0}, 110.0) == {"a": 10.0, "b": 80.0, "c": 20.0}
     assert rm.remote_demand(100.0, 30.0, 10.0) == pytest.approx(25.0)
     link = rm.RemoteLink()
     assert 0 < link.stream_bytes_per_s(108e3, 1) < link.read_bytes_per_s
