@@ -358,6 +358,15 @@ class SchedulerState:
         led = self.ledger
         if job.gpus > led.max_node_gpus and led.max_node_gpus and job.gpus > self.total_gpus:
             return f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"
+        if job.remote_memory_bytes:
+            if job.cpu_only:
+                return "a CPU-only job cannot borrow lent memory (remote_memory_bytes)"
+            if not getattr(self.allocator, "lends", False):
+                return (f"needs {job.remote_memory_bytes} bytes of lent memory; profile {self.profile.name!r} "
+                        f"does not hand lent memory out (use an allocator that does, e.g. 'lent')")
+            if self.nodes and job.remote_memory_bytes > led.pool.total_capacity():
+                return (f"needs {job.remote_memory_bytes} bytes of lent memory; the donors lend at most "
+                        f"{led.pool.total_capacity()}")
         if job.cpu_only and self.nodes:
             cores, mem = led.max_node_cores, led.max_node_memory
             if job.cpus > cores + 1e-9 or job.memory_bytes > mem:

@@ -31,6 +31,7 @@ from scheduler.plugins.allocation import SynergyTune
 @register("allocate", "lent")
 class LentMemory(SynergyTune):
     demand_by_shape = True  # the minimum is synergy's: a function of the node's resources only
+    lends = True  # hands out lent memory (a job's remote_memory_bytes request needs this)
 
     def __init__(self, cpu_step: float = 1.0, mem_step_gb: float = 10.0, min_efficiency: float = 0.5,
                  levels_without_donors: bool = False) -> None:
@@ -46,18 +47,23 @@ class LentMemory(SynergyTune):
         base = super().split(ns, ctx)
         pool = ctx.pool
         sens = ctx.predictors.sensitivity
-        if (pool is None and not self.levels_without_donors) or sens is None or not ns.node.gpus or not base:
+        if (pool is None and not self.levels_without_donors) or not ns.node.gpus or not base:
             return base
         nid = ns.node.id
-        jobs = [j for j in base if not ctx.records[j].job.cpu_only
+        asked = {j: float(ctx.records[j].job.remote_memory_bytes) for j in base
+                 if ctx.records[j].job.remote_memory_bytes and pool is not None}
+        jobs = [j for j in base if sens is not None and not ctx.records[j].job.cpu_only
                 and sens.knows(ctx.records[j].job.model, ctx.records[j].job.gpus)]
-        if not jobs:
+        if not jobs and not asked:
             return base
         local = {j: float(a.memory_bytes) for j, a in base.items()}
         cpus = {j: a.cpus for j, a in base.items()}
-        remote = {j: float(pool.held((j, nid))) if pool is not None else 0.0 for j in jobs}
+        remote = {j: float(pool.held((j, nid))) if pool is not None else 0.0 for j in base}
+        for j, n in asked.items():  # what a job asked for, first (the placement waited until it was free)
+            remote[j] = max(remote[j], n)
         free_local = max(0.0, ns.node.memory_bytes - sum(local.values()))
-        free_remote = float(pool.total_free()) if pool is not None else 0.0
+        free_remote = (float(pool.total_free()) - sum(max(0.0, remote[j] - pool.held((j, nid))) for j in asked)
+                       if pool is not None else 0.0)
         free_cpus = max(0.0, ns.node.cores - sum(cpus.values()))
         # Costs in shares of the node, as synergy weighs a memory step against a CPU step.
         per_byte = 1.0 / max(1.0, float(ns.node.memory_bytes))
@@ -143,5 +149,5 @@ class LentMemory(SynergyTune):
             reached = [lv for lv in sens.levels_bytes(job.gpus) if lv <= have + 1.0]
             floor = reached[-1] if reached else 0.0
             keep = 0.0 if floor <= local[j] else math.ceil((floor - local[j]) / max(e, 1e-9)) + 1.0
-            remote[j] = min(rem, keep)
+            remote[j] = min(rem, max(keep, asked.get(j, 0.0)))
         return {j: Allocation(round(cpus[j], 3), int(local[j]), int(remote.get(j, 0.0))) for j, a in base.items()}

@@ -236,6 +236,8 @@ class DecisionCarrier:
                 # `run` with the allocation applies it (cgroups) and starts the process group in one command.
                 run = {"job": d.job, "cpus": max(0.01, float(cpus)), "memory_bytes": max(1 << 20, int(mem)),
                        "argv": row.spec["command"], "env": env, "gpus": list(s.gpus)}
+                if al is not None and al.remote_bytes > 0:  # lent memory: the daemon exports the budget
+                    run["remote_memory_bytes"] = int(al.remote_bytes)  # (DLSHARE_REMOTE_MEMORY_BYTES)
                 if row.spec.get("cwd"):
                     run["cwd"] = row.spec["cwd"]
                 await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run")

@@ -84,6 +84,9 @@ class ApiJobSpec(_Strict):
     gpus: Int = Field(0, ge=0, le=MAX_GPUS)
     cpus: float = Field(1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False, description="CPU cores requested")
     memory_bytes: Int = Field(1 << 30, ge=1 << 20, le=MAX_MEMORY_BYTES, description="host memory requested")
+    remote_memory_bytes: Int = Field(0, ge=0, le=MAX_MEMORY_BYTES,
+                                     description="the least memory lent by donors the job must have (0: what "
+                                                 "the scheduler gives it); more than the donors lend is rejected")
     priority: Int = Field(0, ge=-1000, le=1000, description="higher runs first among equals")
     command: list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
         ..., min_length=1, max_length=MAX_ARGV, description="argv to run on the node, e.g. [\"python\", \"train.py\"]")

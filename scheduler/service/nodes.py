@@ -103,7 +103,9 @@ def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
 
 
 def core_node(node: LiveNode) -> Node:
-    """The core's Node for this entry: its GPUs, cores, memory and lendable memory."""
+    """The core's Node for this entry: its GPUs, cores, memory and lendable memory.  A donor's
+    lendable memory, for the core, is what it could lend in all: its free lendable bytes plus what
+    it lends now (the core's promises on it are counted against that; a reclaim lowers both)."""
     gmem = next((g.memory_total_bytes for g in node.gpus if g.memory_total_bytes), None)
     return Node(id=node.id, gpus=len(node.gpus), cores=max(0, node.cpu_count), memory_bytes=max(0, node.memory_total_bytes),
-                lendable_bytes=max(0, node.lendable_bytes), gpu_memory_bytes=gmem or 32 * GiB)
+                lendable_bytes=max(0, node.lendable_bytes) + max(0, node.lent_bytes), gpu_memory_bytes=gmem or 32 * GiB)
