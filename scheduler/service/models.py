@@ -128,6 +128,7 @@ class ApiAllocation(BaseModel):
     cpus: float
     cpuset: str | None = None
     memory_bytes: int
+    remote_memory_bytes: int = Field(0, description="memory lent by donors (the scheduler's promise)")
 
 
 class ApiJob(BaseModel):

@@ -36,16 +36,18 @@ from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
 log = logging.getLogger("dlshare.sched.live")
 
 
-def donor_reclaim(core: Any, node_id: str, lendable: int, now: float) -> DonorReclaimed | None:
-    """``DonorReclaimed`` for a donor that can now lend only ``lendable`` bytes (free plus lent)
-    while the core has promised more on it; ``None`` when nothing promised is affected."""
+def donor_reclaim(core: Any, node_id: str, lendable: int, now: float,
+                  posted: int | None = None) -> DonorReclaimed | None:
+    """``DonorReclaimed`` for a donor that can now lend only ``lendable`` bytes while the core has
+    promised more on it; ``None`` when nothing promised is affected.  ``posted``: the capacity a
+    reclaim posted before (not handled yet, or handled) left it, so a drop is posted once."""
     ns = core.nodes.get(node_id)
     if ns is None or not ns.alive:
         return None
-    promised = core.ledger.pool.promised_on(node_id)
-    if promised <= lendable or ns.node.lendable_bytes <= lendable:
+    known = ns.node.lendable_bytes if posted is None else min(posted, ns.node.lendable_bytes)
+    if core.ledger.pool.promised_on(node_id) <= lendable or known <= lendable:
         return None
-    return DonorReclaimed(_eid(), now, node_id, int(ns.node.lendable_bytes - max(0, lendable)))
+    return DonorReclaimed(_eid(), now, node_id, int(known - max(0, lendable)))
 
 
 class Translator:
@@ -57,6 +59,7 @@ class Translator:
         self.post = post
         self.exiting: set[str] = set()  # JobFinished posted, not yet handled (cleared after each batch)
         self.published: dict[str, float] = {}  # NodeReport stimulus_id -> when the node published it
+        self.reclaimed_to: dict[str, int] = {}  # donor -> the capacity its last DonorReclaimed left it
 
     # --- telemetry ------------------------------------------------------------------------
 
@@ -78,7 +81,10 @@ class Translator:
         """A NodeReport when the node's resources or its running jobs changed, or every ``report_s``."""
         svc, core = self.svc, self.svc.core
         n = core_node(node)
-        key = (n.gpus, n.cores, n.memory_bytes, n.lendable_bytes >> 26)
+        # A donor that counts slabs reports its capacity exactly (a reclaim of a few slabs matters);
+        # MemAvailable-based figures move all the time, so they count in 64 MiB steps.
+        lend_key = n.lendable_bytes if node.lend_capacity_bytes is not None else n.lendable_bytes >> 26
+        key = (n.gpus, n.cores, n.memory_bytes, lend_key)
         running = node.running
         now = svc.clock()
         ns = core.nodes.get(node.id)
@@ -108,8 +114,11 @@ class Translator:
                 mems = [m for _, m in us if m is not None]
                 samples[job] = JobSample(sm_percent=sum(u for u, _ in us) / len(us),
                                          mem_percent=sum(mems) / len(mems) if mems else None)
-        reclaim = donor_reclaim(core, n.id, n.lendable_bytes, svc.now())
+        reclaim = donor_reclaim(core, n.id, n.lendable_bytes, svc.now(), self.reclaimed_to.get(n.id))
+        if n.lendable_bytes > self.reclaimed_to.get(n.id, n.lendable_bytes):
+            self.reclaimed_to.pop(n.id, None)  # it lends more again: the core hears it in the report
         if reclaim is not None:
+            self.reclaimed_to[n.id] = n.lendable_bytes
             svc.store.log_event("donor_reclaimed", node=n.id, data={"bytes": reclaim.bytes})
             log.info("donor %s took %d lent bytes back", n.id, reclaim.bytes)
             self.post(reclaim)
