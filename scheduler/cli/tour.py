@@ -178,14 +178,15 @@ def _nodes_table(cluster: dict[str, Any], ours: set[str]):
     from rich.table import Table
 
     t = Table("node", "GPUs in use", "jobs on the node", "CPUs allocated", "reserved, unused", "lendable", "lent",
-              title="nodes")
+              "borrows from (scheduler)", title="nodes")
     for n in cluster["nodes"]:
         mine = [j for j in n["jobs"] if j in ours]
         shared = [f"#{g['index']}: {' + '.join(g['jobs'])}" for g in n["gpus"] if len(g["jobs"]) > 1]
         t.add_row(n["id"], f"{sum(1 for g in n['gpus'] if g['jobs'])}/{len(n['gpus'])}",
                   ", ".join(mine) + (f"  [shared GPU {'; '.join(shared)}]" if shared else ""),
                   f"{n['cpus_allocated']:.2f}/{n['cpu_count']}", _gib(n["reserved_unused_bytes"]),
-                  _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]))
+                  _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]),
+                  ", ".join(f"{d} {_gib(b)}" for d, b in sorted((n.get("borrowed_from") or {}).items())) or "-")
     return t
 
 

@@ -187,6 +187,10 @@ class ApiNode(BaseModel):
     reserved_unused_bytes: int = 0
     lendable_bytes: int = 0
     lent_bytes: int = 0
+    promised_as_donor_bytes: int = Field(0, description="of this donor's memory, what the scheduler promised to jobs")
+    borrowed_bytes: int = Field(0, description="lent memory the scheduler gave the jobs on this node")
+    borrowed_from: dict[str, int] = Field(default_factory=dict,
+                                          description="the scheduler's books: donor -> bytes promised to jobs here")
     gpus: list[ApiGpu] = Field(default_factory=list)
     gpu_reason: str | None = None
     jobs: list[str] = Field(default_factory=list)
@@ -213,6 +217,7 @@ class ApiCluster(BaseModel):
     cpus_allocated: float
     memory_lent_bytes: int
     memory_lendable_bytes: int
+    memory_promised_bytes: int = Field(0, description="lent memory the scheduler promised to jobs, all donors")
     aggregation: ApiAggregation
     profile: str
 

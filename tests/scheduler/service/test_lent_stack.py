@@ -77,6 +77,8 @@ def test_a_job_borrows_at_the_donors_and_a_reclaim_takes_the_promise_back(mosqui
         lent = _wait(lambda: (x := _lent_to(mosquitto.url, "g1")) and sum(x.values()) == budget and x,
                      what="the donors to lend the job's budget")
         assert set(lent) == {"donor0", "donor1"}
+        g1 = next(n for n in c.cluster()["nodes"] if n["id"] == "g1")  # the scheduler's books
+        assert g1["borrowed_bytes"] == budget and sum(g1["borrowed_from"].values()) == budget
         # donor0 takes all its memory back and stops lending for a minute: the scheduler takes back
         # what it promised on donor0; the job keeps running on what is left (donor1's 6 slabs).
         async def reclaim():
