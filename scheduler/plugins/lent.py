@@ -50,9 +50,10 @@ class LentMemory(SynergyTune):
         if (pool is None and not self.levels_without_donors) or not ns.node.gpus or not base:
             return base
         nid = ns.node.id
+        # A job another engine runs (a bound pod) never gets a run command: it borrows nothing.
         asked = {j: float(ctx.records[j].job.remote_memory_bytes) for j in base
-                 if ctx.records[j].job.remote_memory_bytes and pool is not None}
-        jobs = [j for j in base if sens is not None and not ctx.records[j].job.cpu_only
+                 if ctx.records[j].job.remote_memory_bytes and pool is not None and not ctx.records[j].external}
+        jobs = [j for j in base if sens is not None and not ctx.records[j].job.cpu_only and not ctx.records[j].external
                 and sens.knows(ctx.records[j].job.model, ctx.records[j].job.gpus)]
         if not jobs and not asked:
             return base
