@@ -233,6 +233,9 @@ class SchedulerState:
                 out[nid] = f"needs {job.gpus} GPUs; {free_gpus} free in the cluster"
             elif ns.free_gpus < job.gpus and not self.passes.share_ok(rec):
                 out[nid] = f"needs {job.gpus} free GPUs, node has {ns.free_gpus}"
+            elif job.remote_memory_bytes > self.ledger.pool.total_free():
+                out[nid] = (f"needs {job.remote_memory_bytes} bytes of lent memory; "
+                            f"{self.ledger.pool.total_free()} are free at the donors")
             else:
                 cand = Candidate(ns, ns.free_indices()[:job.gpus])
                 if job.cpu_only and not self.passes.fits_resources(rec, cand, ctx):

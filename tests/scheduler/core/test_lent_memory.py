@@ -173,3 +173,22 @@ def test_the_simulator_runs_memory_short_jobs_faster_with_lent_memory_and_surviv
     assert lent["failed"] == reclaim["failed"] == local["failed"] == 0
     assert lent["avg_jct_h"] < 0.5 * local["avg_jct_h"]
     assert lent["avg_jct_h"] < reclaim["avg_jct_h"] <= local["avg_jct_h"]
+
+
+def test_a_job_that_asks_for_lent_memory_waits_for_it_and_bad_asks_are_rejected():
+    st = state(gpu_nodes=2, lend_gb=(50,))
+    out = st.handle(JobArrived("a", 0.0, Job("j", "other", gpus=1, remote_memory_bytes=40 * GB)))
+    assert allocs(out, "j")[-1].remote_memory_bytes == 40 * GB  # granted although the model has no profile
+    out = st.handle(JobArrived("b", 1.0, Job("k", "other", gpus=1, remote_memory_bytes=20 * GB)))
+    assert not [d for d in out if isinstance(d, Place)]  # 10 GB free: it waits
+    assert "lent memory" in st.explain(Job("k", "other", gpus=1, remote_memory_bytes=20 * GB))["g1"]
+    out = st.handle(JobFinished("f", 2.0, "j"))
+    assert [d.job for d in out if isinstance(d, Place)] == ["k"]
+    assert allocs(out, "k")[-1].remote_memory_bytes == 20 * GB
+    out = st.handle(JobArrived("c", 3.0, Job("big", "other", gpus=1, remote_memory_bytes=51 * GB)))
+    assert any(d.job == "big" and "donors lend at most" in d.reason for d in out if hasattr(d, "reason"))
+    syn = state("synergy")
+    out = syn.handle(JobArrived("a", 0.0, Job("j", "img", gpus=1, remote_memory_bytes=GB)))
+    assert any("does not hand lent memory out" in getattr(d, "reason", "") for d in out)
+    with pytest.raises(ValueError, match="remote_memory_bytes"):
+        Job("j", "img", gpus=1, remote_memory_bytes=-1)
