@@ -17,6 +17,9 @@ Every run reports the mean, median and p99 JCT and the p99 and worst slowdown
   (bench/tuner.py);
 * ``shapes``: FIFO, 2D-Gittins and dlshare on seeded synthetic traces of other
   shapes (bench/shapes.py), the check that the tail bound was not fitted;
+* ``memshort``: static_100job on a memory-short Synergy cluster (250 GB servers) with two
+  data-preparation donors, local only against lent memory, a donor reclaim, and the 500 GB bound
+  (bench/sched_memory.py);
 * the p99 latency of one placement decision on a 1,000-node cluster (dlshare
   against FIFO), and the fidelity check of our FIFO against published
   simulators (203-225 h).
@@ -171,6 +174,10 @@ def run(args) -> dict[str, Any]:
             print(f"  {trace_name:14s} {pol:9s} avg JCT {m['avg_jct_h']:8.2f} h  p99 {m['p99_jct_h']:8.2f} h  "
                   f"worst slowdown {m['worst_slowdown'] or 0:8.1f}  ({m['sim_wall_s']:.1f} s)", flush=True)
 
+    from bench.sched_memory import checks as memshort_checks
+    from bench.sched_memory import memshort
+
+    mem = memshort(seed) if not getattr(args, "trace", None) else {"metrics": {}, "rows": []}
     cost = predictor_cost(pairs, quick, seed)
     pairs_l, speeds_l, groups_l = lucid_pairs()
     cv = colocation_cv(pairs_l, speeds_l, groups_l, seeds=(0,) if quick else (0, 1, 2), hybrid=not quick)
@@ -211,6 +218,7 @@ def run(args) -> dict[str, Any]:
         "fidelity_fifo_in_range": (fifo is not None and FIFO_RANGE_H[0] * 0.95 <= fifo <= FIFO_RANGE_H[1] * 1.05),
         "dlshare_vs_best_peer": (dl / BEST_PEER_0E4A51_H) if dl else None,
         "dlshare_vs_best_baseline": (dl / best_baseline) if dl and best_baseline else None,
+        **mem["metrics"],
     }
     checks = [
         ("FIFO avg JCT vc_0e4a51 (h) >= 203*0.95", fifo, ">=", FIFO_RANGE_H[0] * 0.95),
@@ -236,6 +244,7 @@ def run(args) -> dict[str, Any]:
           for r in shapes],
         ("decision_p99_ms_1000_nodes (wall)", lat["p99_ms"], "<=", 10.0),
         ("decision p99 on 1000 nodes, thread CPU time (ms)", lat["cpu_p99_ms"], "<=", 10.0),
+        *(memshort_checks(mem["metrics"]) if mem["metrics"] else []),
     ]
     targets = report.target_rows(checks)
     cols = ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h", "p99_slowdown", "worst_slowdown",
@@ -244,6 +253,8 @@ def run(args) -> dict[str, Any]:
     print(report.markdown_table([{"metric": k, "value": v} for k, v in metrics.items()]))
     if shapes:
         print(report.markdown_table(shapes))
+    if mem["rows"]:
+        print(report.markdown_table(mem["rows"]))
     print(report.markdown_table(targets))
     plots = _plot(runs, jcts, report.out_dir(getattr(args, "json", None)))
     slim = [{k: r[k] for k in ("trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h", "p99_slowdown",
@@ -252,7 +263,7 @@ def run(args) -> dict[str, Any]:
             for r in runs]
     return report.envelope("sched", metrics, runs=slim, targets=targets, plots=plots, quick=quick,
                            interference_cv=cv, iadeep_cv=cv_iadeep, predictor_cost=cost, tuner=tuner, shapes=shapes,
-                           decision_latency={"dlshare": lat, "fifo": lat_fifo})
+                           decision_latency={"dlshare": lat, "fifo": lat_fifo}, memshort=mem["rows"])
 
 
 def predictor_cost(pairs: list[tuple[str, str]], quick: bool, seed: int) -> dict[str, dict[str, float]]:

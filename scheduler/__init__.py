@@ -35,12 +35,13 @@ Events (:mod:`scheduler.events`): frozen dataclasses whose first fields are ``st
     (the first report of a node registers it; ``running`` lists the jobs the node runs),
     ``NodeLost(stimulus_id, now, node)``, ``JobStarted(stimulus_id, now, job, node)`` (the node
     confirmed a start), ``JobBound(stimulus_id, now, job, node, gpus=(), hold_s=None)`` (another
-    engine, Kubernetes, runs the job there: accounted for, never started).
+    engine, Kubernetes, runs the job there: accounted for, never started),
+    ``DonorReclaimed(stimulus_id, now, node, bytes)`` (a donor took lent memory back).
 
 Decisions, each with the ``stimulus_id`` of the event that produced it
     ``Place(stimulus_id, job, shards, colocated_with=(), resumed=False)`` (``.node``/``.gpus`` give the
     first shard), ``Preempt(stimulus_id, job, reason)``, ``Allocate(stimulus_id, job, node, cpus,
-    memory_bytes)``, ``Reject(stimulus_id, job, reason)``, ``Release(stimulus_id, job, nodes, state,
+    memory_bytes, remote_memory_bytes=0)`` (``remote_memory_bytes``: lent by donors), ``Reject(stimulus_id, job, reason)``, ``Release(stimulus_id, job, nodes, state,
     reason, stop)`` (the job left those nodes: stop and free it there; it is now ``state``),
     ``Wakeup(stimulus_id, at)`` (send a ``Tick`` at ``at``).
 
@@ -97,7 +98,7 @@ Data (:mod:`scheduler.data`): ``data_dir()``, ``path(rel)``; ``dlshare data fetc
 """
 
 from scheduler.events import (
-    Allocate, Decision, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobSample, JobStarted, NodeLost,
+    Allocate, Decision, DonorReclaimed, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobSample, JobStarted, NodeLost,
     NodeReport, Place, PlacementFailed, Preempt, Reject, Release, Tick, Wakeup,
 )
 from scheduler.model import Allocation, Job, JobRecord, JobState, Node, Shard
@@ -107,7 +108,7 @@ from scheduler.state import SchedulerError, SchedulerState
 from scheduler.watch import WatchRules
 
 __all__ = [
-    "Allocate", "Allocation", "Decision", "Event", "Job", "JobArrived", "JobBound", "JobCancelled", "JobFinished",
+    "Allocate", "Allocation", "Decision", "DonorReclaimed", "Event", "Job", "JobArrived", "JobBound", "JobCancelled", "JobFinished",
     "JobRecord", "JobSample", "JobStarted", "JobState", "Node", "NodeLost", "NodeReport", "Place", "PlacementFailed",
     "Preempt", "Predictors", "Profile", "ProfileError", "Reject", "Release", "SchedulerError", "SchedulerState",
     "Shard", "Tick", "Wakeup", "WatchRules", "load_profile", "packaged_profiles",

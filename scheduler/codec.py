@@ -20,7 +20,8 @@ from scheduler import events as E
 from scheduler.model import Job, JobState, Node, Shard
 
 EVENTS = {c.__name__: c for c in (E.JobArrived, E.JobFinished, E.JobCancelled, E.PlacementFailed, E.Tick,
-                                  E.NodeReport, E.NodeLost, E.JobStarted, E.JobBound)}
+                                  E.NodeReport, E.NodeLost, E.JobStarted, E.JobBound,
+                                  E.DonorReclaimed)}
 DECISIONS = {c.__name__: c for c in (E.Place, E.Preempt, E.Allocate, E.Reject, E.Wakeup, E.Release)}
 
 
@@ -109,6 +110,11 @@ def event_from_dict(d: Any) -> E.Event:
             return cls(**base)
         if cls is E.NodeLost:
             return cls(**base, node=_str(d, "node"))
+        if cls is E.DonorReclaimed:
+            n = d.get("bytes")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise CodecError(f"bytes: expected an integer >= 0, got {n!r}")
+            return cls(**base, node=_str(d, "node"), bytes=n)
         if cls is E.JobStarted:
             return cls(**base, job=_str(d, "job"), node=_str(d, "node"), place_id=_opt_str(d, "place_id"))
         if cls is E.JobBound:

@@ -120,9 +120,21 @@ class NodeReport(Event):
 
 @dataclass(frozen=True)
 class NodeLost(Event):
-    """A node went away (Last Will, missed telemetry).  Its jobs are requeued."""
+    """A node went away (Last Will, missed telemetry).  Its jobs are requeued; when it was a
+    donor, the memory it lent is taken back from the jobs that borrowed it (they keep running)."""
 
     node: str
+
+
+@dataclass(frozen=True)
+class DonorReclaimed(Event):
+    """Donor ``node`` took ``bytes`` of its lendable memory back (its own jobs need it): what it
+    lends drops by that much, and promises beyond what is left are taken back from the jobs that
+    borrowed them, newest first.  They keep running on what they have left (see
+    :mod:`scheduler.remote_memory`); none is stopped for it."""
+
+    node: str
+    bytes: int
 
 
 # ---------------------------------------------------------------- decisions
@@ -165,13 +177,15 @@ class Preempt(Decision):
 
 @dataclass(frozen=True)
 class Allocate(Decision):
-    """Give ``job`` ``cpus`` cores and ``memory_bytes`` host memory on ``node``
-    (sent after a placement and whenever the node's split changes)."""
+    """Give ``job`` ``cpus`` cores and ``memory_bytes`` host memory on ``node``, plus
+    ``remote_memory_bytes`` lent by donors (sent after a placement and whenever the node's split
+    or the job's lent memory changes)."""
 
     job: str
     node: str
     cpus: float
     memory_bytes: int
+    remote_memory_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class Context:
     rng: random.Random
     total_gpus: int = 0
     free_gpus: int = 0
+    pool: Any = None  # the donors' lent memory (scheduler.donors.DonorPool); None outside the core
 
 
 class QueueSort:

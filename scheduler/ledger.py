@@ -19,6 +19,7 @@ import bisect
 import random
 from typing import TYPE_CHECKING, Any
 
+from scheduler.donors import DonorPool
 from scheduler.events import Allocate, Decision, Place, Release
 from scheduler.framework import Allocator, Candidate, Context, NodeState, QueueSort
 from scheduler.model import Allocation, JobRecord, JobState, Node, Shard
@@ -65,11 +66,13 @@ class Ledger:
         self.max_node_memory = 0
         self.cpu_waiting = 0  # waiting CPU-only jobs (a pass with no free GPU still looks for them)
         self.incompatible: set[frozenset[str]] = set()  # pairs of job types that failed together
+        self.pool = DonorPool()  # the donors' lent memory: capacity, promises, reclaims
 
     def context(self) -> Context:
         """What plugins may read now."""
         return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
-                       rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus)
+                       rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus,
+                       pool=self.pool if self.pool.active else None)
 
     def job(self, job_id: str) -> JobRecord:
         try:
@@ -90,6 +93,8 @@ class Ledger:
         self.max_node_cores = max(self.max_node_cores, node.cores)
         self.max_node_memory = max(self.max_node_memory, node.memory_bytes)
         self.by_free.setdefault(node.gpus, {})[node.id] = None
+        if node.lendable_bytes > 0:
+            self.pool.set_capacity(node.id, node.lendable_bytes)
         return ns
 
     def remove_node(self, ns: NodeState) -> None:
@@ -226,6 +231,8 @@ class Ledger:
         if rec.run_since is not None:
             job.attained_service += job.gpus * max(0.0, self.now - rec.run_since)
             rec.run_since = None
+        for nid in rec.allocation:
+            self.pool.release((job.id, nid))
         rec.shards = ()
         rec.allocation = {}
         self.running.pop(job.id, None)
@@ -281,9 +288,55 @@ class Ledger:
             dm += d.memory_bytes
         ns.demand_cpus, ns.demand_memory = dc, dm
         split = self.allocator.split(ns, ctx)
+        nid = ns.node.id
         for jid, alloc in split.items():
             rec = self.records[jid]
-            old: Allocation | None = rec.allocation.get(ns.node.id)
-            if old is None or abs(old.cpus - alloc.cpus) > 1e-9 or old.memory_bytes != alloc.memory_bytes:
-                rec.allocation[ns.node.id] = alloc
-                out.append(Allocate(stimulus_id, jid, ns.node.id, alloc.cpus, alloc.memory_bytes))
+            holder = (jid, nid)
+            if alloc.remote_bytes or self.pool.held(holder):
+                got = self.pool.grant(holder, alloc.remote_bytes, self.remote_demand(rec, alloc))
+                if got != alloc.remote_bytes:
+                    alloc = Allocation(alloc.cpus, alloc.memory_bytes, got)
+            old: Allocation | None = rec.allocation.get(nid)
+            if (old is None or abs(old.cpus - alloc.cpus) > 1e-9 or old.memory_bytes != alloc.memory_bytes
+                    or old.remote_bytes != alloc.remote_bytes):
+                rec.allocation[nid] = alloc
+                out.append(Allocate(stimulus_id, jid, nid, alloc.cpus, alloc.memory_bytes, alloc.remote_bytes))
+
+    # ------------------------------------------------------------ lent memory
+
+    def remote_demand(self, rec: JobRecord, alloc: Allocation) -> float:
+        """The remote read rate ``rec`` needs with ``alloc`` (bytes/s; see scheduler.remote_memory)."""
+        from scheduler import remote_memory as rm
+
+        sens = getattr(self.predictors, "sensitivity", None)
+        job = rec.job
+        if sens is None or not alloc.remote_bytes or not sens.knows(job.model, job.gpus):
+            return 0.0
+        speed = sens.speed(job.model, job.gpus, alloc.cpus, alloc.memory_bytes + alloc.remote_bytes)
+        rate = rm.input_rate(sens, job.model, job.gpus, speed)
+        return rm.remote_demand(rate, alloc.memory_bytes, alloc.remote_bytes)
+
+    def donor_changed(self, donor: str, lendable: int, stimulus_id: str, out: list[Decision]) -> None:
+        """Donor ``donor`` lends ``lendable`` bytes now (after a report, a reclaim or its loss):
+        promises beyond it are taken back, and the nodes of the jobs that lost bytes are split
+        again (they may top up from other donors).  No job is stopped for it."""
+        losers = self.pool.set_capacity(donor, lendable)
+        nodes = dict.fromkeys(nid for _, nid in losers)
+        for nid in nodes:
+            ns = self.nodes.get(nid)
+            if ns is not None and ns.alive:
+                self._reallocate(ns, stimulus_id, out)
+        # A job elsewhere whose holder was taken back entirely keeps its (now stale) allocation
+        # until its node is split again: the split above covers every loser's node.
+
+    def offer_freed(self, stimulus_id: str, out: list[Decision]) -> None:
+        """Lent bytes came free (a borrower left, a donor grew): split again the nodes whose
+        jobs may borrow, so they can take them."""
+        if not self.pool.freed:
+            return
+        self.pool.freed = False
+        if not self.pool.active or self.pool.total_free() <= 0:
+            return
+        for ns in self.nodes.values():
+            if ns.alive and ns.jobs and ns.node.gpus:
+                self._reallocate(ns, stimulus_id, out)

@@ -44,7 +44,9 @@ class Job:
     production.  ``features`` holds computation-graph features
     (:class:`scheduler.predictors.utilisation.GraphFeatures` as a dict) when the
     launcher extracted them.  ``gpu_memory_bytes`` is the per-GPU footprint when
-    known (0 = unknown).
+    known (0 = unknown).  ``remote_memory_bytes`` is the least memory lent by donors the job must
+    have (0: it takes what the allocation plugin gives it); only a lent-memory allocator (``lent``)
+    grants it.
     """
 
     id: str
@@ -61,6 +63,7 @@ class Job:
     features: dict[str, float] | None = None
     gpu_memory_bytes: int = 0
     batch_sizes: tuple[int, ...] = ()
+    remote_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.batch_sizes = tuple(int(b) for b in (self.batch_sizes or ()))
@@ -72,6 +75,10 @@ class Job:
             raise ValueError(f"job {self.id}: gpus must be >= 0, got {self.gpus}")
         if self.cpus < 0 or self.memory_bytes < 0:
             raise ValueError(f"job {self.id}: cpus and memory_bytes must be >= 0")
+        if isinstance(self.remote_memory_bytes, bool) or not isinstance(self.remote_memory_bytes, int) \
+                or self.remote_memory_bytes < 0:
+            raise ValueError(f"job {self.id}: remote_memory_bytes must be an integer >= 0, "
+                             f"got {self.remote_memory_bytes!r}")
         if self.gpus == 0 and not self.cpus > 0:
             raise ValueError(f"job {self.id}: a CPU-only job (gpus = 0) must ask for cpus > 0")
         if self.arrival < 0:
@@ -96,6 +103,7 @@ class Job:
             "arrival": self.arrival, "attained_service": self.attained_service,
             "state": self.state.value, "duration": self.duration, "features": self.features,
             "gpu_memory_bytes": self.gpu_memory_bytes, "batch_sizes": list(self.batch_sizes),
+            "remote_memory_bytes": self.remote_memory_bytes,
         }
 
     @classmethod
@@ -134,10 +142,12 @@ class Shard:
 
 @dataclass
 class Allocation:
-    """CPU cores and host memory granted to a job on one node."""
+    """CPU cores and host memory granted to a job on one node: ``memory_bytes`` of the node's own
+    (local) memory and ``remote_bytes`` lent by donors (see :mod:`scheduler.donors`)."""
 
     cpus: float
     memory_bytes: int
+    remote_bytes: int = 0
 
 
 @dataclass

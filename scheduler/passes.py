@@ -140,6 +140,8 @@ class SchedulingPasses:
         return out
 
     def fits_resources(self, rec: JobRecord, cand: Candidate, ctx: Context, memo: dict | None = None) -> bool:
+        if rec.job.remote_memory_bytes and rec.job.remote_memory_bytes > self.ledger.pool.total_free():
+            return False  # waits until the donors have its lent memory free
         first = rec.job.gpus if not cand.gpus else len(cand.gpus)
         for ns, n in ((cand.node, first), *((m, len(g)) for m, g in cand.more)):
             if memo is None:

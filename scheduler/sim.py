@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.events import (
-    Allocate, JobArrived, JobFinished, JobSample, NodeReport, Place, PlacementFailed, Preempt, Reject, Tick, Wakeup,
+    Allocate, DonorReclaimed, JobArrived, JobFinished, JobSample, NodeReport, Place, PlacementFailed, Preempt, Reject, Tick, Wakeup,
 )
 from scheduler.model import GiB, Job, JobState, Node
 from scheduler.profile import Profile, load_profile
@@ -52,7 +52,7 @@ from scheduler.state import SchedulerState
 from scheduler.trace import TraceJob, gavel_type
 
 GB = 1e9
-_ARRIVE, _FINISH, _TICK, _REPORT, _FAIL = range(5)
+_ARRIVE, _FINISH, _TICK, _REPORT, _FAIL, _RECLAIM = range(6)
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,19 @@ class GroundTruth:
                 self._pair[k] = None if x <= 0 or y <= 0 else (x / ta["null"], y / tb["null"])
         return self._pair[k]
 
-    def resource_factor(self, job: Job, cpus: float, memory_bytes: float) -> float:
+    def resource_factor(self, job: Job, cpus: float, memory_bytes: float, remote_bytes: float = 0.0,
+                        supply: float | None = None) -> float:
+        """The job's profiled speed for its cores and memory; lent bytes count at the efficiency
+        their read rate ``supply`` gives (scheduler/remote_memory.py)."""
         if self.sens is None or job.cpu_only or not self.sens.knows(job.model, job.gpus) or cpus <= 0:
             return 1.0
+        if remote_bytes > 0 and supply is not None:
+            from scheduler import remote_memory as rm
+
+            target = self.sens.speed(job.model, job.gpus, cpus, memory_bytes + remote_bytes)
+            demand = rm.remote_demand(rm.input_rate(self.sens, job.model, job.gpus, target), memory_bytes,
+                                      remote_bytes)
+            memory_bytes = rm.effective_memory(memory_bytes, remote_bytes, rm.efficiency(demand, supply))
         return self.sens.speed(job.model, job.gpus, cpus, memory_bytes)
 
 
@@ -134,6 +144,7 @@ class _SimJob:
     finished: float | None = None
     cpus: float = 0.0
     memory: float = 0.0
+    remote: float = 0.0  # lent memory (bytes) on its first node
     nodes: list[str] = field(default_factory=list)  # where it last ran
 
 
@@ -155,6 +166,8 @@ class SimResult:
     decisions: int
     wall_s: float
     slowdown: np.ndarray = field(default_factory=lambda: np.zeros(0))  # JCT / isolated duration, per job
+    lent: dict[str, Any] = field(default_factory=dict)  # the donor pool's books at the end (with donors)
+    lent_peak_bytes: int = 0  # the most lent memory promised at once
 
     @property
     def worst_slowdown(self) -> float | None:
@@ -176,6 +189,8 @@ class SimResult:
             "gpu_util": self.gpu_util, "cpu_util": self.cpu_util, "mem_util": self.mem_util,
             "preemptions": self.preemptions, "events": self.events, "decisions": self.decisions,
             "sim_wall_s": self.wall_s,
+            **({"lent_peak_bytes": self.lent_peak_bytes, "lent_reclaimed_bytes": self.lent["reclaimed_bytes"]}
+               if self.lent else {}),
         }
 
 
@@ -187,10 +202,15 @@ def _job_of(tj: TraceJob) -> Job:
 def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str | Path, *, seed: int = 0,
              predictors: Any = None, truth: GroundTruth | None = None, report_delay_s: float = 60.0,
              restart_overhead_s: float = 0.0, progress: bool = False, trace_name: str = "",
-             on_decision: Callable[[Any], None] | None = None) -> SimResult:
+             on_decision: Callable[[Any], None] | None = None, donors: Sequence[Node] = (),
+             reclaims: Sequence[tuple[float, str, int]] = (), remote_link: Any = None) -> SimResult:
     """Run ``trace`` on ``cluster`` under ``profile``; seeded and reproducible.
     ``predictors``: default, what a live system knows (see the module docstring);
-    ``"oracle"``: every pair's true speeds; or a :class:`Predictors` of your own."""
+    ``"oracle"``: every pair's true speeds; or a :class:`Predictors` of your own.
+    ``donors``: more nodes (CPU-only data-preparation nodes with ``lendable_bytes``) whose idle
+    memory profiles with a lent-memory allocator (``lent``) hand out; ``reclaims``: (time, donor,
+    bytes) at which a donor takes that much of its lendable memory back; ``remote_link``: a
+    :class:`scheduler.remote_memory.RemoteLink` instead of the measured one."""
     from scheduler import data
     from scheduler.predictors import Predictors
     from scheduler.predictors.sensitivity import SensitivityModel
@@ -203,7 +223,10 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         predictors = Predictors(sensitivity=SensitivityModel.from_data(), colocation=_colocation())
     elif predictors == "oracle":
         predictors = oracle_predictors(truth)
-    state = SchedulerState(prof, cluster.make_nodes(), predictors=predictors, rng=random.Random(seed))
+    state = SchedulerState(prof, [*cluster.make_nodes(), *donors], predictors=predictors, rng=random.Random(seed))
+    pool = state.ledger.pool
+    if remote_link is not None:
+        pool.link = remote_link
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
 
@@ -215,6 +238,8 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
     jobs: dict[str, _SimJob] = {}
     for tj in trace:
         push(tj.arrival_s, _ARRIVE, tj)
+    for at, donor, nbytes in reclaims:
+        push(at, _RECLAIM, (donor, int(nbytes)))
     total_gpus = cluster.nodes * cluster.gpus
     total_cores = cluster.nodes * cluster.cores
     total_mem = cluster.nodes * cluster.memory_gb * GB
@@ -225,6 +250,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
     n_events = n_decisions = 0
     finished = 0
     tick_pending: set[float] = set()
+    lent_peak = 0
     report_pending: set[str] = set()
     bar = _progress(len(trace)) if progress else None
 
@@ -244,7 +270,16 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                         s = min(s, p[0])
                     else:
                         s = min(s, 1.0 / len(res))
+        if sj.remote > 0 and rec.shards:
+            holder = (sj.job.id, rec.shards[0].node)
+            return s * truth.resource_factor(sj.job, sj.cpus, sj.memory, sj.remote, _supply(holder, sj))
         return s * truth.resource_factor(sj.job, sj.cpus, sj.memory)
+
+    def _supply(holder: tuple[str, str], sj: _SimJob) -> float:
+        from scheduler import remote_memory as rm
+
+        sample = rm.SAMPLE_BYTES.get(sj.job.model, rm.DEFAULT_SAMPLE_BYTES)
+        return min(pool.supply(holder), pool.link.stream_bytes_per_s(sample, sj.cpus))
 
     def settle(sj: _SimJob, t: float) -> None:
         if sj.speed > 0:
@@ -286,6 +321,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
             elif kind == _TICK:
                 tick_pending.discard(t)
                 batch.append(Tick(f"tick:{t:.3f}", t))
+            elif kind == _RECLAIM:
+                donor, nbytes = payload
+                batch.append(DonorReclaimed(f"reclaim:{donor}:{t:.3f}", t, donor, nbytes))
             elif kind == _FAIL:
                 jid = payload
                 if state.records[jid].job.state is JobState.RUNNING and jobs[jid].speed == 0.0:
@@ -298,7 +336,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                 for jid in ns.jobs:
                     sj = jobs[jid]
                     if sj.speed > 0:
-                        rf = truth.resource_factor(sj.job, sj.cpus, sj.memory)
+                        rf = (truth.resource_factor(sj.job, sj.cpus, sj.memory, sj.remote,
+                                                    _supply((jid, nid), sj)) if sj.remote > 0
+                              else truth.resource_factor(sj.job, sj.cpus, sj.memory))
                         speed = sj.speed / rf if rf > 0 else sj.speed
                         tel = truth.solo_telemetry(sj.job)
                         alone = all(len(ns.residents[g]) == 1 for g in range(len(ns.residents)) if jid in ns.residents[g])
@@ -319,12 +359,13 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         n_decisions += len(decisions)
         touched: dict[str, None] = {}
         placed_now: set[str] = set()
+        lent_changed = False
         for ev in batch:
             if isinstance(ev, JobFinished):
                 sj = jobs[ev.job]
                 alloc_cpus -= sj.cpus
                 alloc_mem -= sj.memory
-                sj.cpus = sj.memory = 0.0
+                sj.cpus = sj.memory = sj.remote = 0.0
                 finished += 1
                 if bar:
                     bar[0].update(bar[1], advance=1)
@@ -350,7 +391,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                 sj = jobs[d.job]
                 alloc_cpus -= sj.cpus
                 alloc_mem -= sj.memory
-                sj.cpus = sj.memory = 0.0
+                sj.cpus = sj.memory = sj.remote = 0.0
                 reschedule(sj, t, 0.0)
                 for nid in sj.nodes:
                     touched[nid] = None
@@ -358,7 +399,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                 sj = jobs[d.job]
                 alloc_cpus += d.cpus - sj.cpus
                 alloc_mem += d.memory_bytes - sj.memory
-                sj.cpus, sj.memory = d.cpus, float(d.memory_bytes)
+                if d.remote_memory_bytes or sj.remote:
+                    lent_changed = True
+                sj.cpus, sj.memory, sj.remote = d.cpus, float(d.memory_bytes), float(d.remote_memory_bytes)
                 touched[d.node] = None
             elif isinstance(d, Wakeup):
                 if d.at not in tick_pending:
@@ -366,6 +409,10 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
                     push(d.at, _TICK, None)
             elif isinstance(d, Reject):
                 jobs[d.job].finished = t
+        if lent_changed:  # a donor's borrowers changed: every borrower's share of it may have
+            lent_peak = max(lent_peak, sum(sum(h.values()) for h in pool.holds.values()))
+            for holder in pool.holds:
+                touched[holder[1]] = None
         for nid in touched:
             ns = state.nodes[nid]
             for jid in ns.jobs:
@@ -396,6 +443,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         mem_util=mem_area / (total_mem * span),
         preemptions=sum(r.preemptions for r in state.records.values()), failed=len(jobs) - len(done),
         events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall, slowdown=slowdown,
+        lent=pool.stats() if pool.capacity else {}, lent_peak_bytes=lent_peak,
     )
 
 

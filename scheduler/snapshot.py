@@ -31,7 +31,7 @@ from scheduler.state import SchedulerState
 from scheduler.watch import WatchRules
 
 MAGIC = b"DLSHARE-CORE\n"
-VERSION = 1
+VERSION = 2  # 2: the ledger holds the donor pool (lent memory); older snapshots are refused
 
 
 class SnapshotError(ValueError):

@@ -21,13 +21,14 @@ applies events to the ledger and runs one pass per ``handle`` call:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from scheduler.events import (
-    Decision, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobStarted, NodeLost, NodeReport, PlacementFailed,
+    Decision, DonorReclaimed, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobStarted, NodeLost, NodeReport, PlacementFailed,
     Reject, Release, Tick, Wakeup,
 )
 from scheduler.framework import Candidate, Context, NodeState
@@ -170,6 +171,7 @@ class SchedulerState:
                 self.ledger.end(rec, JobState.DONE, stimulus_id, out, "hold ended", stop=False)
             self.watch.holds.pop(jid, None)
         self.passes.schedule(stimulus_id, full_pass or not self.order.preemptive, out)
+        self.ledger.offer_freed(stimulus_id, out)
         at = self.watch.wakeup(self.now)
         if at is not None:
             out.append(Wakeup(stimulus_id, at))
@@ -231,6 +233,9 @@ class SchedulerState:
                 out[nid] = f"needs {job.gpus} GPUs; {free_gpus} free in the cluster"
             elif ns.free_gpus < job.gpus and not self.passes.share_ok(rec):
                 out[nid] = f"needs {job.gpus} free GPUs, node has {ns.free_gpus}"
+            elif job.remote_memory_bytes > self.ledger.pool.total_free():
+                out[nid] = (f"needs {job.remote_memory_bytes} bytes of lent memory; "
+                            f"{self.ledger.pool.total_free()} are free at the donors")
             else:
                 cand = Candidate(ns, ns.free_indices()[:job.gpus])
                 if job.cpu_only and not self.passes.fits_resources(rec, cand, ctx):
@@ -309,6 +314,8 @@ class SchedulerState:
         if isinstance(ev, NodeReport):
             self._report(ev)
             ns = self.nodes[ev.node.id]
+            if ev.node.lendable_bytes != self.ledger.pool.capacity.get(ev.node.id, 0):
+                self.ledger.donor_changed(ev.node.id, ev.node.lendable_bytes, ev.stimulus_id, out)
             self.watch.on_report(ev.node.id, ev.running, ns.jobs, ev.now)
             if ev.running is not None:
                 # A job the node runs where the core did not place it (the node was taken for lost,
@@ -331,6 +338,20 @@ class SchedulerState:
                     else:
                         self.ledger.stop(rec, ev.stimulus_id, out, f"node {ev.node} lost", lost=ev.node)
                 self.ledger.set_alive(ns, False)
+            if self.ledger.pool.capacity.get(ev.node):  # a donor: what it lent is gone
+                self.ledger.donor_changed(ev.node, 0, ev.stimulus_id, out)
+            return False
+        if isinstance(ev, DonorReclaimed):
+            ns = self.nodes.get(ev.node)
+            if ns is None:
+                raise SchedulerError(f"event {ev.stimulus_id}: unknown donor {ev.node!r}")
+            if isinstance(ev.bytes, bool) or not isinstance(ev.bytes, int) or ev.bytes < 0:
+                raise SchedulerError(f"event {ev.stimulus_id}: reclaimed bytes must be an integer >= 0, "
+                                     f"got {ev.bytes!r}")
+            left = max(0, ns.node.lendable_bytes - ev.bytes)
+            ns.node = dataclasses.replace(ns.node, lendable_bytes=left)
+            if ns.alive:
+                self.ledger.donor_changed(ev.node, left, ev.stimulus_id, out)
             return False
         raise SchedulerError(f"event {getattr(ev, 'stimulus_id', '?')}: unknown event type {type(ev).__name__}")
 
@@ -340,6 +361,15 @@ class SchedulerState:
         led = self.ledger
         if job.gpus > led.max_node_gpus and led.max_node_gpus and job.gpus > self.total_gpus:
             return f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"
+        if job.remote_memory_bytes:
+            if job.cpu_only:
+                return "a CPU-only job cannot borrow lent memory (remote_memory_bytes)"
+            if not getattr(self.allocator, "lends", False):
+                return (f"needs {job.remote_memory_bytes} bytes of lent memory; profile {self.profile.name!r} "
+                        f"does not hand lent memory out (use an allocator that does, e.g. 'lent')")
+            if self.nodes and job.remote_memory_bytes > led.pool.total_capacity():
+                return (f"needs {job.remote_memory_bytes} bytes of lent memory; the donors lend at most "
+                        f"{led.pool.total_capacity()}")
         if job.cpu_only and self.nodes:
             cores, mem = led.max_node_cores, led.max_node_memory
             if job.cpus > cores + 1e-9 or job.memory_bytes > mem:

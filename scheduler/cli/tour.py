@@ -94,6 +94,18 @@ with RemoteMemory(os.environ["BROKER"], replicas=int(os.environ["REPLICAS"])) as
 print(f"{os.environ['DLSHARE_JOB_ID']}: 64 MiB cached in lent memory on other nodes, read back intact")
 """
 
+MEMSHORT = """
+import os, numpy as np, rdma
+region = rdma.region_from_env(local_bytes=8 << 20)  # budget and broker from the environment the daemon set
+a = region.array(np.uint8)
+a[:] = 7
+assert int(a[::4096].astype(np.int64).sum()) == 7 * len(a[::4096])
+budget = int(os.environ["DLSHARE_REMOTE_MEMORY_BYTES"])
+print(f"{os.environ['DLSHARE_JOB_ID']}: {region.nbytes >> 20} MiB region through 8 MiB of local memory, on donors, "
+      f"from the {budget >> 20} MiB of lent memory the scheduler gave it; read back intact")
+region.close()
+"""
+
 
 def _has(mod: str) -> bool:
     try:
@@ -146,6 +158,13 @@ def tour_jobs(st: TourStack, tag: str) -> list[dict[str, Any]]:
                          "kind": "training", "model": "linear", "batch_size": 256, "gpus": 1, "cpus": 0.25,
                          "memory_bytes": 512 << 20, "command": py + [AGG_TRAIN], "cwd": str(ROOT),
                          "env": {**env, "RANK": str(r), "WORLD": "2", "AGG": st.agg_addr, "AGG_JOB": f"{tag}-ddp"}})
+    if st.lending and _has("rdma.region") and len(st.node_ids) >= 2:
+        # A memory-short training job: it asks the scheduler for lent memory, which the run command
+        # carries to its node and rdma.region_from_env() maps on the other nodes' donors.
+        jobs.append({"id": f"{tag}-memshort", "name": "memory-short training borrowing lent memory",
+                     "kind": "training", "model": "mlp", "batch_size": 512, "gpus": 1, "cpus": 0.25,
+                     "memory_bytes": 256 << 20, "remote_memory_bytes": 64 << 20, "command": py + [MEMSHORT],
+                     "env": env, "cwd": str(ROOT)})
     if st.lending and _has("rdma.remote") and len(st.node_ids) >= 2:
         jobs.append({"id": f"{tag}-remote-cache", "name": "data preparation caching in lent memory",
                      "kind": "data_prep", "gpus": 0, "cpus": 0.25, "memory_bytes": 256 << 20,
@@ -178,14 +197,15 @@ def _nodes_table(cluster: dict[str, Any], ours: set[str]):
     from rich.table import Table
 
     t = Table("node", "GPUs in use", "jobs on the node", "CPUs allocated", "reserved, unused", "lendable", "lent",
-              title="nodes")
+              "borrows from (scheduler)", title="nodes")
     for n in cluster["nodes"]:
         mine = [j for j in n["jobs"] if j in ours]
         shared = [f"#{g['index']}: {' + '.join(g['jobs'])}" for g in n["gpus"] if len(g["jobs"]) > 1]
         t.add_row(n["id"], f"{sum(1 for g in n['gpus'] if g['jobs'])}/{len(n['gpus'])}",
                   ", ".join(mine) + (f"  [shared GPU {'; '.join(shared)}]" if shared else ""),
                   f"{n['cpus_allocated']:.2f}/{n['cpu_count']}", _gib(n["reserved_unused_bytes"]),
-                  _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]))
+                  _gib(n["lendable_bytes"]), _gib(n["lent_bytes"]),
+                  ", ".join(f"{d} {_gib(b)}" for d, b in sorted((n.get("borrowed_from") or {}).items())) or "-")
     return t
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.framework import registered
-from scheduler.plugins import allocation, ordering, placement  # noqa: F401  (registers the built-ins)
+from scheduler.plugins import allocation, lent, ordering, placement  # noqa: F401  (registers the built-ins)
 
 
 def build(kind: str, name: str, args: dict[str, Any] | None = None) -> Any:

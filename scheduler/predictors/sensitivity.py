@@ -23,8 +23,12 @@ class SensitivityModel:
         self.mem_levels = [float(m) for m in mem_levels_gb]
         self.tables: dict[tuple[str, int], list[list[float]]] = {}
         self._fair: dict[tuple[str, int, float, float], tuple[float, float]] = {}
+        self._meta: dict[tuple[str, int], dict[str, float]] = {}
         for key, p in profiles.items():
             self.add_profile(p["model"], int(p["num_gpus"]), p["throughput"])
+            if p.get("batch_size") and p.get("iter_time_s"):
+                self._meta[(p["model"], int(p["num_gpus"]))] = {"batch_size": float(p["batch_size"]),
+                                                               "iter_time_s": float(p["iter_time_s"])}
 
     @classmethod
     def from_data(cls) -> "SensitivityModel":
@@ -39,6 +43,14 @@ class SensitivityModel:
             raise ValueError(f"sensitivity table for {model}/{gpus} must be a non-empty 2-D list")
         self.tables[(model, gpus)] = [[float(v) for v in r] for r in throughput]
         self._fair = {}
+
+    def meta(self, model: str, gpus: int) -> dict[str, float] | None:
+        """The profile's batch size and iteration time (the job's input data rate), when known."""
+        return self._meta.get((model, gpus)) or self._meta.get((model, 1))
+
+    def levels_bytes(self, gpus: int) -> list[float]:
+        """The profiled memory levels for a job of ``gpus`` GPUs, in bytes."""
+        return [m * GB * max(1, gpus) for m in self.mem_levels]
 
     def knows(self, model: str, gpus: int) -> bool:
         return (model, gpus) in self.tables or (model, 1) in self.tables

@@ -64,4 +64,5 @@ def spec_job(job_id: str, s: dict, arrival: float, attained_service: float = 0.0
     return Job(id=job_id, model=s.get("model") or s.get("name") or "unknown", batch_size=int(s.get("batch_size") or 0),
                gpus=gpus, cpus=cpus if cpus > 0 or gpus else 0.01, memory_bytes=int(s.get("memory_bytes") or 0),
                priority=int(s.get("priority") or 0), arrival=arrival,
+               remote_memory_bytes=int(s.get("remote_memory_bytes") or 0),
                attained_service=attained_service, features=s.get("graph_features"))

@@ -104,7 +104,8 @@ class DecisionCarrier:
             for d, state in zip(decisions, states):
                 if state is not None and not isinstance(d, Allocate):
                     self.carry_out_rows(d, allocs)
-            self.store.set_allocations([(d.job, d.node, d.cpus, d.memory_bytes) for (job, node), d in allocs.items()
+            self.store.set_allocations([(d.job, d.node, d.cpus, d.memory_bytes, d.remote_memory_bytes)
+                                        for (job, node), d in allocs.items()
                                         if not any(isinstance(p, Place) and p.job == job for p in decisions)])
         self.events_logged += len(events)
         if self.observe is not None:
@@ -165,12 +166,14 @@ class DecisionCarrier:
         spec = row.spec
         cpus = al.cpus if al else core_alloc.cpus if core_alloc else float(spec.get("cpus") or 1.0)
         mem = al.memory_bytes if al else core_alloc.memory_bytes if core_alloc else int(spec.get("memory_bytes") or 0)
-        alloc = JobAllocation(node=d.node, gpus=tuple(d.gpus), cpus=cpus, memory_bytes=mem,
+        remote = al.remote_memory_bytes if al else core_alloc.remote_bytes if core_alloc else 0
+        alloc = JobAllocation(node=d.node, gpus=tuple(d.gpus), cpus=cpus, memory_bytes=mem, remote_memory_bytes=remote,
                               shards=tuple((s.node, tuple(s.gpus)) for s in d.shards),
                               colocated_with=tuple(d.colocated_with), requested_cpus=float(spec.get("cpus") or 0.0),
                               requested_memory_bytes=int(spec.get("memory_bytes") or 0))
         self.store.update_job(d.job, event="placed", node=d.node,
                               event_data={"gpus": list(d.gpus), "cpus": cpus, "memory_bytes": mem,
+                                          "remote_memory_bytes": remote,
                                           "colocated_with": list(d.colocated_with), "resumed": d.resumed,
                                           "nodes": [s.node for s in d.shards], "decision": decision_ids([d])[0]},
                               state="running", allocation=alloc, started_at=self.clock(), attempts=row.attempts + 1,
@@ -236,6 +239,8 @@ class DecisionCarrier:
                 # `run` with the allocation applies it (cgroups) and starts the process group in one command.
                 run = {"job": d.job, "cpus": max(0.01, float(cpus)), "memory_bytes": max(1 << 20, int(mem)),
                        "argv": row.spec["command"], "env": env, "gpus": list(s.gpus), "run_id": d.stimulus_id}
+                if al is not None and al.remote_bytes > 0:  # lent memory: the daemon exports the budget
+                    run["remote_memory_bytes"] = int(al.remote_bytes)  # (DLSHARE_REMOTE_MEMORY_BYTES)
                 if row.spec.get("cwd"):
                     run["cwd"] = row.spec["cwd"]
                 await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run")

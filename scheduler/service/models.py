@@ -84,6 +84,9 @@ class ApiJobSpec(_Strict):
     gpus: Int = Field(0, ge=0, le=MAX_GPUS)
     cpus: float = Field(1.0, gt=0, le=MAX_CPUS, allow_inf_nan=False, description="CPU cores requested")
     memory_bytes: Int = Field(1 << 30, ge=1 << 20, le=MAX_MEMORY_BYTES, description="host memory requested")
+    remote_memory_bytes: Int = Field(0, ge=0, le=MAX_MEMORY_BYTES,
+                                     description="the least memory lent by donors the job must have (0: what "
+                                                 "the scheduler gives it); more than the donors lend is rejected")
     priority: Int = Field(0, ge=-1000, le=1000, description="higher runs first among equals")
     command: list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
         ..., min_length=1, max_length=MAX_ARGV, description="argv to run on the node, e.g. [\"python\", \"train.py\"]")
@@ -125,6 +128,7 @@ class ApiAllocation(BaseModel):
     cpus: float
     cpuset: str | None = None
     memory_bytes: int
+    remote_memory_bytes: int = Field(0, description="memory lent by donors (the scheduler's promise)")
 
 
 class ApiJob(BaseModel):
@@ -183,6 +187,10 @@ class ApiNode(BaseModel):
     reserved_unused_bytes: int = 0
     lendable_bytes: int = 0
     lent_bytes: int = 0
+    promised_as_donor_bytes: int = Field(0, description="of this donor's memory, what the scheduler promised to jobs")
+    borrowed_bytes: int = Field(0, description="lent memory the scheduler gave the jobs on this node")
+    borrowed_from: dict[str, int] = Field(default_factory=dict,
+                                          description="the scheduler's books: donor -> bytes promised to jobs here")
     gpus: list[ApiGpu] = Field(default_factory=list)
     gpu_reason: str | None = None
     jobs: list[str] = Field(default_factory=list)
@@ -209,6 +217,7 @@ class ApiCluster(BaseModel):
     cpus_allocated: float
     memory_lent_bytes: int
     memory_lendable_bytes: int
+    memory_promised_bytes: int = Field(0, description="lent memory the scheduler promised to jobs, all donors")
     aggregation: ApiAggregation
     profile: str
 

@@ -39,6 +39,7 @@ class LiveNode:
     promised_bytes: int = 0
     lendable_bytes: int = 0
     lent_bytes: int = 0
+    lend_capacity_bytes: int | None = None  # a donor's slabs in all (lent + lendable now), when it says
     gpus: list[LiveGpu] = field(default_factory=list)
     gpu_reason: str | None = None
     job_usage: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -101,12 +102,20 @@ def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
     if isinstance(donor, dict):
         node.lendable_bytes = _int(donor.get("lendable_bytes", donor.get("free_bytes")))
         node.lent_bytes = _int(donor.get("lent_bytes", donor.get("used_bytes")))
+        slabs, slab = donor.get("total_slabs"), donor.get("slab_bytes")
+        node.lend_capacity_bytes = (_int(slabs) * _int(slab) if isinstance(slabs, int) and isinstance(slab, int)
+                                    and not isinstance(slabs, bool) and not isinstance(slab, bool) else None)
     jobs = t.get("jobs")
     node.job_usage = {k: v for k, v in jobs.items() if isinstance(v, dict)} if isinstance(jobs, dict) else {}
 
 
 def core_node(node: LiveNode) -> Node:
-    """The core's Node for this entry: its GPUs, cores, memory and lendable memory."""
+    """The core's Node for this entry: its GPUs, cores, memory and lendable memory.  A donor's
+    lendable memory, for the core, is what it could lend in all: its free lendable bytes plus what
+    it lends now (its slab count when it reports one: that also shows a cap on slabs and a pause after
+    a reclaim); the core's promises on it are counted against that."""
     gmem = next((g.memory_total_bytes for g in node.gpus if g.memory_total_bytes), None)
     return Node(id=node.id, gpus=len(node.gpus), cores=max(0, node.cpu_count), memory_bytes=max(0, node.memory_total_bytes),
-                lendable_bytes=max(0, node.lendable_bytes), gpu_memory_bytes=gmem or 32 * GiB)
+                lendable_bytes=(max(0, node.lend_capacity_bytes) if node.lend_capacity_bytes is not None
+                                else max(0, node.lendable_bytes) + max(0, node.lent_bytes)),
+                gpu_memory_bytes=gmem or 32 * GiB)

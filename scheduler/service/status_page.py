@@ -64,7 +64,8 @@ def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], token: str, refr
         f"<span>GPUs in use <b id='gpus'>{cluster['gpus_allocated']}/{cluster['gpus_total']}</b></span>",
         f"<span>CPUs allocated <b id='cpus'>{cluster['cpus_allocated']:.1f}/{cluster['cpus_total']:.0f}</b></span>",
         f"<span>memory lent <b id='lent'>{_b(cluster['memory_lent_bytes'])}</b> "
-        f"(lendable {_b(cluster['memory_lendable_bytes'])})</span>",
+        f"(lendable {_b(cluster['memory_lendable_bytes'])}; promised to jobs "
+        f"{_b(cluster.get('memory_promised_bytes', 0))})</span>",
         f"<span>aggregation <b id='agg'>{agg.get('servers', 0)} servers, {agg.get('jobs', 0)} jobs, "
         f"{agg.get('busy_cores', 0):.2f} of {agg.get('pool_cores', 0):.0f} pool cores busy, "
         f"{_b(agg.get('bytes_in_per_s', 0))}/s in</b></span>",
@@ -72,7 +73,7 @@ def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], token: str, refr
         "</p>",
         "<h2>Nodes</h2><table id='nodes'><tr><th>node</th><th>status</th><th>CPU</th><th>CPUs allocated</th>"
         "<th>memory avail / total</th><th>allocated</th><th>reserved, unused</th><th>lendable / lent</th>"
-        "<th>GPUs</th><th>jobs</th></tr>",
+        "<th>borrows from</th><th>GPUs</th><th>jobs</th></tr>",
     ]
     for n in cluster["nodes"]:
         gpus = "<br>".join(
@@ -83,7 +84,9 @@ def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], token: str, refr
             f"<td>{_e(n['cpu_percent'])}% of {n['cpu_count']}</td><td>{n['cpus_allocated']:.1f}</td>"
             f"<td>{_b(n['memory_available_bytes'])} / {_b(n['memory_total_bytes'])}</td>"
             f"<td>{_b(n['memory_allocated_bytes'])}</td><td>{_b(n['reserved_unused_bytes'])}</td>"
-            f"<td>{_b(n['lendable_bytes'])} / {_b(n['lent_bytes'])}</td><td>{gpus}</td>"
+            f"<td>{_b(n['lendable_bytes'])} / {_b(n['lent_bytes'])}</td>"
+            f"<td>{_e(', '.join(f'{d} {_b(b)}' for d, b in sorted((n.get('borrowed_from') or {}).items())) or '-')}"
+            f"</td><td>{gpus}</td>"
             f"<td>{_e(', '.join(n['jobs']) or '-')}</td></tr>")
     out.append("</table>")
     out.append("<h2>Jobs</h2><table id='jobs'><tr><th>job</th><th>name</th><th>kind</th><th>state</th><th>node</th>"

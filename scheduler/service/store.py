@@ -113,6 +113,7 @@ class JobAllocation:
     requested_cpus: float = 0.0
     requested_memory_bytes: int = 0
     cpuset: str | None = None
+    remote_memory_bytes: int = 0  # lent by donors (the core's promise)
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -122,7 +123,8 @@ class JobAllocation:
         return {"node": self.node, "gpus": list(self.gpus), "cpus": self.cpus, "memory_bytes": self.memory_bytes,
                 "shards": [{"node": n, "gpus": list(g)} for n, g in self.shards],
                 "colocated_with": list(self.colocated_with), "requested_cpus": self.requested_cpus,
-                "requested_memory_bytes": self.requested_memory_bytes, "cpuset": self.cpuset}
+                "requested_memory_bytes": self.requested_memory_bytes, "cpuset": self.cpuset,
+                "remote_memory_bytes": self.remote_memory_bytes}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "JobAllocation":
@@ -131,7 +133,8 @@ class JobAllocation:
                    cpus=float(d.get("cpus") or 0.0), memory_bytes=int(d.get("memory_bytes") or 0), shards=shards,
                    colocated_with=tuple(d.get("colocated_with") or ()),
                    requested_cpus=float(d.get("requested_cpus") or 0.0),
-                   requested_memory_bytes=int(d.get("requested_memory_bytes") or 0), cpuset=d.get("cpuset"))
+                   requested_memory_bytes=int(d.get("requested_memory_bytes") or 0), cpuset=d.get("cpuset"),
+                   remote_memory_bytes=int(d.get("remote_memory_bytes") or 0))
 
 
 @dataclass
@@ -400,16 +403,16 @@ class JobStore:
                 self._event(db, event, job=job_id, node=node, data=event_data or {})
         return changed
 
-    def set_allocations(self, changes: list[tuple[str, str, float, int]]) -> None:
-        """New cores and memory of running jobs on their first node ((job, node, cpus, memory)),
-        without reading the rows (the core re-splits a node's share often)."""
+    def set_allocations(self, changes: list[tuple]) -> None:
+        """New cores, memory and lent memory of running jobs on their first node ((job, node, cpus,
+        memory[, remote memory])), without reading the rows (the core re-splits a node's share often)."""
         if not changes:
             return
         with self.tx() as db:
             db.executemany(
-                "UPDATE jobs SET allocation = json_set(allocation, '$.cpus', ?, '$.memory_bytes', ?) "
-                "WHERE id=? AND state='running' AND json_extract(allocation, '$.node') = ?",
-                [(float(c), int(m), j, n) for j, n, c, m in changes])
+                "UPDATE jobs SET allocation = json_set(allocation, '$.cpus', ?, '$.memory_bytes', ?, "
+                "'$.remote_memory_bytes', ?) WHERE id=? AND state='running' AND json_extract(allocation, '$.node') = ?",
+                [(float(c[2]), int(c[3]), int(c[4]) if len(c) > 4 else 0, c[0], c[1]) for c in changes])
 
     def set_service(self, amounts: dict[str, float]) -> None:
         """Record attained service (GPU- or CPU-seconds) of running jobs, in one transaction."""

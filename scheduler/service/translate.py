@@ -11,8 +11,12 @@ turns what the core must know into events, with no policy of its own:
 * a job reported exited (its ``job_exit`` event, or ``exited`` in telemetry)
   -> the row's exit code and ``JobFinished`` (once, and only from the node the
   job runs on);
+* a donor whose lendable memory (free plus lent) fell below what the core promised on it
+  (it reclaimed memory for its own jobs) -> ``DonorReclaimed`` for the drop, before its report
+  (:func:`donor_reclaim`);
 * the retained ``offline`` state (a Last Will or a clean stop), or no
-  telemetry for ``node_timeout_s`` while the other nodes reported -> ``NodeLost``.
+  telemetry for ``node_timeout_s`` while the other nodes reported -> ``NodeLost`` (a lost
+  donor's lent memory is taken back by the core).
 
 The core then decides (requeue, release, place elsewhere); the carrier turns
 its decisions into rows and commands.  Everything here runs on the live loop's
@@ -25,11 +29,25 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from scheduler import Event, JobFinished, JobSample, JobState, NodeLost, NodeReport
+from scheduler import DonorReclaimed, Event, JobFinished, JobSample, JobState, NodeLost, NodeReport
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
 
 log = logging.getLogger("dlshare.sched.live")
+
+
+def donor_reclaim(core: Any, node_id: str, lendable: int, now: float,
+                  posted: int | None = None) -> DonorReclaimed | None:
+    """``DonorReclaimed`` for a donor that can now lend only ``lendable`` bytes while the core has
+    promised more on it; ``None`` when nothing promised is affected.  ``posted``: the capacity a
+    reclaim posted before (not handled yet, or handled) left it, so a drop is posted once."""
+    ns = core.nodes.get(node_id)
+    if ns is None or not ns.alive:
+        return None
+    known = ns.node.lendable_bytes if posted is None else min(posted, ns.node.lendable_bytes)
+    if core.ledger.pool.promised_on(node_id) <= lendable or known <= lendable:
+        return None
+    return DonorReclaimed(_eid(), now, node_id, int(known - max(0, lendable)))
 
 
 class Translator:
@@ -41,6 +59,7 @@ class Translator:
         self.post = post
         self.exiting: set[str] = set()  # JobFinished posted, not yet handled (cleared after each batch)
         self.published: dict[str, float] = {}  # NodeReport stimulus_id -> when the node published it
+        self.reclaimed_to: dict[str, int] = {}  # donor -> the capacity its last DonorReclaimed left it
 
     # --- telemetry ------------------------------------------------------------------------
 
@@ -62,7 +81,10 @@ class Translator:
         """A NodeReport when the node's resources or its running jobs changed, or every ``report_s``."""
         svc, core = self.svc, self.svc.core
         n = core_node(node)
-        key = (n.gpus, n.cores, n.memory_bytes, n.lendable_bytes >> 26)
+        # A donor that counts slabs reports its capacity exactly (a reclaim of a few slabs matters);
+        # MemAvailable-based figures move all the time, so they count in 64 MiB steps.
+        lend_key = n.lendable_bytes if node.lend_capacity_bytes is not None else n.lendable_bytes >> 26
+        key = (n.gpus, n.cores, n.memory_bytes, lend_key)
         running = node.running
         now = svc.clock()
         ns = core.nodes.get(node.id)
@@ -92,6 +114,14 @@ class Translator:
                 mems = [m for _, m in us if m is not None]
                 samples[job] = JobSample(sm_percent=sum(u for u, _ in us) / len(us),
                                          mem_percent=sum(mems) / len(mems) if mems else None)
+        reclaim = donor_reclaim(core, n.id, n.lendable_bytes, svc.now(), self.reclaimed_to.get(n.id))
+        if n.lendable_bytes > self.reclaimed_to.get(n.id, n.lendable_bytes):
+            self.reclaimed_to.pop(n.id, None)  # it lends more again: the core hears it in the report
+        if reclaim is not None:
+            self.reclaimed_to[n.id] = n.lendable_bytes
+            svc.store.log_event("donor_reclaimed", node=n.id, data={"bytes": reclaim.bytes})
+            log.info("donor %s took %d lent bytes back", n.id, reclaim.bytes)
+            self.post(reclaim)
         ev = NodeReport(_eid(), svc.now(), n, gpu_util=tuple(float(g.util_percent or 0.0) for g in node.gpus),
                         cpu_percent=node.cpu_percent, memory_available_bytes=node.memory_available_bytes,
                         jobs=samples, running=running)

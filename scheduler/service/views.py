@@ -17,6 +17,11 @@ def cluster_view(svc: Any) -> dict[str, Any]:
         jobs = sorted(ns.jobs) if ns is not None and ns.alive else []
         residents = ns.residents if ns is not None and ns.alive else []
         allocs = [core.records[j].allocation.get(n.id) for j in jobs]
+        pool = core.ledger.pool
+        borrowed_from: dict[str, int] = {}  # the core's books: donor -> bytes promised to jobs here
+        for j in jobs:
+            for donor, b in pool.donors_of((j, n.id)).items():
+                borrowed_from[donor] = borrowed_from.get(donor, 0) + b
         nodes.append({
             "id": n.id, "status": n.status if n.status in ("online", "offline") else "unknown",
             "last_seen": n.last_seen, "cpu_count": n.cpu_count, "cpu_percent": n.cpu_percent,
@@ -24,7 +29,9 @@ def cluster_view(svc: Any) -> dict[str, Any]:
             "memory_total_bytes": n.memory_total_bytes, "memory_available_bytes": n.memory_available_bytes,
             "memory_allocated_bytes": int(sum(a.memory_bytes for a in allocs if a is not None)),
             "reserved_unused_bytes": n.reserved_unused_bytes, "lendable_bytes": n.lendable_bytes,
-            "lent_bytes": n.lent_bytes,
+            "lent_bytes": n.lent_bytes, "promised_as_donor_bytes": pool.promised_on(n.id),
+            "borrowed_bytes": int(sum(a.remote_bytes for a in allocs if a is not None)),
+            "borrowed_from": borrowed_from,
             "gpus": [{"index": g.index, "name": g.name, "util_percent": g.util_percent,
                       "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
                       "jobs": list(residents[g.index]) if g.index < len(residents) else []} for g in n.gpus],
@@ -39,6 +46,7 @@ def cluster_view(svc: Any) -> dict[str, Any]:
         "cpus_allocated": float(sum(n["cpus_allocated"] for n in online)),
         "memory_lent_bytes": sum(n["lent_bytes"] for n in online),
         "memory_lendable_bytes": sum(n["lendable_bytes"] for n in online),
+        "memory_promised_bytes": core.ledger.pool.stats()["promised_bytes"],
         "aggregation": {
             "servers": len(agg),
             "addresses": sorted(str(a.get("address", "")) for a in agg),

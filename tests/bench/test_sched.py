@@ -30,3 +30,19 @@ def test_bench_sched_small_run(tmp_path):
 def test_decision_latency_probe_places_jobs():
     lat = sched.decision_latency("fifo", nodes=20, gpus=4, decisions=30)
     assert 0 < lat["p50_ms"] <= lat["p99_ms"]
+
+
+def test_memshort_reports_every_run_and_the_metrics_the_issue_names():
+    from bench.sched_memory import checks, memshort
+
+    res = memshort()
+    m = res["metrics"]
+    for key in ("memshort_local_jct_h", "memshort_lent_jct_h", "memshort_unconstrained_jct_h", "memshort_recovered",
+                "memshort_reclaim_jct_h"):
+        assert isinstance(m[key], float), key
+    assert m["memshort_recovered"] == (m["memshort_local_jct_h"] - m["memshort_lent_jct_h"]) / (
+        m["memshort_local_jct_h"] - m["memshort_unconstrained_jct_h"])
+    assert m["memshort_unconstrained_jct_h"] <= m["memshort_lent_jct_h"] < m["memshort_local_jct_h"]
+    assert m["memshort_lent_peak_gb"] > 0 and m["memshort_reclaim_early_taken_back_gb"] > 0
+    assert len(res["rows"]) == 7 and all(r["failed"] == 0 for r in res["rows"])
+    assert {c[0] for c in checks(m)} and all(c[1] is not None for c in checks(m))

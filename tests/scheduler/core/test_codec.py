@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import (
-    Job, JobArrived, JobBound, JobCancelled, JobFinished, JobSample, JobStarted, JobState, Node, NodeLost, NodeReport,
+    DonorReclaimed, Job, JobArrived, JobBound, JobCancelled, JobFinished, JobSample, JobStarted, JobState, Node, NodeLost, NodeReport,
     PlacementFailed, Release, SchedulerState, Tick, events,
 )
 from scheduler.codec import CodecError, decision_from_dict, decision_to_dict, event_from_dict, event_to_dict
@@ -31,6 +31,7 @@ EVENTS = [
     JobBound("i", 9.0, Job("k8s.ml.p", "unknown", gpus=0, cpus=0.5, memory_bytes=1 << 28), "n0", (), 120.0),
     JobBound("k", 9.5, Job("k8s.ml.q", "resnet50", gpus=2), "n0", (1, 3), None),
     NodeReport("l", 10.0, Node("n1", 0, 8, 1 << 30), running=("j", "x")),
+    DonorReclaimed("o", 13.0, "prep0", 1 << 33),
 ]
 
 

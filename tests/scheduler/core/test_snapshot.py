@@ -91,7 +91,7 @@ def test_snapshots_of_another_profile_version_or_damaged_are_refused():
         snapshot.load(data[:-20])
     with pytest.raises(snapshot.SnapshotError, match="not a dlshare"):
         snapshot.load(b"garbage")
-    bumped = data.replace(b'"version": 1', b'"version": 99')
+    bumped = data.replace(f'"version": {snapshot.VERSION}'.encode(), b'"version": 99')
     with pytest.raises(snapshot.SnapshotError, match="format 99"):
         snapshot.load(bumped)
     assert isinstance(snapshot.load(data, load_profile("fifo"), RULES), SchedulerState)

@@ -77,6 +77,8 @@ def test_resubmitting_an_id_is_idempotent_and_a_clash_is_409(api):
     ({"memory_bytes": 10}, "memory_bytes", "greater than or equal to 1048576"),
     ({"id": "bad/id"}, "id", "pattern"),
     ({"batch_size": "big"}, "batch_size", "integer"),
+    ({"remote_memory_bytes": -1}, "remote_memory_bytes", "greater than or equal to 0"),
+    ({"remote_memory_bytes": 1 << 60}, "remote_memory_bytes", "less than or equal"),
 ])
 def test_invalid_specs_get_a_precise_422_and_reach_nothing(api, patch, field, words):
     c, svc = api

@@ -1,0 +1,112 @@
+"""What a byte of lent (remote) memory is worth to a training job: the one place this is modelled.
+
+Host-memory sensitivity on DL nodes is mostly data caching: Synergy's profiles (OSDI'22) come from
+input pipelines that cache decoded or raw samples, so more memory means more cache hits and fewer
+reads from storage.  A cache tier on a donor serves the same hits, only from further away.  So a
+remote byte is worth a local byte times an **efficiency** ``e`` in [0, 1]:
+
+    effective memory = local + e * remote
+
+``e`` is the share of the remote tier's read demand that the path to the donor can carry:
+
+* the job's **input data rate** at the speed it runs at: ``batch x sample bytes / iteration time x
+  speed`` (batch and iteration time from its Synergy profile; sample bytes per model family below);
+* the share of its cache hits that land on the remote tier, ``remote / (local + remote)`` (uniform
+  access over the cached samples), gives the **remote demand**;
+* the **supply**: the least of the remote read bandwidth, what the job's loader streams can pull at
+  the measured per-read latency (one sample in flight per core), and the job's share of its donor's
+  bandwidth when several jobs borrow from one donor (reserved oldest borrower first,
+  :func:`reserved_shares`).
+
+``e = min(1, supply / demand)``.  Measured (``dlshare bench memory``, bench/RESULTS.md, full run of
+2026-11-21 on the 2-vCPU development VM, loopback TCP): batched 4 KiB page reads at 2.561 GB/s and a
+single 4 KiB read at 22.2 us p50.  Assumed: that a donor serves at most that rate to all its borrowers
+together (one slab server; a real NIC may carry more), and the sample sizes below.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GB = 1e9
+
+# Measured by `dlshare bench memory` (bench/RESULTS.md, "Full run", 2026-11-21 09:04 UTC, 2-vCPU VM):
+READ_BYTES_PER_S = 2.561e9  # batched 4 KiB page reads, RemoteMemory(replicas=2), loopback TCP
+READ_LATENCY_S = 22.2e-6  # RemoteBuffer.read of one 4 KiB page, p50
+
+# Assumed: bytes one training sample occupies in an input cache, per model family (the datasets
+# Synergy's models train on).  ImageNet-1k: 138 GB of JPEGs for 1.28M training images (~108 kB each);
+# LibriSpeech (DeepSpeech): ~12 s utterances of 16 kHz 16-bit audio, FLAC-compressed (~230 kB);
+# M5 on UrbanSound8K-style clips: 4 s at 8 kHz as float32 (128 kB); text models (GNMT, LSTM, BERT):
+# ~1 kB of token ids per sample.  Unknown models take the ImageNet figure (the conservative side).
+SAMPLE_BYTES = {
+    "alexnet": 108e3, "res18": 108e3, "res50": 108e3, "mobilenet": 108e3, "shufflenet": 108e3,
+    "deepspeech": 230e3, "m5": 128e3, "gnmt": 1e3, "lstm": 1e3, "bert": 1e3,
+}
+DEFAULT_SAMPLE_BYTES = 108e3
+
+
+@dataclass(frozen=True)
+class RemoteLink:
+    """The named inputs of the efficiency (see the module docstring)."""
+
+    read_bytes_per_s: float = READ_BYTES_PER_S
+    read_latency_s: float = READ_LATENCY_S
+    donor_bytes_per_s: float = READ_BYTES_PER_S  # assumed: one donor serves what one consumer measured
+
+    def __post_init__(self) -> None:
+        if not (self.read_bytes_per_s > 0 and self.donor_bytes_per_s > 0 and self.read_latency_s >= 0):
+            raise ValueError("remote link: bandwidths must be > 0 and latency >= 0")
+
+    def stream_bytes_per_s(self, sample_bytes: float, streams: float) -> float:
+        """What ``streams`` loader streams pull, one sample in flight each, at the measured latency."""
+        per = sample_bytes / (self.read_latency_s + sample_bytes / self.read_bytes_per_s)
+        return max(1.0, streams) * per
+
+
+def input_rate(sens: Any, model: str, gpus: int, speed: float) -> float:
+    """Bytes per second the job reads from its input cache at ``speed`` (1.0 = the GPU-proportional
+    share's throughput), from its Synergy profile (batch size, iteration time); 0 when unknown."""
+    meta = sens.meta(model, gpus) if sens is not None and hasattr(sens, "meta") else None
+    if not meta or not meta.get("iter_time_s"):
+        return 0.0
+    sample = SAMPLE_BYTES.get(model, DEFAULT_SAMPLE_BYTES)
+    # Assumed: the profile's batch is per GPU (data parallel), so the rate grows with the GPUs.
+    return float(meta["batch_size"]) * sample * max(1, gpus) / float(meta["iter_time_s"]) * max(0.0, speed)
+
+
+def remote_demand(rate: float, local_bytes: float, remote_bytes: float) -> float:
+    """The part of ``rate`` that lands on the remote tier (uniform access over the cached samples)."""
+    total = local_bytes + remote_bytes
+    return rate * (remote_bytes / total) if total > 0 and remote_bytes > 0 else 0.0
+
+
+def efficiency(demand: float, supply: float) -> float:
+    """``min(1, supply / demand)``; 1 when nothing is demanded."""
+    if demand <= 0:
+        return 1.0
+    return max(0.0, min(1.0, supply / demand))
+
+
+def reserved_shares(demands: dict[Any, float], capacity: float) -> dict[Any, float]:
+    """A donor's ``capacity`` (bytes/s) reserved to its borrowers' ``demands`` in the order given
+    (oldest borrower first): each gets what is left after the older ones, so a newcomer never takes
+    read rate an older borrower's level depends on (the core admits a borrower only at the
+    efficiency what is left gives it)."""
+    out: dict[Any, float] = {}
+    left = max(0.0, capacity)
+    for key, d in demands.items():
+        out[key] = min(max(0.0, d), left) if d > 0 else left
+        left = max(0.0, left - max(0.0, d))
+    return out
+
+
+def effective_memory(local_bytes: float, remote_bytes: float, e: float) -> float:
+    return local_bytes + max(0.0, e) * remote_bytes
+
+
+__all__ = ["RemoteLink", "input_rate", "remote_demand", "efficiency", "reserved_shares", "effective_memory",
+           "SAMPLE_BYTES", "READ_BYTES_PER_S", "READ_LATENCY_S"]
