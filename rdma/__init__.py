@@ -36,7 +36,8 @@ module and name is the package's own business and may change.
 from rdma.native import crc32c
 
 __all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataLostError", "ReplicaState",
-           "SpillCache", "RemoteRegion", "region_from_env", "place_embeddings", "place_tensors"]
+           "SpillCache", "RemoteRegion", "region_from_env", "spill_cache_from_env", "place_embeddings",
+           "place_tensors"]
 
 # Imported on first use: the consumer pulls in the MQTT stack, which the donor side
 # and the C-only tools (aggregator kernels, crc32c) do not need.
@@ -49,6 +50,7 @@ _LAZY = {
     "SpillCache": "rdma.spill",
     "RemoteRegion": "rdma.region",
     "region_from_env": "rdma.env",
+    "spill_cache_from_env": "rdma.env",
     "place_embeddings": "rdma.torch",
     "place_tensors": "rdma.torch",
 }

@@ -9,11 +9,12 @@ node's id that every job gets::
     DLSHARE_REMOTE_MEMORY_BYTES=...     donor memory the job may use, every copy counted
     DLSHARE_MEMORY_BYTES=...            the job's local memory limit, when it has one
 
-so a job maps its region with no address in its code::
+so a job maps its region, or a sample cache that spills to donors, with no address in its code::
 
     import rdma
     region = rdma.region_from_env()          # budget / replicas bytes, on donors
     table = region.array(np.float32, (rows, dim))
+    cache = rdma.spill_cache_from_env()      # key -> bytes, the resident share local, the rest on donors
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from rdma.region import DEFAULT_UNIT, RemoteRegion
 from rdma.remote import RemoteMemory
+from rdma.spill import SpillCache
 
 ENV_BROKER = "DLSHARE_BROKER"
 ENV_BUDGET = "DLSHARE_REMOTE_MEMORY_BYTES"
@@ -93,3 +95,17 @@ def region_from_env(nbytes: int | None = None, local_bytes: int | None = None, *
         raise
     region._own(mem)
     return region
+
+
+def spill_cache_from_env(capacity_bytes: int | None = None, *, arena_bytes: int = 64 << 20,
+                         discover_timeout_s: float = 15.0) -> SpillCache:
+    """A :class:`SpillCache` sized by this job's budget: ``capacity_bytes`` local (default: the
+    resident share, see :func:`budget_from_env`), and at most the budget's ``region_bytes`` on donors
+    (every copy counted against the budget).  The cache owns its RemoteMemory: closing it closes it."""
+    grant = budget_from_env()
+    local = grant["local_bytes"] if capacity_bytes is None else int(capacity_bytes)
+    if local < 0:
+        raise ValueError(f"capacity_bytes must not be negative, got {local}")
+    mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s)
+    return SpillCache(local, remote=mem, arena_bytes=min(arena_bytes, grant["region_bytes"]),
+                      remote_capacity_bytes=grant["region_bytes"], owns_remote=True)

@@ -50,13 +50,15 @@ class _Remote:
 
 class SpillCache:
     def __init__(self, capacity_bytes: int, remote: "RemoteMemory | None" = None,
-                 arena_bytes: int = 64 << 20, remote_capacity_bytes: int | None = None) -> None:
+                 arena_bytes: int = 64 << 20, remote_capacity_bytes: int | None = None,
+                 owns_remote: bool = False) -> None:
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must not be negative")
         self.capacity = capacity_bytes
         self.remote = remote
         self.arena_bytes = arena_bytes
         self.remote_capacity = remote_capacity_bytes
+        self._owns_remote = owns_remote  # close() closes ``remote`` too (spill_cache_from_env made it)
         self.page = remote.page_size if remote is not None else 4096
         self._local: "OrderedDict[Hashable, bytes]" = OrderedDict()
         self._remote: "OrderedDict[Hashable, _Remote]" = OrderedDict()
@@ -135,6 +137,8 @@ class SpillCache:
             self._remote.clear()
             self._local.clear()
             self.stats.local_bytes = self.stats.remote_bytes = 0
+            if self._owns_remote and self.remote is not None:
+                self.remote.close()
 
     def __enter__(self) -> "SpillCache":
         return self

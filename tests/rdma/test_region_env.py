@@ -115,3 +115,32 @@ def test_a_job_started_with_a_remote_budget_maps_it_and_status_shows_it_borrowed
                    "the job to give the memory back")
     finally:
         stop_proc(node)
+
+
+def test_a_spill_cache_from_the_environment_spills_to_donors_within_the_budget(mosquitto, donor_factory,
+                                                                              monkeypatch):
+    """Promise: with only the environment a node daemon gives a job, spill_cache_from_env() keeps its
+    local tier to the size asked, puts the rest on donors, reads every entry back intact, and never
+    holds more on donors than the budget allows (every copy counted)."""
+    from rdma.env import spill_cache_from_env
+
+    donor_factory(mosquitto.url, 2)
+    budget = 8 * SLAB  # 2 copies: 4 slabs' worth of entries on donors at most
+    monkeypatch.setenv("DLSHARE_BROKER", mosquitto.url)
+    monkeypatch.setenv("DLSHARE_REMOTE_MEMORY_BYTES", str(budget))
+    monkeypatch.setenv("DLSHARE_NODE_ID", "n-cache")
+    cache = spill_cache_from_env(capacity_bytes=MIB, arena_bytes=SLAB)
+    try:
+        assert cache.remote_capacity == budget // 2 and cache.capacity == MIB
+        values = {k: os.urandom(64 << 10) for k in range(48)}  # 3 MiB through a 1 MiB local tier
+        for k, v in values.items():
+            cache.put(k, v)
+        assert cache.stats.spilled > 0 and cache.stats.local_bytes <= MIB
+        assert 0 < cache.stats.remote_bytes <= budget // 2
+        assert all(cache.get(k) == v for k, v in values.items())  # nothing dropped: it all fits the budget
+        assert cache.stats.remote_hits > 0
+    finally:
+        cache.close()
+    monkeypatch.delenv("DLSHARE_REMOTE_MEMORY_BYTES")
+    with pytest.raises(LookupError, match="DLSHARE_REMOTE_MEMORY_BYTES"):
+        spill_cache_from_env()
