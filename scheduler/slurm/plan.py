@@ -189,6 +189,17 @@ def _release(book: Book, core: Any, t: Tracked, j: SlurmJob, rec: Any, free: Fre
     return Action("release", t.job_id, cmds, f"release:{admin}:{j.restart_count}", nodes, status, admin)
 
 
+def _hold_or_note(j: SlurmJob, status: str, first: list[Action], notes: list[Action]) -> None:
+    """A pending job dlshare will not run: hold it with the reason in its comment, or, held already,
+    only bring the comment up to date."""
+    comment = with_status(j.comment, status)
+    if not j.held:
+        first.append(Action("hold", j.job_id, hold_commands(j.job_id, comment), f"hold:{j.restart_count}",
+                            status=status))
+    elif comment != j.comment:
+        notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}", status=status))
+
+
 def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 10.0, explain: bool = False,
          max_notes: int = 20) -> list[Action]:
     """The actions that make Slurm match the core (see the module docstring), in the order to run
@@ -203,14 +214,7 @@ def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 
             continue
         if not t.in_core:
             if t.problem and j.pending:
-                status = f"not scheduled: {t.problem}"
-                comment = with_status(j.comment, status)
-                if not j.held:
-                    first.append(Action("hold", j.job_id, hold_commands(j.job_id, comment), f"hold:{j.restart_count}",
-                                        status=status))
-                elif comment != j.comment:
-                    notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}",
-                                        status=status))
+                _hold_or_note(j, f"not scheduled: {t.problem}", first, notes)
             continue
         rec = core.records.get(j.job_id)
         if rec is None:
@@ -237,14 +241,7 @@ def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 
                     notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}",
                                         status=status))
         elif state is JobState.FAILED and t.rejected and j.pending:
-            status = f"cannot run: {t.rejected}"
-            comment = with_status(j.comment, status)
-            if not j.held:
-                first.append(Action("hold", j.job_id, hold_commands(j.job_id, comment), f"hold:{j.restart_count}",
-                                    status=status))
-            elif comment != j.comment:
-                notes.append(Action("note", j.job_id, note_commands(j.job_id, comment), f"note:{status}",
-                                    status=status))
+            _hold_or_note(j, f"cannot run: {t.rejected}", first, notes)
     free = free_resources(book, core, snap, leaving)
     out = first + [_release(book, core, t, j, rec, free) for t, j, rec in releases] + notes[:max_notes]
     return [a for a in out if not _recent(book.jobs[a.job], a, now, retry_s)]
