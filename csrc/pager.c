@@ -210,6 +210,20 @@ int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64
     return DLS_OK;
 }
 
+int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *slabs, uint8_t *roles,
+                            uint8_t *failed, uint32_t max) {
+    if (idx >= p->next) return DLS_E_ARG;
+    pg_copy cs[DLS_PAGER_MAX_COPIES];
+    uint32_t n = pg_copies(&p->ext[idx], cs);
+    for (uint32_t i = 0; i < n && i < max; i++) {
+        eps[i] = cs[i].ep;
+        slabs[i] = cs[i].slab;
+        roles[i] = cs[i].role;
+        failed[i] = cs[i].failed;
+    }
+    return (int)n;
+}
+
 int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
     if (p->started) return 0;
     if (p->next != p->cfg.nextents || p->ext[p->next - 1].first_unit + p->ext[p->next - 1].nunits != p->nunits) {

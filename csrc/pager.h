@@ -52,6 +52,7 @@ typedef struct dls_pager_config {
     uint64_t prefetch_bytes; /* how far a sequential stream may run ahead; 0 turns prefetch off */
     int io_timeout_ms;
     uint32_t nextents;
+    uint32_t install_delay_us; /* testing only: a pause between mapping a unit in and settling its state */
 } dls_pager_config;
 
 typedef struct dls_pager_event {
@@ -104,6 +105,10 @@ int dls_pager_endpoint(dls_pager *p, const char *host, int port);
  * failing (the same endpoint, slab and token).  Waits for a write-back of the extent in flight. */
 int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64_t nunits, uint32_t ncopies,
                          const int32_t *eps, const uint32_t *slabs, const uint8_t *tokens, const uint8_t *roles);
+/* The engine's copies of extent idx as they are now (at most max): their endpoint, slab, role and
+ * whether they failed.  The number of copies, or <0 for a bad extent. */
+int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *slabs, uint8_t *roles,
+                            uint8_t *failed, uint32_t max);
 /* Start the fault thread, fetch workers and evictors (every extent must be defined). */
 int dls_pager_start(dls_pager *p, char *err, size_t err_len);
 /* Bring units in (write: installed writable and dirty, so the writes that follow take no fault).

@@ -169,12 +169,13 @@ void *pg_fault_main(void *arg) {
     return NULL;
 }
 
-/* UFFDIO_COPY of len bytes; 0, or -errno when the range is gone (the pager is closing). */
+/* UFFDIO_COPY of len bytes, waking nobody (install wakes the range once the units' states are
+ * settled); 0, or -errno when the range is gone (the pager is closing). */
 static int copy_in(dls_pager *p, uint8_t *dst, const uint8_t *src, uint64_t len, int writable) {
     uint64_t done = 0;
     while (done < len) {
         struct uffdio_copy c = {.dst = (uintptr_t)(dst + done), .src = (uintptr_t)(src + done), .len = len - done,
-                                .mode = (writable || !p->wp) ? 0 : UFFDIO_COPY_MODE_WP};
+                                .mode = UFFDIO_COPY_MODE_DONTWAKE | ((writable || !p->wp) ? 0 : UFFDIO_COPY_MODE_WP)};
         if (ioctl(p->uffd, UFFDIO_COPY, &c) == 0) return 0;
         int e = errno;
         if (c.copy > 0) done += (uint64_t)c.copy;
@@ -188,8 +189,10 @@ static int copy_in(dls_pager *p, uint8_t *dst, const uint8_t *src, uint64_t len,
     return 0;
 }
 
-/* units[0..n) (sorted) are back to back in io->bounce: map them in and settle their states.  <0 when
- * they could not be mapped in (the range is gone). */
+/* units[0..n) (sorted) are back to back in io->bounce: map them in, settle their states, then wake
+ * the threads that faulted on them.  The wake comes last, so a thread that touched a unit in flight
+ * finds it CLEAN or DIRTY when it runs again, never still FETCHING.  <0 when they could not be mapped
+ * in (the range is gone). */
 static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
     uint8_t writable[256];
     for (uint32_t i = 0; i < n; i++) {
@@ -205,6 +208,7 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
         if (rc < 0) return rc;
         i = j;
     }
+    if (p->cfg.install_delay_us) usleep(p->cfg.install_delay_us); /* testing: widen the window */
     for (uint32_t i = 0; i < n; i++) {
         uint64_t v = units[i];
         pg_lock(p, v);
@@ -217,6 +221,12 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
         p->flags[v] &= (uint8_t)~(UF_WAIT | UF_WRITE | UF_CLAIMED | UF_QUEUED);
         pg_unlock(p, v);
         pg_ring_add(p, v);
+    }
+    for (uint32_t i = 0; i < n;) { /* one wake per run of adjacent units */
+        uint32_t j = i + 1;
+        while (j < n && units[j] == units[j - 1] + 1) j++;
+        pg_wake(p, pg_addr(p, units[i]), (uint64_t)(j - i) * p->unit);
+        i = j;
     }
     pthread_mutex_lock(&p->inst_mu);
     pthread_cond_broadcast(&p->inst_cv);

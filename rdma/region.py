@@ -113,11 +113,12 @@ class _Engine:
     until no call is in flight, as rdma.native_mem.Endpoint does."""
 
     def __init__(self, nbytes: int, unit: int, local_bytes: int, policy: str, nextents: int,
-                 fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int) -> None:
+                 fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int,
+                 install_delay_us: int = 0) -> None:
         cfg = ffi.new("dls_pager_config *", {
             "nbytes": nbytes, "unit": unit, "local_bytes": local_bytes, "policy": POLICIES[policy],
             "fetch_workers": fetch_workers, "evict_threads": evict_threads, "prefetch_bytes": prefetch_bytes,
-            "io_timeout_ms": io_timeout_ms, "nextents": nextents})
+            "io_timeout_ms": io_timeout_ms, "nextents": nextents, "install_delay_us": install_delay_us})
         err = ffi.new("char[512]")
         p = lib.dls_pager_create(cfg, err, 512)
         if p == ffi.NULL:
@@ -186,6 +187,22 @@ class _Engine:
             self._leave()
         if rc:
             raise RemoteMemoryError(rc, f"copy map of extent {ext.index}")
+
+    def copies(self, index: int) -> list[dict[str, Any]]:
+        """The engine's own copy map of extent ``index``: what its reads and write-backs use."""
+        n = lib.DLS_PAGER_MAX_COPIES
+        eps, slabs = ffi.new("int32_t[]", n), ffi.new("uint32_t[]", n)
+        roles, failed = ffi.new("uint8_t[]", n), ffi.new("uint8_t[]", n)
+        p = self._enter(closed_ok=True)
+        try:
+            got = lib.dls_pager_extent_copies(p, index, eps, slabs, roles, failed, n)
+        finally:
+            self._leave()
+        if got < 0:
+            raise IndexError(f"extent {index} outside the region")
+        names = {v: k.value for k, v in _ROLES.items()}
+        return [{"addr": self.addr_of(eps[i]), "slab": int(slabs[i]), "role": names[roles[i]],
+                 "failed": bool(failed[i])} for i in range(min(got, n))]
 
     def start(self) -> None:
         err = ffi.new("char[256]")
@@ -358,7 +375,9 @@ class RemoteRegion:
 
     def __init__(self, buf: RegionBuffer, local_bytes: int, policy: str = DEFAULT_POLICY, *,
                  io_timeout_ms: int = 5000, fetch_workers: int = 4, evict_threads: int = 1,
-                 prefetch_bytes: int = 1 << 20, owns: Any = None) -> None:
+                 prefetch_bytes: int = 1 << 20, owns: Any = None, _install_delay_us: int = 0) -> None:
+        """``_install_delay_us``: for tests only, a pause between mapping a fetched unit in and
+        settling its state (it widens a window that must stay invisible to the faulting thread)."""
         check_geometry(buf.nbytes, local_bytes, buf.unit, policy)
         self.unit = buf.unit
         self.nbytes = buf.nbytes
@@ -366,7 +385,8 @@ class RemoteRegion:
         self.policy = policy
         self._buf = buf
         self._engine = _Engine(self.nbytes, self.unit, max(self.local_bytes, 4 * self.unit), policy,
-                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms)
+                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms,
+                               _install_delay_us)
         try:
             for ext in buf.extents:
                 with ext.lock:
@@ -492,6 +512,11 @@ class RemoteRegion:
 
     def unit_state(self, unit: int) -> str:
         return self._engine.unit_state(unit)
+
+    def engine_copies(self, extent: int) -> list[dict[str, Any]]:
+        """The copies the engine reads and writes for extent ``extent`` (``addr``, ``slab``, ``role``,
+        ``failed``): :meth:`placement` is RemoteMemory's view, this is the engine's."""
+        return self._engine.copies(extent)
 
     def healthy(self) -> bool:
         return self._buf.healthy()

@@ -43,23 +43,34 @@ def open_region(broker: str, nbytes: int, local: int, unit: int = UNIT):
     return mem.map(nbytes, local_bytes=local, unit=unit), mem
 
 
+def copies_of(region, index: int) -> list[dict]:
+    """The engine's copy map of an extent, each copy named by its donor (from the buffer's replicas)."""
+    names = {(r.addr, r.slab): r.node for e in region.buffer.extents for r in e.replicas}
+    return [{**c, "node": names.get((c["addr"], c["slab"]), c["addr"])} for c in region.engine_copies(index)]
+
+
 def lost(broker: str) -> None:
     region, owner = open_region(broker, 4 << 20, 16 * UNIT)
     a = region.array(np.uint32)
-    a[:] = np.arange(len(a), dtype=np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32) + 0x5A5A0000  # never zeros: a silent-zeros read cannot pass
     region.flush()
     region.prefetch(2 << 20, 2 << 20)  # the second half in: the first is written back and evicted
     say("state", region.unit_state(0))
-    first = region.buffer.extents[0]
-    say("ready", json.dumps(sorted({r.node for r in first.replicas})))
+    # the copies the engine itself would read unit 0 from, which must be the ones RemoteMemory placed
+    engine = copies_of(region, 0)
+    placed = sorted(r.node for r in region.buffer.extents[0].replicas)
+    say("copies", json.dumps({"engine": engine, "placed": placed}))
+    say("ready", json.dumps(sorted({c["node"] for c in engine})))
     if broker == "-":
         for s in owner.servers:
             s.stop()
     else:
-        sys.stdin.readline()  # the parent killed the donors of the first extent
+        sys.stdin.readline()  # the parent stopped, then killed, every donor of the engine's copies
+    say("state before read", region.unit_state(0))
     try:
-        region.read(0, 4096)
-        say("read returned")
+        got = region.read(0, 4096)
+        say("read returned", int(got.view(np.uint32)[0]), "from", json.dumps(copies_of(region, 0)),
+            json.dumps(region.placement()[0]))
     except DataLostError as exc:
         say("read raised DataLostError", exc)
     say("touching")
