@@ -12,7 +12,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge
 PYTEST_ARGS ?=
 
-.PHONY: all demo test lint deps sysdeps ext bench bench-quick clean
+.PHONY: all demo test test-stress lint deps sysdeps ext bench bench-quick clean
 
 all: deps
 
@@ -51,6 +51,12 @@ ext: | $(VENV)/.installed
 test: deps
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+
+# The flake hunt: the suite (or PYTEST_ARGS, a selection) with one core held busy by a pinned busy
+# loop, each test STRESS_COUNT times (tests/stress.py starts the loop and stops it by pid).
+STRESS_COUNT ?= 1
+test-stress: deps
+	$(BIN)/python -m tests.stress --count $(STRESS_COUNT) $(PYTEST_ARGS)
 
 demo: deps
 	$(BIN)/dlshare up --tour

@@ -221,14 +221,16 @@ class Fleet:
         self.logs: list[Path] = []
         self.killed: dict[str, float] = {}  # shard -> when it was killed (time.time())
         self.ids: dict[str, list[str]] = {}
+        self.ready: set[str] = set()  # shards that said so (wait_ready waits only for the others)
 
-    def start(self, name: str, nodes: int, first: int = 0, prefix: str = "fleet") -> None:
+    def start(self, name: str, nodes: int, first: int = 0, prefix: str = "fleet", job_s: float | None = None) -> None:
+        """Start shard ``name`` of ``nodes`` nodes; ``job_s``: how long its jobs run (the fleet's by default)."""
         log = self.workdir / f"fleet-{name}.jsonl"
         self.logs.append(log)
         self.ids[name] = [f"{prefix}-{i:04d}" for i in range(first, first + nodes)]
         cmd = [sys.executable, "-m", "bench.fleet", "--broker", self.broker, "--prefix", prefix, "--first", str(first),
                "--nodes", str(nodes), "--gpus", str(self.gpus), "--cpus", str(self.cpus),
-               "--interval", str(self.interval), "--job-s", str(self.job_s), "--log", str(log)]
+               "--interval", str(self.interval), "--job-s", str(self.job_s if job_s is None else job_s), "--log", str(log)]
         err = open(self.workdir / f"fleet-{name}.err", "ab")
         self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
                                             preexec_fn=raise_fd_limit)
@@ -236,6 +238,8 @@ class Fleet:
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         for name, p in self.procs.items():
+            if name in self.ready:
+                continue
             while True:
                 if p.poll() is not None:
                     raise RuntimeError(f"fleet shard {name} exited with {p.returncode} before it was ready "
@@ -245,6 +249,7 @@ class Fleet:
                     raise TimeoutError(f"fleet shard {name} not ready within {timeout:g}s")
                 line = _readline(p, left)
                 if line is not None and line.strip() == "ready":
+                    self.ready.add(name)
                     break
 
     def kill(self, name: str) -> None:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -149,5 +150,10 @@ def node_daemons(tmp_path) -> NodeFactory:
         return node
 
     yield start
+    # Signal them all first, then wait on one deadline: a teardown is bounded whatever the test left.
     for node in started:
-        node.stop()
+        if node.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10.0
+    for node in started:
+        stop_proc(node.proc, timeout=max(0.1, deadline - time.monotonic()))

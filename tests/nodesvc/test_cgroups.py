@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from nodesvc import cgroups
+from nodesvc.bus.procs import wait_until
 from nodesvc.cgroups import CgroupLimits, CgroupV1, CgroupV2
 
 V1 = cgroups.detect("/sys/fs/cgroup") == 1 and os.geteuid() == 0
@@ -67,19 +68,19 @@ def test_v1_cpu_quota_holds_busy_loop_to_half_a_core(v1):
         v1.apply(CgroupLimits("cpu-half", cpus=0.5), [p.pid])
         assert p.pid in v1.pids("cpu-half")
         assert (v1.path("cpu-half", "cpu") / "cpu.cfs_quota_us").read_text().strip() == "50000"
-        time.sleep(0.3)
         stat = v1.path("cpu-half", "cpu") / "cpu.stat"
-        thr0 = int(dict(l.split() for l in stat.read_text().splitlines())["nr_throttled"])
+
+        def throttled() -> int:
+            return int(dict(line.split() for line in stat.read_text().splitlines())["nr_throttled"])
+
+        # Load-proof: the loop reaches its quota in some 100 ms period however busy the machine is (an
+        # event, waited for), and the quota is a ceiling that load can only push it further below.
+        thr0 = throttled()
+        wait_until(lambda: throttled() > thr0, 30, "the kernel to throttle the busy loop at its quota")
         c0, t0 = _cpu_seconds(p.pid), time.monotonic()
-        time.sleep(2.5)
+        time.sleep(2.0)  # a measurement window: what is asserted of it is a ceiling, not an amount done
         share = (_cpu_seconds(p.pid) - c0) / (time.monotonic() - t0)
-        thr1 = int(dict(l.split() for l in stat.read_text().splitlines())["nr_throttled"])
-        # The quota caps it at 0.5 (an unloaded core would give ~1.0). On a loaded machine it may get
-        # less than its quota and is then never throttled; when it does reach the cap, the kernel
-        # must have throttled it.
-        assert 0.02 < share < 0.62, share
-        if share > 0.4:
-            assert thr1 > thr0, (share, thr0, thr1)
+        assert share < 0.62, share  # an unthrottled loop on a free core would take ~1.0
     finally:
         p.kill()
         p.wait()

@@ -15,6 +15,7 @@ from nodesvc.daemon.donor import DonorExtension, read_pressure
 from nodesvc.extension import NodeContext
 from rdma import wire
 from rdma.native_mem import Endpoint, RemoteMemoryError
+from tests.teardown import within
 
 MIB = 1 << 20
 
@@ -48,7 +49,7 @@ async def donor():
     await ext.start(ctx)
     ext._task.cancel()  # the test drives sampling itself
     yield ext, fake
-    await ext.stop()
+    await within(ext.stop(), 15, "stopping the donor extension")
 
 
 async def test_map_write_read_unmap(donor):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.scheduler.service.svc_helpers import FakeNodes, LiveServices
+from tests.teardown import within
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ async def fake_node(mosquitto):
     test's mosquitto; the ones still up are stopped at the end."""
     nodes = FakeNodes(mosquitto.url)
     yield nodes.start
-    await nodes.stop_all()
+    await within(nodes.stop_all(), 20, "stopping the fake nodes")
 
 
 @pytest.fixture
@@ -32,4 +33,4 @@ async def live_service(mosquitto, tmp_path):
     db); the ones still running are stopped at the end."""
     services = LiveServices(mosquitto.url, tmp_path)
     yield services
-    await services.stop_all()
+    await within(services.stop_all(), 30, "stopping the scheduler services")
