@@ -90,6 +90,14 @@ typedef struct dls_pager_stats {
     uint64_t events_dropped;
     uint64_t user_mode_only;     /* 1: the fd was opened with UFFD_USER_MODE_ONLY */
     uint64_t write_protect;      /* 1: write faults are tracked (else every unit counts as dirty) */
+    /* where the time goes (nanoseconds, summed over the threads that spent it) */
+    uint64_t fault_ns;           /* the fault thread handling messages (not waiting for them) */
+    uint64_t fetch_ns;           /* fetch workers in batched reads (the wire and the donor) */
+    uint64_t install_ns;         /* mapping fetched units in (UFFDIO_COPY), settling them, waking */
+    uint64_t reserve_wait_ns;    /* fetches waiting for eviction to make room */
+    uint64_t evict_ns;           /* evictors picking, writing back and dropping units */
+    uint64_t demand_runs;        /* batched reads for faults and prefetch calls */
+    uint64_t stream_runs;        /* batched reads for sequential streams */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

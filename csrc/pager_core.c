@@ -173,9 +173,10 @@ static uint64_t now_ms(void) {
 
 void pg_reserve(dls_pager *p, uint64_t n) {
     pthread_mutex_lock(&p->slot_mu);
-    uint64_t start = 0;
+    uint64_t start = 0, t0 = 0;
     while (p->resident + n > p->local_units && !p->closing) {
         if (!start) {
+            t0 = pg_now_ns();
             start = now_ms();
             PG_ADD(p, budget_waits, 1);
         } else if (now_ms() - start >= BUDGET_PATIENCE_MS) {
@@ -193,6 +194,7 @@ void pg_reserve(dls_pager *p, uint64_t n) {
         }
         pthread_cond_timedwait(&p->slot_cv, &p->slot_mu, &ts);
     }
+    if (t0) PG_ADD(p, reserve_wait_ns, pg_now_ns() - t0);
     p->resident += n;
     if (p->resident > p->hi) pthread_cond_broadcast(&p->evict_cv);
     pthread_mutex_unlock(&p->slot_mu);

@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "pager.h"
 #include "pager_trend.h"
@@ -98,6 +99,12 @@ typedef struct pg_queue {
 
 #define PG_STAT(p, field) (((uint64_t *)&(p)->stats)[offsetof(dls_pager_stats, field) / sizeof(uint64_t)])
 #define PG_ADD(p, field, n) __atomic_add_fetch(&PG_STAT(p, field), (uint64_t)(n), __ATOMIC_RELAXED)
+
+static inline uint64_t pg_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 struct dls_pager {
     dls_pager_config cfg;

@@ -208,7 +208,9 @@ void *pg_evict_main(void *arg) {
                 nanosleep(&ts, NULL);
                 break;
             }
+            uint64_t t0 = pg_now_ns();
             evict_batch(p, io, victims, dirty, n);
+            PG_ADD(p, evict_ns, pg_now_ns() - t0);
         }
     }
     pg_io_free(io);

@@ -160,11 +160,13 @@ void *pg_fault_main(void *arg) {
             if (errno == EAGAIN || errno == EINTR) continue;
             break;
         }
+        uint64_t t0 = pg_now_ns();
         for (ssize_t i = 0; i < got / (ssize_t)sizeof msgs[0]; i++) {
             if (msgs[i].event != UFFD_EVENT_PAGEFAULT) continue;
             on_fault(p, msgs[i].arg.pagefault.address, msgs[i].arg.pagefault.flags,
                      msgs[i].arg.pagefault.feat.ptid, ++seq);
         }
+        PG_ADD(p, fault_ns, pg_now_ns() - t0);
     }
     return NULL;
 }
@@ -240,10 +242,16 @@ static int cmp_u64(const void *a, const void *b) {
 }
 
 /* Fetch and install units[0..n) (sorted, one extent), or poison them when no copy has them. */
-static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
+static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, int stream) {
     pg_reserve(p, n);
+    uint64_t t0 = pg_now_ns();
     int rc = p->closing ? DLS_E_CLOSED : pg_fetch(p, io, units, n);
+    uint64_t t1 = pg_now_ns();
+    PG_ADD(p, fetch_ns, t1 - t0);
+    if (stream) PG_ADD(p, stream_runs, 1);
+    else PG_ADD(p, demand_runs, 1);
     if (rc == DLS_OK && install(p, io, units, n) < 0) rc = DLS_E_INTERNAL;
+    PG_ADD(p, install_ns, pg_now_ns() - t1);
     if (rc == DLS_OK) return;
     pg_release(p, n);
     if (p->closing) return;
@@ -259,7 +267,7 @@ static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t
 
 /* Take the popped units: claim them (another worker may have them), then fetch what is ours, one
  * batched read per extent, however scattered the units are in it. */
-static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n) {
+static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n, int stream) {
     uint64_t mine[256];
     uint32_t k = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -277,7 +285,7 @@ static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n) {
         uint64_t end = e->first_unit + e->nunits;
         uint32_t j = i + 1;
         while (j < k && mine[j] < end && j - i < io->max_units) j++;
-        fetch_group(p, io, mine + i, j - i);
+        fetch_group(p, io, mine + i, j - i, stream);
         i = j;
     }
 }
@@ -296,6 +304,7 @@ void *pg_worker_main(void *arg) {
             break;
         }
         uint32_t n = 0, nx;
+        int stream = !p->demand.len;
         if (p->demand.len) {
             /* faults and prefetch calls first: this worker's share of what waits (the others take the
              * rest in parallel), read as one batch per extent */
@@ -312,7 +321,7 @@ void *pg_worker_main(void *arg) {
             }
         }
         pthread_mutex_unlock(&p->q_mu);
-        serve(p, io, units, n);
+        serve(p, io, units, n, stream);
     }
     pg_io_free(io);
     return NULL;
