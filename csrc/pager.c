@@ -224,6 +224,10 @@ int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *
     return (int)n;
 }
 
+void dls_pager_set_install_delay(dls_pager *p, uint32_t us) {
+    __atomic_store_n(&p->install_delay_us, us, __ATOMIC_RELAXED);
+}
+
 int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
     if (p->started) return 0;
     if (p->next != p->cfg.nextents || p->ext[p->next - 1].first_unit + p->ext[p->next - 1].nunits != p->nunits) {

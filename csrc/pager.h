@@ -52,7 +52,6 @@ typedef struct dls_pager_config {
     uint64_t prefetch_bytes; /* how far a sequential stream may run ahead; 0 turns prefetch off */
     int io_timeout_ms;
     uint32_t nextents;
-    uint32_t install_delay_us; /* testing only: a pause between mapping a unit in and settling its state */
 } dls_pager_config;
 
 typedef struct dls_pager_event {
@@ -117,6 +116,8 @@ int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64
  * whether they failed.  The number of copies, or <0 for a bad extent. */
 int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *slabs, uint8_t *roles,
                             uint8_t *failed, uint32_t max);
+/* Testing only: pause this long between mapping fetched units in and settling their states. */
+void dls_pager_set_install_delay(dls_pager *p, uint32_t us);
 /* Start the fault thread, fetch workers and evictors (every extent must be defined). */
 int dls_pager_start(dls_pager *p, char *err, size_t err_len);
 /* Bring units in (write: installed writable and dirty, so the writes that follow take no fault).

@@ -158,6 +158,7 @@ struct dls_pager {
     int nworkers, nevictors;
     int started, closed;
     volatile int closing;
+    uint32_t install_delay_us; /* testing only (dls_pager_set_install_delay) */
     dls_pager_stats stats;
 };
 

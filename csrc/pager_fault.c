@@ -210,7 +210,8 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
         if (rc < 0) return rc;
         i = j;
     }
-    if (p->cfg.install_delay_us) usleep(p->cfg.install_delay_us); /* testing: widen the window */
+    uint32_t delay = __atomic_load_n(&p->install_delay_us, __ATOMIC_RELAXED);
+    if (delay) usleep(delay); /* testing: widen the window */
     for (uint32_t i = 0; i < n; i++) {
         uint64_t v = units[i];
         pg_lock(p, v);

@@ -114,12 +114,11 @@ class _Engine:
     until no call is in flight, as rdma.native_mem.Endpoint does."""
 
     def __init__(self, nbytes: int, unit: int, local_bytes: int, policy: str, nextents: int,
-                 fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int,
-                 install_delay_us: int = 0) -> None:
+                 fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int) -> None:
         cfg = ffi.new("dls_pager_config *", {
             "nbytes": nbytes, "unit": unit, "local_bytes": local_bytes, "policy": POLICIES[policy],
             "fetch_workers": fetch_workers, "evict_threads": evict_threads, "prefetch_bytes": prefetch_bytes,
-            "io_timeout_ms": io_timeout_ms, "nextents": nextents, "install_delay_us": install_delay_us})
+            "io_timeout_ms": io_timeout_ms, "nextents": nextents})
         err = ffi.new("char[512]")
         p = lib.dls_pager_create(cfg, err, 512)
         if p == ffi.NULL:
@@ -204,6 +203,15 @@ class _Engine:
         names = {v: k.value for k, v in _ROLES.items()}
         return [{"addr": self.addr_of(eps[i]), "slab": int(slabs[i]), "role": names[roles[i]],
                  "failed": bool(failed[i])} for i in range(min(got, n))]
+
+    def set_install_delay(self, us: int) -> None:
+        """Tests only: pause ``us`` between mapping fetched units in and settling their states (it
+        widens a window that must stay invisible to the threads that faulted on them)."""
+        p = self._enter()
+        try:
+            lib.dls_pager_set_install_delay(p, int(us))
+        finally:
+            self._leave()
 
     def start(self) -> None:
         err = ffi.new("char[256]")
@@ -376,9 +384,7 @@ class RemoteRegion:
 
     def __init__(self, buf: RegionBuffer, local_bytes: int, policy: str = DEFAULT_POLICY, *,
                  io_timeout_ms: int = 5000, fetch_workers: int = 4, evict_threads: int = 1,
-                 prefetch_bytes: int = 1 << 20, owns: Any = None, _install_delay_us: int = 0) -> None:
-        """``_install_delay_us``: for tests only, a pause between mapping a fetched unit in and
-        settling its state (it widens a window that must stay invisible to the faulting thread)."""
+                 prefetch_bytes: int = 1 << 20, owns: Any = None) -> None:
         check_geometry(buf.nbytes, local_bytes, buf.unit, policy)
         self.unit = buf.unit
         self.nbytes = buf.nbytes
@@ -386,8 +392,7 @@ class RemoteRegion:
         self.policy = policy
         self._buf = buf
         self._engine = _Engine(self.nbytes, self.unit, max(self.local_bytes, 4 * self.unit), policy,
-                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms,
-                               _install_delay_us)
+                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms)
         try:
             for ext in buf.extents:
                 with ext.lock:

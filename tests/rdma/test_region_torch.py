@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from nodesvc.bus.procs import wait_until  # noqa: E402
 from rdma.torch import place_embeddings, place_optimizer_state, place_tensors  # noqa: E402
 from tests.rdma.regions import SLAB  # noqa: E402
 
@@ -113,7 +114,11 @@ def test_a_meta_table_is_built_in_the_region_and_lookups_prefetch(local_cluster)
     model.emb(rows)
     after = region.stats()
     # the hook asked for the rows' units before the lookup touched them, writable (training: the
-    # optimiser writes them next), so the lookup took no fault and the update will take none either
+    # optimiser writes them next), so the lookup took no fault and the update will take none either.
+    # A unit the lookup read right after its copy, before the engine settled it, says "fetching" for
+    # those microseconds (test_pager.py, test_a_thread_woken_from_a_fault_finds_its_unit_settled):
+    # wait for the states, then look.
+    wait_until(lambda: "fetching" not in {region.unit_state(u) for u in units}, 10, "the units to settle")
     assert {region.unit_state(u) for u in units} == {"dirty"}
     assert after["fetched_units"] - before["fetched_units"] >= len(units)
     assert after["faults_wp"] == before["faults_wp"]
