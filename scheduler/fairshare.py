@@ -39,6 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
 HALF_LIFE_S = 7 * 86400.0  # Slurm's PriorityDecayHalfLife default (7-00:00:00)
 TOLERANCE = 2.0  # level 0 up to twice the owner's share: balanced users (U/S = 1) sit far from a boundary
 MAX_LEVEL = 64
+# A user whose level rose falls back only once its usage is this factor below the boundary (half a
+# level on the log2 scale): without it a user with more demand than share sits on a boundary and
+# swaps level, and its jobs get preempted and resumed, every round.
+HYSTERESIS = math.sqrt(2.0)
 MAX_SHARE = 1e9
 
 Assoc = tuple[str, str]  # (account, user)
@@ -271,6 +275,15 @@ def _level(x: float, tolerance: float) -> int:
     return min(MAX_LEVEL, math.ceil(math.log2(x / tolerance)))
 
 
+def _settle(x: float, tolerance: float, held: int) -> int:
+    """The level for usage-over-share ``x`` when the last pass set ``held``: up at once, down only
+    as far as ``x`` times ``HYSTERESIS`` allows."""
+    up = _level(x, tolerance)
+    if up >= held:
+        return up
+    return max(up, min(held, _level(x * HYSTERESIS, tolerance)))
+
+
 def _ratios(usage: dict[Any, float], shares: dict[Any, float]) -> dict[Any, float]:
     """Each sibling's share of the usage over its share of the shares (1: exactly its share)."""
     tu = sum(usage.values())
@@ -281,11 +294,17 @@ def _ratios(usage: dict[Any, float], shares: dict[Any, float]) -> dict[Any, floa
 
 
 class FairShare:
-    """Fair-share levels of the active associations (see the module docstring)."""
+    """Fair-share levels of the active associations (see the module docstring).
+
+    A level rises as soon as usage crosses a boundary and falls back only ``HYSTERESIS`` below
+    it, so the levels depend on the ones the last pass set: :meth:`update` (once per scheduling
+    pass) is the only call that moves them; :meth:`levels` reads them (and what they would be
+    now), so an explanation asked between events changes nothing a replay would not."""
 
     def __init__(self, config: FairShareConfig, owners: Owners) -> None:
         self.config = config
         self.owners = owners
+        self.held: dict[Assoc, tuple[int, int]] = {}  # the levels the last pass set
         self._cache: tuple[float, int, dict[Assoc, tuple[int, int]]] | None = None
 
     def ratios(self, now: float) -> tuple[dict[str, float], dict[Assoc, float]]:
@@ -308,17 +327,30 @@ class FairShare:
             user_x.update(_ratios({a: vals.get(a, 0.0) for a in assocs}, {a: cfg.share(a[1]) for a in assocs}))
         return acct_x, user_x
 
+    def _compute(self, now: float) -> dict[Assoc, tuple[int, int]]:
+        acct_x, user_x = self.ratios(now)
+        tol = self.config.tolerance
+        out = {}
+        for a, x in user_x.items():
+            held = self.held.get(a, (0, 0))
+            out[a] = (_settle(acct_x[a[0]], tol, held[0]), _settle(x, tol, held[1]))
+        return out
+
     def levels(self, now: float) -> dict[Assoc, tuple[int, int]]:
         """(account level, user level) of every active association at ``now`` (cached until the
-        time or the set of active associations changes)."""
+        time or the set of active associations changes).  Reads only."""
         c = self._cache
         if c is not None and c[0] == now and c[1] == self.owners.epoch:
             return c[2]
-        acct_x, user_x = self.ratios(now)
-        tol = self.config.tolerance
-        out = {a: (_level(acct_x[a[0]], tol), _level(x, tol)) for a, x in user_x.items()}
+        out = self._compute(now)
         self._cache = (now, self.owners.epoch, out)
         return out
+
+    def update(self, now: float) -> None:
+        """Settle the levels at ``now`` (the core calls this at the start of every pass)."""
+        out = self._compute(now)
+        self.held = out
+        self._cache = (now, self.owners.epoch, out)
 
     def level(self, job: "Job", now: float) -> tuple[int, int]:
         return self.levels(now).get((job.account, job.user), (0, 0))

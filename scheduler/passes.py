@@ -188,6 +188,8 @@ class SchedulingPasses:
     # ------------------------------------------------------------ passes
 
     def schedule(self, stimulus_id: str, full: bool, out: list[Decision]) -> None:
+        if self.ledger.fair is not None:
+            self.ledger.fair.update(self.ledger.now)  # the owners' fair-share levels for this pass
         if self.order.preemptive and full and (self.ledger.waiting or self.ledger.running):
             self._preemptive_pass(stimulus_id, out)
         else:
