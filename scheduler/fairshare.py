@@ -10,12 +10,15 @@ usage to the bit.
 * :class:`FairShare`: Slurm's classic fair-share factor ``F = 2^(-U/S)`` (``U``: the owner's share
   of the decayed usage, ``S``: its share of the shares, both among the owners with jobs in the
   system), taken per account and then per user within the account, as Slurm's Fair Tree ranks
-  accounts before their users.  The order puts a job's fair-share *level* before its own key: level
-  0 while its owner used at most ``tolerance`` times its share (``F >= 2^-tolerance``), then one
-  level more each time that doubles.  Levels, not the raw factor, for the reason Tiresias
-  discretises LAS into queues: within a level the profile's own order (LAS, Gittins, ...) decides
-  across users, which keeps what that order wins on the mean; and users near their share do not
-  swap places (and preempt each other) every time one of them runs a little more.
+  accounts before their users.  The order puts a job's fair-share *level* before its own key.
+  The level reads the owner's usage per share against the other owners' (``U/S`` with the owner
+  left out of the reference, so that with two users one can still stand out; ``U/S`` itself is
+  at most 2 then): level 0 while it is at most ``tolerance`` (2) times theirs, then one level more
+  each time that doubles; a level falls back only ``HYSTERESIS`` below its boundary.  Levels, not
+  the raw factor, for the reason Tiresias discretises LAS into queues: within a level the
+  profile's own order (LAS, Gittins, ...) decides across users, which keeps what that order wins
+  on the mean; and users near their share do not swap places (and preempt each other) every time
+  one of them runs a little more.
 * :class:`QuotaConfig` and :class:`LentLimits`: limits on the GPUs an owner's jobs hold at once,
   the memory lent to them (``remote_memory_bytes``) and the jobs it has waiting.  A job over a
   limit waits (the core says why); one that could never fit its owner's limit is rejected.
@@ -272,25 +275,40 @@ class Owners:
 def _level(x: float, tolerance: float) -> int:
     if not x > tolerance:
         return 0
+    if x == math.inf:
+        return MAX_LEVEL
     return min(MAX_LEVEL, math.ceil(math.log2(x / tolerance)))
 
 
 def _settle(x: float, tolerance: float, held: int) -> int:
-    """The level for usage-over-share ``x`` when the last pass set ``held``: up at once, down only
-    as far as ``x`` times ``HYSTERESIS`` allows."""
+    """The level for ``x`` (usage per share against the others') when the last pass set ``held``:
+    up at once, down only as far as ``x`` times ``HYSTERESIS`` allows."""
     up = _level(x, tolerance)
     if up >= held:
         return up
     return max(up, min(held, _level(x * HYSTERESIS, tolerance)))
 
 
-def _ratios(usage: dict[Any, float], shares: dict[Any, float]) -> dict[Any, float]:
-    """Each sibling's share of the usage over its share of the shares (1: exactly its share)."""
+def _ratios(usage: dict[Any, float], shares: dict[Any, float]) -> dict[Any, tuple[float, float]]:
+    """For each sibling: Slurm's ``U/S`` (its share of the usage over its share of the shares;
+    1: exactly its share) and its usage per share over the *other* siblings' (1: as much as they;
+    infinite when it alone used anything).  The level reads the second: with two siblings the
+    first is at most 2, so one that took everything would never stand out."""
     tu = sum(usage.values())
     ts = sum(shares.values())
-    if tu <= 0:
-        return dict.fromkeys(usage, 0.0)
-    return {k: (usage[k] / tu) / (shares[k] / ts) for k in usage}
+    out = {}
+    for k, u in usage.items():
+        s = shares[k]
+        x = (u / tu) / (s / ts) if tu > 0 else 0.0
+        ou, os = tu - u, ts - s
+        if os <= 0 or u <= 0:
+            rel = 0.0  # alone, or nothing used
+        elif ou <= 1e-12 * tu:
+            rel = math.inf
+        else:
+            rel = (u / s) / (ou / os)
+        out[k] = (x, rel)
+    return out
 
 
 class FairShare:
@@ -307,9 +325,9 @@ class FairShare:
         self.held: dict[Assoc, tuple[int, int]] = {}  # the levels the last pass set
         self._cache: tuple[float, int, dict[Assoc, tuple[int, int]]] | None = None
 
-    def ratios(self, now: float) -> tuple[dict[str, float], dict[Assoc, float]]:
-        """Usage over share (``U/S``) of every active account, and of every active association
-        among its account's active users."""
+    def ratios(self, now: float) -> tuple[dict[str, tuple[float, float]], dict[Assoc, tuple[float, float]]]:
+        """For every active account, and every active association among its account's active
+        users: (``U/S``, usage per share against the others'); see :func:`_ratios`."""
         own = self.owners
         cfg = self.config
         vals = {a: own.value(a, now) for a in own.usage}
@@ -322,7 +340,7 @@ class FairShare:
         users: dict[str, list[Assoc]] = {}
         for assoc in own.active:
             users.setdefault(assoc[0], []).append(assoc)
-        user_x: dict[Assoc, float] = {}
+        user_x: dict[Assoc, tuple[float, float]] = {}
         for acct, assocs in users.items():
             user_x.update(_ratios({a: vals.get(a, 0.0) for a in assocs}, {a: cfg.share(a[1]) for a in assocs}))
         return acct_x, user_x
@@ -331,9 +349,9 @@ class FairShare:
         acct_x, user_x = self.ratios(now)
         tol = self.config.tolerance
         out = {}
-        for a, x in user_x.items():
+        for a, (_, rel) in user_x.items():
             held = self.held.get(a, (0, 0))
-            out[a] = (_settle(acct_x[a[0]], tol, held[0]), _settle(x, tol, held[1]))
+            out[a] = (_settle(acct_x[a[0]][1], tol, held[0]), _settle(rel, tol, held[1]))
         return out
 
     def levels(self, now: float) -> dict[Assoc, tuple[int, int]]:
@@ -356,14 +374,17 @@ class FairShare:
         return self.levels(now).get((job.account, job.user), (0, 0))
 
     def report(self, now: float) -> list[dict[str, Any]]:
-        """Per active association: decayed usage, shares, ``U/S`` and Slurm's factor ``F = 2^(-U/S)``
-        at both levels, and the levels the order uses."""
+        """Per active association: decayed usage, shares, ``U/S`` and Slurm's factor ``F = 2^(-U/S)``,
+        the usage per share against the other users', the same for its account, and the levels
+        the order uses."""
         acct_x, user_x = self.ratios(now)
         lv = self.levels(now)
         return [{"account": a[0], "user": a[1], "usage_gpu_s": self.owners.value(a, now),
                  "share": self.config.share(a[1]), "account_share": self.config.account_share(a[0]),
-                 "usage_over_share": x, "factor": 2.0 ** -x, "account_usage_over_share": acct_x[a[0]],
-                 "account_factor": 2.0 ** -acct_x[a[0]], "level": lv[a]} for a, x in sorted(user_x.items())]
+                 "usage_over_share": x, "factor": 2.0 ** -x, "against_others": rel,
+                 "account_usage_over_share": acct_x[a[0]][0], "account_factor": 2.0 ** -acct_x[a[0]][0],
+                 "account_against_others": acct_x[a[0]][1], "level": lv[a]}
+                for a, (x, rel) in sorted(user_x.items())]
 
 
 class LentLimits:
