@@ -195,15 +195,17 @@ def plot(rows: list[dict[str, Any]], jcts: dict[tuple[str, str], Any], out_dir) 
 
     plt = report.pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [f"{r['trace']}\n{r['policy']}" for r in rows]
+    labels = [f"{r['trace']}, {r['policy']}" for r in rows]
     x = np.arange(len(rows))
     w = 0.27
     for i, (who, colour) in enumerate((("others", "tab:blue"), ("flood", "tab:red"), ("total", "tab:grey"))):
         vals = [(r[f"fs_{who}_h"] / r[f"none_{who}_h"]) if r[f"none_{who}_h"] else np.nan for r in rows]
         ax.bar(x + (i - 1) * w, vals, w, label=who, color=colour)
+    bound = [r.get("bound_others_vs_none", np.nan) for r in rows]
+    ax.plot(x - w, bound, "k_", markersize=12, label="others alone (the floor)")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(0.6, color="tab:blue", linewidth=0.8, linestyle="--")
-    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_xticks(x, labels, fontsize=6, rotation=45, ha="right")
     ax.set_ylabel("mean JCT, fair share / none")
     ax.set_title(f"one user submits {FLOOD_SHARE:.0%} of the jobs in bursts")
     ax.legend(fontsize=7)
