@@ -308,12 +308,14 @@ class SchedulingPasses:
         0 = worst) still hold its GPU quota: preempt the fewest, lowest-ranked of them that make
         room.  Preempts nothing when they cannot, or when the limit in the way is not on GPUs."""
         led = self.ledger
-        keys = set(Owners.keys(rec.job))
+        in_use = led.owners.gpus_by
+        # The owners whose GPU limit is in the way: only their jobs can make room.
+        keys = {(kind, name) for kind, name, lim in led.quota.limits(rec.job)
+                if lim.gpus is not None and in_use.get((kind, name), 0) + rec.job.gpus > lim.gpus}
         mine = sorted((jid for jid in rank if led.records[jid].job.state is JobState.RUNNING
                        and keys & set(Owners.keys(led.records[jid].job))), key=rank.__getitem__)
         freed: dict[tuple[str, str], int] = {}
         chosen: list[str] = []
-        in_use = led.owners.gpus_by
         for jid in mine:
             if not gpu_reason(rec.job, led.quota, lambda k: in_use.get(k, 0) - freed.get(k, 0)):
                 break

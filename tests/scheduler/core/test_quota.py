@@ -89,6 +89,16 @@ def test_a_preemptive_order_spends_a_users_quota_on_its_best_jobs():
     assert "holds 1 of its 1 GPUs" in st.explain(st.job("old").job)["n0"]
 
 
+def test_an_account_limit_in_a_preemptive_order_yields_only_the_accounts_own_jobs():
+    st = core(profile("las", accounts={"lab": {"gpus": 1}}), gpus=2)
+    st.handle(JobArrived("a", 0.0, job("bob1", "bob", 1, "lab")), JobArrived("b", 0.0, job("dan1", "dan")))
+    out = st.handle(JobArrived("c", 3600.0, job("alice1", "alice", 1, "lab")), Tick("t", 3600.0))
+    # alice's newcomer ranks first under LAS; the lab's one GPU goes to it, and only bob's job yields
+    assert placed(out) == ["alice1"] and [d.job for d in out if isinstance(d, Preempt)] == ["bob1"]
+    assert st.job("dan1").job.state is JobState.RUNNING
+    assert st.quota_reason(st.job("bob1").job).startswith("account 'lab' holds 1 of its 1 GPUs")
+
+
 # ---------------------------------------------------------------- never over a limit, whatever happens
 
 
