@@ -117,8 +117,8 @@ def compare(trace: list[TraceJob], cluster: str, profile: str = "dlshare", seed:
 
 def flood(seed: int = 0, quick: bool = False, trace: list[TraceJob] | None = None, cluster: str | None = None,
           trace_name: str = "", shapes: tuple[str, ...] | None = None,
-          inner: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """The flood benchmark: the main trace (``MAIN``, or ``trace`` on ``cluster``) under ``dlshare``,
+          inner: tuple[str, ...] | None = None, profile: str = "dlshare") -> dict[str, Any]:
+    """The flood benchmark: the main trace (``MAIN``, or ``trace`` on ``cluster``) under ``profile``,
     then other inner orders on it, the other VC (``ALSO``) and synthetic shapes.  Returns the
     metrics, the rows and the JCTs for the plot."""
     from bench.shapes import SHAPES as ALL_SHAPES
@@ -133,15 +133,15 @@ def flood(seed: int = 0, quick: bool = False, trace: list[TraceJob] | None = Non
     else:
         runs.append((trace, cluster or MAIN[1], trace_name))
     owned = [(flood_trace(t, seed=seed), cl, name) for t, cl, name in runs]
-    rows = [compare(owned[0][0], owned[0][1], "dlshare", seed, owned[0][2])]
+    rows = [compare(owned[0][0], owned[0][1], profile, seed, owned[0][2])]
     main = rows[0]
     for pol in (inner if inner is not None else (() if quick else INNER)):
         rows.append(compare(owned[0][0], owned[0][1], pol, seed, owned[0][2]))
     for t, cl, name in owned[1:]:
-        rows.append(compare(t, cl, "dlshare", seed, name))
+        rows.append(compare(t, cl, profile, seed, name))
     wanted = shapes if shapes is not None else tuple(s.name for s in (ALL_SHAPES[:3] if quick else ALL_SHAPES))
     for shape in (s for s in ALL_SHAPES if s.name in wanted):
-        rows.append(compare(flood_trace(make_trace(shape, seed=seed + 1), seed=seed), shape.cluster, "dlshare",
+        rows.append(compare(flood_trace(make_trace(shape, seed=seed + 1), seed=seed), shape.cluster, profile,
                             seed, shape.name))
     shape_rows = [r for r in rows if r["trace"] in wanted]
     metrics = {
@@ -155,9 +155,9 @@ def flood(seed: int = 0, quick: bool = False, trace: list[TraceJob] | None = Non
         "fairshare_preemptions": main["fs_preemptions"], "fairshare_preemptions_none": main["none_preemptions"],
         "fairshare_trace": main["trace"], "fairshare_cluster": main["cluster"],
         **{f"fairshare_others_vs_none_{r['trace']}": r["others_vs_none"] for r in rows[1:]
-           if r["policy"] == "dlshare" and r["trace"].startswith("vc_")},
+           if r["policy"] == profile and r["trace"].startswith("vc_")},
         **{f"fairshare_total_vs_none_{r['trace']}": r["total_vs_none"] for r in rows[1:]
-           if r["policy"] == "dlshare" and r["trace"].startswith("vc_")},
+           if r["policy"] == profile and r["trace"].startswith("vc_")},
         "fairshare_others_vs_none_worst_shape": max((r["others_vs_none"] for r in shape_rows), default=None),
         "fairshare_total_vs_none_worst_shape": max((r["total_vs_none"] for r in shape_rows), default=None),
     }

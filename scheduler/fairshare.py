@@ -409,8 +409,7 @@ class LentLimits:
             if nid == exclude_node:
                 continue
             rec = self.records.get(jid)
-            if rec is not None and (rec.job.user if kind == "user" else rec.job.account) == name and (
-                    kind == "user" or rec.job.account):
+            if rec is not None and (rec.job.user if kind == "user" else rec.job.account) == name:
                 total += sum(donors.values())
         return total
 
