@@ -20,6 +20,9 @@ Every run reports the mean, median and p99 JCT and the p99 and worst slowdown
 * ``memshort``: static_100job on a memory-short Synergy cluster (250 GB servers) with two
   data-preparation donors, local only against lent memory, a donor reclaim, and the 500 GB bound
   (bench/sched_memory.py);
+* ``fairshare``: one synthetic user floods the queue (30% of a Philly VC's jobs, in bursts): the
+  other users' mean JCT with fair share between users against without, the flooder's and every
+  job's (bench/sched_fairshare.py); also with 2D-LAS and FIFO inside and on the synthetic shapes;
 * the p99 latency of one placement decision on a 1,000-node cluster (dlshare
   against FIFO), and the fidelity check of our FIFO against published
   simulators (203-225 h).
@@ -178,6 +181,14 @@ def run(args) -> dict[str, Any]:
     from bench.sched_memory import memshort
 
     mem = memshort(seed) if not getattr(args, "trace", None) else {"metrics": {}, "rows": []}
+    from bench import sched_fairshare
+
+    if getattr(args, "trace", None):  # the given trace on its cluster, with dlshare only
+        path = data.resolve_trace(args.trace)
+        fs = sched_fairshare.flood(seed, quick, trace=load_trace(path), cluster=pairs[0][1], trace_name=path.stem,
+                                   shapes=(), inner=())
+    else:
+        fs = sched_fairshare.flood(seed, quick)
     cost = predictor_cost(pairs, quick, seed)
     pairs_l, speeds_l, groups_l = lucid_pairs()
     cv = colocation_cv(pairs_l, speeds_l, groups_l, seeds=(0,) if quick else (0, 1, 2), hybrid=not quick)
@@ -219,6 +230,7 @@ def run(args) -> dict[str, Any]:
         "dlshare_vs_best_peer": (dl / BEST_PEER_0E4A51_H) if dl else None,
         "dlshare_vs_best_baseline": (dl / best_baseline) if dl and best_baseline else None,
         **mem["metrics"],
+        **fs["metrics"],
     }
     checks = [
         ("FIFO avg JCT vc_0e4a51 (h) >= 203*0.95", fifo, ">=", FIFO_RANGE_H[0] * 0.95),
@@ -245,6 +257,7 @@ def run(args) -> dict[str, Any]:
         ("decision_p99_ms_1000_nodes (wall)", lat["p99_ms"], "<=", 10.0),
         ("decision p99 on 1000 nodes, thread CPU time (ms)", lat["cpu_p99_ms"], "<=", 10.0),
         *(memshort_checks(mem["metrics"]) if mem["metrics"] else []),
+        *sched_fairshare.checks(fs["metrics"], fs["rows"]),
     ]
     targets = report.target_rows(checks)
     cols = ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h", "p99_slowdown", "worst_slowdown",
@@ -255,15 +268,19 @@ def run(args) -> dict[str, Any]:
         print(report.markdown_table(shapes))
     if mem["rows"]:
         print(report.markdown_table(mem["rows"]))
+    fs_rows = sched_fairshare.table(fs["rows"])
+    print(report.markdown_table(fs_rows))
     print(report.markdown_table(targets))
-    plots = _plot(runs, jcts, report.out_dir(getattr(args, "json", None)))
+    out = report.out_dir(getattr(args, "json", None))
+    plots = _plot(runs, jcts, out) + sched_fairshare.plot(fs["rows"], fs["jcts"], out)
     slim = [{k: r[k] for k in ("trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h", "p99_slowdown",
                                "worst_slowdown", "makespan_h", "gpu_util", "sim_wall_s", "avg_queueing_h", "cpu_util",
                                "mem_util", "preemptions")}
             for r in runs]
     return report.envelope("sched", metrics, runs=slim, targets=targets, plots=plots, quick=quick,
                            interference_cv=cv, iadeep_cv=cv_iadeep, predictor_cost=cost, tuner=tuner, shapes=shapes,
-                           decision_latency={"dlshare": lat, "fifo": lat_fifo}, memshort=mem["rows"])
+                           decision_latency={"dlshare": lat, "fifo": lat_fifo}, memshort=mem["rows"],
+                           fairshare=fs_rows)
 
 
 def predictor_cost(pairs: list[tuple[str, str]], quick: bool, seed: int) -> dict[str, dict[str, float]]:

@@ -2,7 +2,7 @@
 
 What it may import (floor 1 of the floor plan; ``lint-imports`` checks it)
 ==========================================================================
-The core (``model``, ``events``, ``ledger``, ``state``, ``passes``, ``watch``, ``framework``,
+The core (``model``, ``events``, ``ledger``, ``state``, ``passes``, ``watch``, ``framework``, ``fairshare``,
 ``plugins``, ``predictors``, ``profile``, ``sim``, ``trace``, ``codec``, ``replay``, ``snapshot``) imports the standard
 library, numpy, scikit-learn (and torch for ``predictors.utilisation.graph_features``) and its
 own modules, in one direction: ``state`` holds a ``ledger.Ledger`` and a
@@ -19,8 +19,10 @@ Public API (import from ``scheduler``)
 
 Model (:mod:`scheduler.model`)
     ``Job(id, model, batch_size=0, gpus=1, cpus=0.0, memory_bytes=0, priority=0, arrival=0.0,
-    attained_service=0.0, state=JobState.QUEUED, duration=None, features=None, gpu_memory_bytes=0)``
-    (``gpus=0``: a CPU-only data-preparation job, which must ask for ``cpus > 0`` and gets what it asks for);
+    attained_service=0.0, state=JobState.QUEUED, duration=None, features=None, gpu_memory_bytes=0,
+    batch_sizes=(), remote_memory_bytes=0, user="", account="")``
+    (``gpus=0``: a CPU-only data-preparation job, which must ask for ``cpus > 0`` and gets what it asks for;
+    ``user``/``account``: its owner, for fair share and quotas, :mod:`scheduler.fairshare`);
     ``JobState`` (queued, running, preempted, done, failed); ``Node(id, gpus, cores, memory_bytes,
     lendable_bytes=0, gpu_memory_bytes=32 GiB)``; ``Shard(node, gpus)``; ``Allocation(cpus, memory_bytes)``;
     ``JobRecord`` (the core's per-job bookkeeping: ``shards``, ``allocation``, ``queueing_delay``...).
@@ -60,7 +62,9 @@ Core (:mod:`scheduler.state`)
     ``state.queue()`` (waiting jobs in start order), ``state.candidates(job, node_ids=None)``
     (feasible placements with weighted scores 0-100 x weight, best first; changes nothing: for
     the Kubernetes extender's filter/prioritize), ``state.explain(job, node_ids=None)``
-    (node -> reason for each node that cannot take the job: the extender's ``FailedNodes``).
+    (node -> reason for each node that cannot take the job: the extender's ``FailedNodes``; the
+    owner's quota, on every node, when that is what holds it), ``state.quota_reason(job)``,
+    ``state.fair_share()`` (per owner: decayed usage, shares, Slurm's factor, the level the order uses).
 
     A live shell does: on submit ``JobArrived``; on a node's telemetry ``NodeReport``; on
     a ``run`` acknowledged ``JobStarted``; on a job exit ``JobFinished``; on the Last Will

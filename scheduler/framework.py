@@ -93,6 +93,8 @@ class Context:
     total_gpus: int = 0
     free_gpus: int = 0
     pool: Any = None  # the donors' lent memory (scheduler.donors.DonorPool); None outside the core
+    # What each owner may still borrow (scheduler.fairshare.LentLimits); None: no lent-memory quota.
+    quota: Any = None
 
 
 class QueueSort:

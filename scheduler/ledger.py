@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.donors import DonorPool
 from scheduler.events import Allocate, Decision, Place, Release
+from scheduler.fairshare import FairShare, LentLimits, Owners, gpu_reason, lent_reason
 from scheduler.framework import Allocator, Candidate, Context, NodeState, QueueSort
-from scheduler.model import Allocation, JobRecord, JobState, Node, Shard
+from scheduler.model import Allocation, Job, JobRecord, JobState, Node, Shard
 from scheduler.profile import Profile
 from scheduler.watch import Watch
 
@@ -35,6 +36,12 @@ class SchedulerError(ValueError):
 
 
 JobClass = tuple[str, int, float, int]  # (job type, GPUs, CPUs, memory): jobs that place alike
+
+
+def _lent_limited(quota: Any) -> bool:
+    """Whether any owner in ``quota`` has a lent-memory limit."""
+    tables = [quota.default_user, quota.default_account, *quota.users.values(), *quota.accounts.values()]
+    return any(t.remote_memory_bytes is not None for t in tables)
 
 
 class Ledger:
@@ -67,12 +74,59 @@ class Ledger:
         self.cpu_waiting = 0  # waiting CPU-only jobs (a pass with no free GPU still looks for them)
         self.incompatible: set[frozenset[str]] = set()  # pairs of job types that failed together
         self.pool = DonorPool()  # the donors' lent memory: capacity, promises, reclaims
+        # Owners (Job.user, Job.account): decayed usage, GPUs in use, jobs waiting; fair share and quotas.
+        self.owners = Owners(profile.fairshare.half_life_s)
+        self.fair = FairShare(profile.fairshare, self.owners) if profile.fairshare.enabled else None
+        self.quota = profile.quota if profile.quota.active else None
+        self.lent_limits = (LentLimits(self.quota, self.records, self.pool)
+                            if self.quota is not None and _lent_limited(self.quota) else None)
 
     def context(self) -> Context:
         """What plugins may read now."""
         return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
                        rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus,
-                       pool=self.pool if self.pool.active else None)
+                       pool=self.pool if self.pool.active else None, quota=self.lent_limits)
+
+    # ------------------------------------------------------------ owners: fair share and quotas
+
+    def sort_key(self, rec: JobRecord, ctx: Context) -> Any:
+        """The job's place in the order now: its owner's fair-share level (when the profile
+        shares between users), then the order plugin's key."""
+        key = self.order.key(rec, ctx)
+        if self.fair is None:
+            return key
+        return (self.fair.level(rec.job, self.now), key)
+
+    def wait_ids(self) -> list[str]:
+        """Waiting job ids in the order they are tried: the order plugin's (fixed while a job
+        waits), grouped by their owners' fair-share levels now."""
+        ids = [jid for _, jid in self.wait_order]
+        if self.fair is None:
+            return ids
+        levels = self.fair.levels(self.now)
+        if len(set(levels.values())) <= 1:
+            return ids
+        records = self.records
+        buckets: dict[tuple[int, int], list[str]] = {}
+        for jid in ids:
+            job = records[jid].job
+            buckets.setdefault(levels.get((job.account, job.user), (0, 0)), []).append(jid)
+        return [jid for lv in sorted(buckets) for jid in buckets[lv]]
+
+    def quota_reason(self, job: Job) -> str:
+        """Why ``job`` may not start now for its owners' limits ("" when it may)."""
+        if self.quota is None:
+            return ""
+        why = gpu_reason(job, self.quota, self._in_use_of(job))
+        if not why and self.lent_limits is not None:
+            why = lent_reason(job, self.lent_limits)
+        return why
+
+    def _in_use_of(self, job: Job) -> Any:
+        """GPUs in use per owner, not counting ``job``'s own (when it runs)."""
+        gpus_by = self.owners.gpus_by
+        own = job.gpus if job.state is JobState.RUNNING and job.id in self.running else 0
+        return lambda key: gpus_by.get(key, 0) - own
 
     def job(self, job_id: str) -> JobRecord:
         try:
@@ -134,13 +188,16 @@ class Ledger:
         self.wait_key[jid] = key
         bisect.insort(self.wait_order, (key, jid))
         job = rec.job
+        self.owners.waiting(job, +1)
         self.cpu_waiting += job.cpu_only
         self.job_class[jid] = (job.job_type, job.gpus, job.cpus, job.memory_bytes)
 
     def _dequeue(self, jid: str) -> None:
         rec = self.waiting.pop(jid, None)
-        if rec is not None and rec.job.cpu_only:
-            self.cpu_waiting -= 1
+        if rec is not None:
+            self.owners.waiting(rec.job, -1)
+            if rec.job.cpu_only:
+                self.cpu_waiting -= 1
         key = self.wait_key.pop(jid, None)
         if key is not None:
             i = bisect.bisect_left(self.wait_order, (key, jid))
@@ -194,6 +251,7 @@ class Ledger:
             touched.append(ns)
         rec.shards = tuple(Shard(ns.node.id, tuple(gpus)) for ns, gpus in shards)
         rec.placed_by = stimulus_id
+        self.owners.running(job, +1, self.now)  # before it leaves the waiting jobs: its owner stays active
         self._dequeue(job.id)
         self.running[job.id] = rec
         job.state = JobState.RUNNING
@@ -231,6 +289,8 @@ class Ledger:
         if rec.run_since is not None:
             job.attained_service += job.gpus * max(0.0, self.now - rec.run_since)
             rec.run_since = None
+        if job.id in self.running:
+            self.owners.running(job, -1, self.now)
         for nid in rec.allocation:
             self.pool.release((job.id, nid))
         rec.shards = ()
@@ -289,9 +349,18 @@ class Ledger:
         ns.demand_cpus, ns.demand_memory = dc, dm
         split = self.allocator.split(ns, ctx)
         nid = ns.node.id
+        room = self._lent_room(split, nid) if self.lent_limits is not None else None
         for jid, alloc in split.items():
             rec = self.records[jid]
             holder = (jid, nid)
+            if room is not None and alloc.remote_bytes:
+                # Whatever the allocator planned, an owner never borrows beyond its quota.
+                keys = [k for k, _ in self.lent_limits.keys(rec.job)]
+                cap = min([room[k] for k in keys], default=alloc.remote_bytes)
+                if alloc.remote_bytes > cap:
+                    alloc = Allocation(alloc.cpus, alloc.memory_bytes, max(0, cap))
+                for k in keys:
+                    room[k] -= alloc.remote_bytes
             if alloc.remote_bytes or self.pool.held(holder):
                 got = self.pool.grant(holder, alloc.remote_bytes, self.remote_demand(rec, alloc))
                 if got != alloc.remote_bytes:
@@ -301,6 +370,15 @@ class Ledger:
                     or old.remote_bytes != alloc.remote_bytes):
                 rec.allocation[nid] = alloc
                 out.append(Allocate(stimulus_id, jid, nid, alloc.cpus, alloc.memory_bytes, alloc.remote_bytes))
+
+    def _lent_room(self, split: dict[str, Allocation], nid: str) -> dict[Any, int]:
+        """Per owner with a lent-memory limit among the jobs of ``split``: what it may borrow on
+        node ``nid`` (its limit less what its jobs borrow elsewhere)."""
+        room: dict[Any, int] = {}
+        for jid in split:
+            for k, v in self.lent_limits.room(self.records[jid].job, exclude_node=nid).items():
+                room.setdefault(k, v)
+        return room
 
     # ------------------------------------------------------------ lent memory
 

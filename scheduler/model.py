@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1 << 30
+MAX_OWNER = 256  # characters in a user or account name
 
 
 class JobState(str, enum.Enum):
@@ -46,7 +47,9 @@ class Job:
     launcher extracted them.  ``gpu_memory_bytes`` is the per-GPU footprint when
     known (0 = unknown).  ``remote_memory_bytes`` is the least memory lent by donors the job must
     have (0: it takes what the allocation plugin gives it); only a lent-memory allocator (``lent``)
-    grants it.
+    grants it.  ``user`` and ``account`` name the job's owner (set by the service from the
+    authenticated caller): fair share and quotas (:mod:`scheduler.fairshare`) count per user and per
+    account.  An empty ``user`` is the one anonymous user; an empty ``account``, no account.
     """
 
     id: str
@@ -64,8 +67,17 @@ class Job:
     gpu_memory_bytes: int = 0
     batch_sizes: tuple[int, ...] = ()
     remote_memory_bytes: int = 0
+    user: str = ""
+    account: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("user", "account"):
+            v = getattr(self, name)
+            if v is None:
+                setattr(self, name, "")
+            elif not isinstance(v, str) or len(v) > MAX_OWNER:
+                raise ValueError(f"job {self.id}: {name} must be a string of at most {MAX_OWNER} characters, "
+                                 f"got {v!r}")
         self.batch_sizes = tuple(int(b) for b in (self.batch_sizes or ()))
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"job {self.id}: batch_sizes must be >= 1")
@@ -103,7 +115,7 @@ class Job:
             "arrival": self.arrival, "attained_service": self.attained_service,
             "state": self.state.value, "duration": self.duration, "features": self.features,
             "gpu_memory_bytes": self.gpu_memory_bytes, "batch_sizes": list(self.batch_sizes),
-            "remote_memory_bytes": self.remote_memory_bytes,
+            "remote_memory_bytes": self.remote_memory_bytes, "user": self.user, "account": self.account,
         }
 
     @classmethod

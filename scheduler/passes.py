@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from scheduler.events import Decision, Preempt, Wakeup
+from scheduler.fairshare import Owners, gpu_reason
 from scheduler.framework import Allocator, Candidate, Context, Filter, NodeState, QueueSort, Score
 from scheduler.ledger import JobClass, Ledger
 from scheduler.model import JobRecord, JobState
@@ -187,6 +188,8 @@ class SchedulingPasses:
     # ------------------------------------------------------------ passes
 
     def schedule(self, stimulus_id: str, full: bool, out: list[Decision]) -> None:
+        if self.ledger.fair is not None:
+            self.ledger.fair.update(self.ledger.now)  # the owners' fair-share levels for this pass
         if self.order.preemptive and full and (self.ledger.waiting or self.ledger.running):
             self._preemptive_pass(stimulus_id, out)
         else:
@@ -206,7 +209,8 @@ class SchedulingPasses:
         # GPU jobs and CPU-only jobs queue for different things: a GPU job that must wait for
         # GPUs holds back the GPU jobs behind it (without backfill), never the CPU-only ones.
         gpu_blocked = False
-        for _, jid in list(led.wait_order):
+        quota = led.quota is not None
+        for jid in led.wait_ids():
             if not gpu_blocked and led.free_gpus == 0 and (not share_possible or led.share_slots == 0):
                 gpu_blocked = True
             if gpu_blocked and led.cpu_waiting == 0:
@@ -217,6 +221,8 @@ class SchedulingPasses:
             if rec is None:
                 continue
             job = rec.job
+            if quota and led.quota_reason(job):
+                continue  # its owner is at a limit: it waits, and holds no one else back
             if not job.cpu_only:
                 if gpu_blocked:
                     continue
@@ -245,11 +251,18 @@ class SchedulingPasses:
         # Nor are jobs another engine runs (bound pods): the core accounts for them, never moves them.
         active = [r for r in (*self.ledger.running.values(), *self.ledger.waiting.values())
                   if not r.job.cpu_only and not r.external and (r.job.state is JobState.RUNNING or self.eligible(r))]
-        active.sort(key=lambda r: self.order.key(r, ctx))
-        rem = self.ledger.total_gpus
+        led = self.ledger
+        active.sort(key=lambda r: led.sort_key(r, ctx))
+        rem = led.total_gpus
         admitted: set[str] = set()
+        taken = self._external_gpus() if led.quota is not None else None  # GPUs admitted per owner
         for r in active:
             if r.job.gpus <= rem:
+                if taken is not None:
+                    if gpu_reason(r.job, led.quota, lambda k: taken.get(k, 0)):
+                        continue  # its owner's quota is spent on jobs ahead of it
+                    for k in Owners.keys(r.job):
+                        taken[k] = taken.get(k, 0) + r.job.gpus
                 admitted.add(r.job.id)
                 rem -= r.job.gpus
             if rem == 0:
@@ -261,6 +274,9 @@ class SchedulingPasses:
         for r in active:
             if r.job.id not in admitted or r.job.state is JobState.RUNNING:
                 continue
+            if led.quota is not None and led.quota_reason(r.job) and not self._make_quota_room(r, rank, stimulus_id,
+                                                                                              out):
+                continue
             ctx = self.ledger.context()
             if self._try_place(r, ctx, stimulus_id, out):
                 continue
@@ -268,6 +284,50 @@ class SchedulingPasses:
                 self._try_place(r, self.ledger.context(), stimulus_id, out)
         # Work conservation: anything else that fits (or may share) starts now.
         self._fill(stimulus_id, out)
+
+    def _preempt(self, jid: str, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> None:
+        """Preempt victim ``jid`` for ``rec`` (and take it out of ``rank``)."""
+        vr = self.ledger.records[jid]
+        rank.pop(jid, None)
+        if vr.job.state is JobState.RUNNING:
+            nodes = tuple(dict.fromkeys(sh.node for sh in vr.shards))
+            self.ledger.stop(vr, stimulus_id, out, announce=False)
+            out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}", nodes))
+
+    def _external_gpus(self) -> dict[tuple[str, str], int]:
+        """GPUs per owner held by jobs another engine runs (never preempted, always counted)."""
+        out: dict[tuple[str, str], int] = {}
+        for r in self.ledger.running.values():
+            if r.external:
+                for k in Owners.keys(r.job):
+                    out[k] = out.get(k, 0) + r.job.gpus
+        return out
+
+    def _make_quota_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> bool:
+        """``rec`` was admitted but its owner's running jobs that were not (``rank``: the victims,
+        0 = worst) still hold its GPU quota: preempt the fewest, lowest-ranked of them that make
+        room.  Preempts nothing when they cannot, or when the limit in the way is not on GPUs."""
+        led = self.ledger
+        in_use = led.owners.gpus_by
+        # The owners whose GPU limit is in the way: only their jobs can make room.
+        keys = {(kind, name) for kind, name, lim in led.quota.limits(rec.job)
+                if lim.gpus is not None and in_use.get((kind, name), 0) + rec.job.gpus > lim.gpus}
+        mine = sorted((jid for jid in rank if led.records[jid].job.state is JobState.RUNNING
+                       and keys & set(Owners.keys(led.records[jid].job))), key=rank.__getitem__)
+        freed: dict[tuple[str, str], int] = {}
+        chosen: list[str] = []
+        for jid in mine:
+            if not gpu_reason(rec.job, led.quota, lambda k: in_use.get(k, 0) - freed.get(k, 0)):
+                break
+            chosen.append(jid)
+            vj = led.records[jid].job
+            for k in Owners.keys(vj):
+                freed[k] = freed.get(k, 0) + vj.gpus
+        if gpu_reason(rec.job, led.quota, lambda k: in_use.get(k, 0) - freed.get(k, 0)):
+            return False
+        for jid in chosen:
+            self._preempt(jid, rec, rank, stimulus_id, out)
+        return not led.quota_reason(rec.job)
 
     def _make_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> bool:
         """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
@@ -297,12 +357,7 @@ class SchedulingPasses:
                 per_node.append((ns, reclaim, sorted(need_v, key=rank.__getitem__)))
 
         def preempt(jid: str) -> None:
-            vr = self.ledger.records[jid]
-            rank.pop(jid, None)
-            if vr.job.state is JobState.RUNNING:
-                nodes = tuple(dict.fromkeys(sh.node for sh in vr.shards))
-                self.ledger.stop(vr, stimulus_id, out, announce=False)
-                out.append(Preempt(stimulus_id, jid, f"for {rec.job.id}", nodes))
+            self._preempt(jid, rec, rank, stimulus_id, out)
 
         if g <= self.ledger.max_node_gpus:
             plans = [(len(vs), -min(rank[v] for v in vs), i) for i, (ns, reclaim, vs) in enumerate(per_node)

@@ -29,6 +29,19 @@ A profile is TOML.  The packaged ones live in ``scheduler/profiles/NAME.toml``
 
     [allocate]
     plugin = "proportional"
+
+    [fairshare]                  # between users, before the order (scheduler.fairshare); off by default
+    enabled = true
+    half_life_s = 604800         # usage decay (Slurm's PriorityDecayHalfLife default, 7 days; 0: none)
+    tolerance = 2.0              # held back once a user used more than this x its share
+    default_share = 1.0
+    shares = { alice = 2.0 }     # per user (within its account)
+    account_shares = { vision = 3.0 }
+
+    [quota.default_user]         # limits (absent: none); also [quota.default_account],
+    gpus = 16                    # [quota.users.NAME] and [quota.accounts.NAME]
+    remote_memory_bytes = 68719476736
+    queued = 500
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler import plugins
+from scheduler.fairshare import FairShareConfig, QuotaConfig, parse_fairshare, parse_quota
 
 SHARE_MODES = ("never", "when_full", "always")
 MAX_PROFILE_BYTES = 1 << 20
@@ -77,6 +91,8 @@ class Profile:
     min_run_s: float = 0.0
     scan_limit: int = 1000
     description: str = ""
+    fairshare: FairShareConfig = FairShareConfig()
+    quota: QuotaConfig = QuotaConfig()
 
     def build_order(self) -> Any:
         return plugins.build("order", self.order.plugin, self.order.args)
@@ -115,7 +131,7 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
     """Validate a profile already parsed from TOML (see the module docstring)."""
     if not isinstance(data, dict):
         raise ProfileError(f"profile {label}: must be a table")
-    known = {"name", "description", "order", "placement", "filter", "score", "allocate"}
+    known = {"name", "description", "order", "placement", "filter", "score", "allocate", "fairshare", "quota"}
     extra = set(data) - known
     if extra:
         raise ProfileError(f"profile {label}: unknown keys {sorted(extra)}")
@@ -147,13 +163,18 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
         lo, hi = _PLACEMENT_BOUNDS[key]
         if not (_finite(v) and lo <= v <= hi):
             raise ProfileError(f"profile {label}: placement.{key} must be between {lo:g} and {hi:g}, got {v!r}")
+    try:
+        fairshare = parse_fairshare(data.get("fairshare", {}))
+        quota = parse_quota(data.get("quota", {}))
+    except ValueError as exc:
+        raise ProfileError(f"profile {label}: {exc}") from None
     name = data.get("name", label)
     if not isinstance(name, str) or not name:
         raise ProfileError(f"profile {label}: name must be a non-empty string")
     prof = Profile(name=name, order=order, filters=filters, scores=scores, allocate=allocate, share=share,
                    max_share=max_share, share_max_gpus=share_max_gpus, backfill=backfill,
                    nodes_to_score_percent=pct, min_run_s=min_run, scan_limit=scan_limit,
-                   description=str(data.get("description", "")))
+                   description=str(data.get("description", "")), fairshare=fairshare, quota=quota)
     try:
         prof.build_order(), prof.build_filters(), prof.build_scores(), prof.build_allocator()
     except ValueError as exc:

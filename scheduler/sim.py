@@ -168,6 +168,7 @@ class SimResult:
     slowdown: np.ndarray = field(default_factory=lambda: np.zeros(0))  # JCT / isolated duration, per job
     lent: dict[str, Any] = field(default_factory=dict)  # the donor pool's books at the end (with donors)
     lent_peak_bytes: int = 0  # the most lent memory promised at once
+    job_ids: tuple[str, ...] = ()  # the finished jobs, in the order of jct_s (per-user figures join on it)
 
     @property
     def worst_slowdown(self) -> float | None:
@@ -196,7 +197,7 @@ class SimResult:
 
 def _job_of(tj: TraceJob) -> Job:
     return Job(id=tj.id, model=tj.model, batch_size=tj.batch_size, gpus=tj.gpus, arrival=tj.arrival_s,
-               duration=tj.duration_s, cpus=tj.cpus, memory_bytes=tj.memory_bytes)
+               duration=tj.duration_s, cpus=tj.cpus, memory_bytes=tj.memory_bytes, user=tj.user, account=tj.account)
 
 
 def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str | Path, *, seed: int = 0,
@@ -444,6 +445,7 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         preemptions=sum(r.preemptions for r in state.records.values()), failed=len(jobs) - len(done),
         events=n_events, decisions=n_decisions, wall_s=time.perf_counter() - t_wall, slowdown=slowdown,
         lent=pool.stats() if pool.capacity else {}, lent_peak_bytes=lent_peak,
+        job_ids=tuple(sj.job.id for sj in done),
     )
 
 

@@ -31,7 +31,9 @@ from scheduler.state import SchedulerState
 from scheduler.watch import WatchRules
 
 MAGIC = b"DLSHARE-CORE\n"
-VERSION = 2  # 2: the ledger holds the donor pool (lent memory); older snapshots are refused
+# 2: the ledger holds the donor pool (lent memory); 3: jobs have owners (user, account) and the ledger
+# holds their books (decayed usage for fair share, GPUs in use for quotas).  Older snapshots are refused.
+VERSION = 3
 
 
 class SnapshotError(ValueError):

@@ -31,6 +31,7 @@ from scheduler.events import (
     Decision, DonorReclaimed, Event, JobArrived, JobBound, JobCancelled, JobFinished, JobStarted, NodeLost, NodeReport, PlacementFailed,
     Reject, Release, Tick, Wakeup,
 )
+from scheduler.fairshare import never_reason, queued_reason
 from scheduler.framework import Candidate, Context, NodeState
 from scheduler.ledger import Ledger, SchedulerError
 from scheduler.model import Allocation, Job, JobRecord, JobState, Node
@@ -189,9 +190,22 @@ class SchedulerState:
         return self.ledger.job(job_id)
 
     def queue(self) -> list[JobRecord]:
-        """Waiting jobs in the order the profile would start them now."""
+        """Waiting jobs in the order the profile would start them now (fair share between their
+        owners first, when the profile has it)."""
         ctx = self.ledger.context()
-        return sorted(self.waiting.values(), key=lambda r: self.order.key(r, ctx))
+        return sorted(self.waiting.values(), key=lambda r: self.ledger.sort_key(r, ctx))
+
+    def quota_reason(self, job: Job) -> str:
+        """Why ``job`` may not start now for its owner's quota (GPUs in use, lent memory);
+        "" when it may.  Changes nothing."""
+        return self.ledger.quota_reason(job)
+
+    def fair_share(self) -> list[dict[str, Any]]:
+        """Per owner with jobs in the system (account, user): decayed GPU-seconds, shares, usage
+        over share, Slurm's factor ``2^(-usage/share)`` and the level the order uses now; empty
+        when the profile does not share between users."""
+        fair = self.ledger.fair
+        return fair.report(self.now) if fair is not None else []
 
     def context(self) -> Context:
         """A plugin context for the current state (for explaining and for the extender)."""
@@ -202,6 +216,8 @@ class SchedulerState:
         weighted scores, best first: what the Kubernetes extender's filter and
         prioritize answer with.  Changes nothing."""
         rec = self.records.get(job.id) or JobRecord(job=job, queued_since=self.now)
+        if self.ledger.quota_reason(job):
+            return []  # its owner is at a limit: no node may take it now (explain says why)
         ctx = self.ledger.context()
         allowed = set(node_ids) if node_ids is not None else None
         cands = self.passes.candidates(rec, ctx, limit=False, allowed=allowed)
@@ -213,8 +229,11 @@ class SchedulerState:
         it (node id -> reason), as the Kubernetes extender's ``FailedNodes``
         wants.  Nodes that would take it are absent.  Changes nothing."""
         rec = self.records.get(job.id) or JobRecord(job=job, queued_since=self.now)
-        ctx = self.ledger.context()
         ids = list(node_ids) if node_ids is not None else list(self.nodes)
+        over = self.ledger.quota_reason(job)
+        if over:  # the same on every node: the owner's limit, not the node, keeps it waiting
+            return {nid: over for nid in ids}
+        ctx = self.ledger.context()
         cands = self.passes.candidates(rec, ctx, limit=False, allowed=set(ids))
         ok = {c.node.node.id for c in cands} | {ns.node.id for c in cands for ns, _ in c.more}
         free_gpus = self.free_gpus
@@ -264,6 +283,8 @@ class SchedulerState:
             job.attained_service = max(0.0, job.attained_service)
             rec = JobRecord(job=job, queued_since=ev.now)
             why = self._never_fits(job)
+            if not why and self.ledger.quota is not None:
+                why = queued_reason(job, self.ledger.quota, self.ledger.owners)
             self.records[job.id] = rec
             if why:
                 job.state = JobState.FAILED
@@ -361,6 +382,10 @@ class SchedulerState:
         led = self.ledger
         if job.gpus > led.max_node_gpus and led.max_node_gpus and job.gpus > self.total_gpus:
             return f"needs {job.gpus} GPUs, the cluster has {self.total_gpus}"
+        if led.quota is not None:
+            why = never_reason(job, led.quota)
+            if why:
+                return why
         if job.remote_memory_bytes:
             if job.cpu_only:
                 return "a CPU-only job cannot borrow lent memory (remote_memory_bytes)"

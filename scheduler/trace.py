@@ -19,6 +19,10 @@ an explicit request (0 or empty: the allocation plugin decides)::
     1,0,ResNet-18,32,1,1000,3600,,
     2,60,decode-imagenet,0,0,0,1800,8,32
 
+Owners: the Philly/Gavel format may carry ``user`` and ``account`` columns (either or both; free
+text, may be empty): fair share and quotas count per user and account (``bench/sched_fairshare.py``
+assigns synthetic users to the shared traces).
+
 Any bad row raises :class:`TraceError` naming the file, the row (1-based,
 header = row 1) and the column.  Files are UTF-8 (a byte-order mark is
 ignored), at most ``MAX_TRACE_BYTES``; every number has a finite bound
@@ -38,6 +42,7 @@ from typing import Any
 PHILLY = ("job_id", "arrival_s", "model", "batch_size", "num_gpus", "total_steps", "isolated_duration_s")
 SYNERGY = ("job_id", "model", "arrival_h", "iterations", "num_gpus")
 RESOURCES = ("num_cpus", "memory_gb")  # optional, Philly/Gavel format: CPU-only rows and explicit requests
+OWNERS = ("user", "account")  # optional, Philly/Gavel format: who submitted the job
 GB = 10**9
 
 # Bounds, each far above the public traces (Philly vc_0e4a51/vc_103959: arrivals < 8e6 s, durations
@@ -67,6 +72,8 @@ class TraceJob:
     duration_s: float  # isolated run time at the trace's GPU count
     cpus: float = 0.0  # requested cores (0: the allocation plugin decides; CPU-only jobs always ask)
     memory_bytes: int = 0
+    user: str = ""  # the owner (fair share, quotas); empty: the anonymous user
+    account: str = ""
 
 
 def gavel_type(model: str, batch_size: int) -> str:
@@ -163,7 +170,14 @@ def parse_trace(text: str, source: str = "<trace>", throughputs: dict[str, Any] 
             dur = steps * float(prof["iter_time_s"]) if prof else float(steps)
         if not 0 < dur <= MAX_SECONDS:
             raise TraceError(f"{source}: row {n}: duration {dur:g} s must be > 0 and at most {MAX_SECONDS:g}")
-        out.append(TraceJob(jid, arrival, model, bs, gpus, steps, dur, cpus, mem))
+        owner = {}
+        for c in OWNERS:
+            if kind == "philly" and c in col:
+                v = row[col[c]].strip()
+                if len(v) > MAX_NAME:
+                    raise TraceError(f"{source}: row {n}: column {c}: at most {MAX_NAME} characters")
+                owner[c] = v
+        out.append(TraceJob(jid, arrival, model, bs, gpus, steps, dur, cpus, mem, **owner))
     if not out:
         raise TraceError(f"{source}: no jobs")
     out.sort(key=lambda j: (j.arrival_s, j.id))

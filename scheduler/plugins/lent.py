@@ -66,6 +66,18 @@ class LentMemory(SynergyTune):
         free_remote = (float(pool.total_free()) - sum(max(0.0, remote[j] - pool.held((j, nid))) for j in asked)
                        if pool is not None else 0.0)
         free_cpus = max(0.0, ns.node.cores - sum(cpus.values()))
+        # Owners' lent-memory quotas (ctx.quota): what each may still borrow here, shared by its jobs.
+        room: dict = {}
+        owners: dict[str, list] = {}
+        if ctx.quota is not None and pool is not None:
+            for j in base:
+                mine = ctx.quota.room(ctx.records[j].job, exclude_node=nid)
+                owners[j] = list(mine)
+                for k, v in mine.items():
+                    room.setdefault(k, float(v))
+            for j in base:
+                for k in owners[j]:
+                    room[k] -= remote[j]
         # Costs in shares of the node, as synergy weighs a memory step against a CPU step.
         per_byte = 1.0 / max(1.0, float(ns.node.memory_bytes))
         per_core = 1.0 / max(1, ns.node.cores)
@@ -125,7 +137,7 @@ class LentMemory(SynergyTune):
                         if e < self.min_efficiency:
                             continue
                         dr = math.ceil(max(0.0, (level - (loc + dl)) / e - rem)) + 1.0
-                        if dr > free_remote:
+                        if dr > free_remote or any(room[k] < dr for k in owners.get(j, ())):
                             continue
                     ratio = gain / ((dl + dr) * per_byte)
                     if best is None or ratio > best[0] + 1e-12:
@@ -139,6 +151,8 @@ class LentMemory(SynergyTune):
             free_local -= dl
             remote[j] += dr
             free_remote -= dr
+            for k in owners.get(j, ()):
+                room[k] -= dr
         # Give back lent bytes a job does not need to hold the level it reached.
         for j in jobs:
             rem = remote[j]

@@ -3,6 +3,8 @@
 import argparse
 from pathlib import Path
 
+import pytest
+
 from bench import sched
 
 
@@ -24,6 +26,9 @@ def test_bench_sched_small_run(tmp_path):
     m = res["metrics"]
     assert 0 < m["interference_mape_cv"] < 5 and m["decision_p99_ms_1000_nodes"] > 0
     assert all(Path(p).exists() for p in res["plots"])
+    assert any(p.endswith("sched_fairshare.png") for p in res["plots"])
+    assert m["fairshare_trace"] == "t" and m["fairshare_others_vs_none"] > 0 and m["fairshare_total_vs_none"] > 0
+    assert [r["policy"] for r in res["fairshare"]] == ["dlshare"]
     assert any(t["met"] in ("yes", "MISSED", "n/a") for t in res["targets"])
 
 
@@ -46,3 +51,46 @@ def test_memshort_reports_every_run_and_the_metrics_the_issue_names():
     assert m["memshort_lent_peak_gb"] > 0 and m["memshort_reclaim_early_taken_back_gb"] > 0
     assert len(res["rows"]) == 7 and all(r["failed"] == 0 for r in res["rows"])
     assert {c[0] for c in checks(m)} and all(c[1] is not None for c in checks(m))
+
+
+def test_flood_trace_gives_the_flooder_its_share_in_bursts_and_keeps_every_job():
+    from bench.sched_fairshare import FLOODER, flood_trace
+    from bench.shapes import SHAPES, make_trace
+
+    base = make_trace(SHAPES[0], seed=1)
+    owned = flood_trace(base, seed=0)
+    assert sorted(t.id for t in owned) == sorted(t.id for t in base)
+    mine = [t for t in owned if t.user == FLOODER]
+    assert len(mine) == round(0.3 * len(base)) and len({t.user for t in owned}) == 10
+    starts = sorted(t.arrival_s for t in mine)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert sum(g > 600.0 for g in gaps) <= round(len(mine) / 25)  # bursts of ~25, each within 10 minutes
+    same = {t.id: t for t in base}
+    assert all((t.model, t.gpus, t.duration_s) == (same[t.id].model, same[t.id].gpus, same[t.id].duration_s)
+               for t in owned)
+    assert flood_trace(base, seed=0) == owned and flood_trace(base, seed=1) != owned
+
+
+def test_flood_benchmark_small_run_reports_sane_metrics(tmp_path):
+    from bench import sched_fairshare
+    from bench.shapes import SHAPES, make_trace
+
+    trace = make_trace(SHAPES[5], seed=1)[:120]  # "small": 2x4 GPUs
+    # tiresias and fifo: the same code path as dlshare, without training the co-location predictor
+    res = sched_fairshare.flood(trace=trace, cluster="2x4", trace_name="small120", shapes=(), inner=("fifo",),
+                                profile="tiresias")
+    m = res["metrics"]
+    for key in ("fairshare_others_vs_none", "fairshare_flood_vs_none", "fairshare_total_vs_none",
+                "fairshare_others_bound"):
+        assert isinstance(m[key], float) and 0 < m[key] < 20, key
+    main = res["rows"][0]
+    assert main["flood_jobs"] == 36 and main["fs_failed"] == main["none_failed"] == 0
+    assert m["fairshare_others_vs_none"] == main["fs_others_h"] / main["none_others_h"]
+    # the others alone are the floor: never slower than beside the flood
+    assert main["alone_others_h"] <= main["none_others_h"] * 1.05
+    total = (main["fs_others_h"] * (120 - 36) + main["fs_flood_h"] * 36) / 120
+    assert total == pytest.approx(main["fs_total_h"])
+    assert [r["policy"] for r in res["rows"]] == ["tiresias", "fifo"]
+    checks = sched_fairshare.checks(m, res["rows"])
+    assert len(checks) == 3 and all(c[1] is not None for c in checks)
+    assert Path(sched_fairshare.plot(res["rows"], res["jcts"], tmp_path)[0]).stat().st_size > 0
