@@ -46,7 +46,8 @@ class Job:
     launcher extracted them.  ``gpu_memory_bytes`` is the per-GPU footprint when
     known (0 = unknown).  ``remote_memory_bytes`` is the least memory lent by donors the job must
     have (0: it takes what the allocation plugin gives it); only a lent-memory allocator (``lent``)
-    grants it.
+    grants it.  ``user`` and ``account`` name the job's owner (the service sets them from the
+    launcher's credentials; "" when unknown, as in traces without users).
     """
 
     id: str
@@ -64,6 +65,8 @@ class Job:
     gpu_memory_bytes: int = 0
     batch_sizes: tuple[int, ...] = ()
     remote_memory_bytes: int = 0
+    user: str = ""
+    account: str = ""
 
     def __post_init__(self) -> None:
         self.batch_sizes = tuple(int(b) for b in (self.batch_sizes or ()))
@@ -103,7 +106,7 @@ class Job:
             "arrival": self.arrival, "attained_service": self.attained_service,
             "state": self.state.value, "duration": self.duration, "features": self.features,
             "gpu_memory_bytes": self.gpu_memory_bytes, "batch_sizes": list(self.batch_sizes),
-            "remote_memory_bytes": self.remote_memory_bytes,
+            "remote_memory_bytes": self.remote_memory_bytes, "user": self.user, "account": self.account,
         }
 
     @classmethod
