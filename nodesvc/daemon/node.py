@@ -108,7 +108,7 @@ class NodeDaemon:
         self.bus = Bus(
             cfg["dlshare"]["broker"],
             client_id=f"dlshare-node-{self.node_id}",
-            subscriptions=[(self.topic("cmd"), 1)],
+            subscriptions=[(self.topic("cmd"), 1), (self.topic(messages.MEMORY_LEAF), 1)],
             handler=self._on_message,
             on_connect=self._on_connect,
             will=(self.topic("state"), messages.encode({"node": self.node_id, "status": "offline",
@@ -236,12 +236,18 @@ class NodeDaemon:
             sd_notify(f"READY=1\nSTATUS=connected to {bus.addr.url()}")
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
-        if topic != self.topic("cmd"):
+        if topic == self.topic("cmd"):
+            reply = await self.handle_command(payload)
+        elif topic == self.topic(messages.MEMORY_LEAF):
+            reply = await self.handle_command(payload, memory_only=True)
+        else:
             return
-        await self.bus.publish(self.topic("reply"), await self.handle_command(payload), qos=1)
+        await self.bus.publish(self.topic("reply"), reply, qos=1)
 
-    async def handle_command(self, payload: bytes) -> bytes:
-        """Validate and apply one command; always returns a reply payload."""
+    async def handle_command(self, payload: bytes, memory_only: bool = False) -> bytes:
+        """Validate and apply one command; always returns a reply payload.  ``memory_only``: it came
+        on the ``mem`` topic, where only a memory consumer's ops are taken (the broker lets jobs
+        publish there, not on ``cmd``)."""
         try:
             cmd = messages.parse_command(payload)
         except messages.PayloadError as exc:
@@ -249,9 +255,15 @@ class NodeDaemon:
             cid = messages.command_id_of(payload)
             log.warning("malformed command (id %s): %s", cid, exc)
             return messages.reply(cid, False, error=f"malformed command: {exc}")
-        cached = self.replies.get(cmd.id)
+        key = f"mem:{cmd.id}" if memory_only else cmd.id  # one topic's ids never answer the other's
+        cached = self.replies.get(key)
         if cached is not None:
             return cached
+        if memory_only and cmd.op not in messages.MEMORY_OPS:
+            self.metrics.commands.labels("unknown", "rejected").inc()
+            log.warning("refused %s on the memory topic (command %s)", cmd.op, cmd.id)
+            return messages.reply(cmd.id, False, op=cmd.op, error=f"op {cmd.op!r} is not a memory consumer's "
+                                  f"({', '.join(sorted(messages.MEMORY_OPS))}): it is taken on the cmd topic only")
         known = cmd.op in BUILTIN_OPS or any(cmd.op in ext.commands() for ext in self.extensions)
         label = cmd.op if known else "unknown"  # bounded label set: one series per real op
         try:
@@ -266,7 +278,7 @@ class NodeDaemon:
             log.exception("command %s %s failed", cmd.id, cmd.op)
             reply = messages.reply(cmd.id, False, error=f"{type(exc).__name__}: {exc}", op=cmd.op)
             self.metrics.commands.labels(label, "failed").inc()
-        self.replies.put(cmd.id, reply)
+        self.replies.put(key, reply)
         return reply
 
     async def _apply(self, cmd: messages.Command) -> dict[str, Any]:

@@ -118,27 +118,33 @@ async def test_a_node_reads_only_its_own_commands(acl_broker):
     assert got == ["dlshare/v1/node/n1/cmd"], got
 
 
-async def test_only_the_scheduler_consumers_and_operators_command_nodes(acl_broker):
+async def test_only_the_scheduler_and_operators_command_nodes_and_consumers_only_borrow(acl_broker):
     """Promise: an authenticated client without a grant (mallory) cannot publish on a node's
-    command topic; the scheduler, memory consumers and operators can."""
+    command topic; the scheduler and operators can; memory consumers (the credential jobs get)
+    cannot publish there, only on the node's mem topic, which the node takes map/unmap/renew
+    from and nothing else."""
     async with _client(acl_broker, "n2") as n2:
         await n2.subscribe("dlshare/v1/node/n2/cmd", qos=1)
+        await n2.subscribe("dlshare/v1/node/n2/mem", qos=1)
         async with _client(acl_broker, "mallory") as m:
             await m.publish("dlshare/v1/node/n2/cmd", b'{"schema":1,"op":"allocate"}', qos=1)
-        for user in ("dlshare-sched", "dlshare-memory", "dlshare-operator"):
+            await m.publish("dlshare/v1/node/n2/mem", b'{"schema":1,"op":"map"}', qos=1)
+        async with _client(acl_broker, "dlshare-memory") as c:
+            await c.publish("dlshare/v1/node/n2/cmd", b'{"schema":1,"op":"run"}', qos=1)
+            await c.publish("dlshare/v1/node/n2/mem", b"dlshare-memory", qos=1)
+        for user in ("dlshare-sched", "dlshare-operator"):
             async with _client(acl_broker, user) as c:
                 await c.publish("dlshare/v1/node/n2/cmd", user.encode(), qos=1)
         got = []
 
         async def three() -> None:
             async for msg in n2.messages:
-                got.append(bytes(msg.payload))
+                got.append((str(msg.topic).rsplit("/", 1)[1], bytes(msg.payload)))
                 if len(got) == 3:
                     return
 
         await asyncio.wait_for(three(), 10)
-    assert sorted(got) == [b"dlshare-memory", b"dlshare-operator", b"dlshare-sched"], got
-    assert all(b"allocate" not in g for g in got)
+    assert sorted(got) == [("cmd", b"dlshare-operator"), ("cmd", b"dlshare-sched"), ("mem", b"dlshare-memory")], got
 
 
 async def test_the_example_files_are_the_ones_documented():
