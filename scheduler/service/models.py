@@ -251,7 +251,7 @@ class ApiTokenRequest(_Strict):
     admin: bool = Field(False, description="sees and changes every job and manages tokens")
     ttl_s: float = Field(90 * 86400.0, ge=60, le=10 * 365 * 86400.0, allow_inf_nan=False,
                          description="seconds until it expires (60 s to 10 years; default 90 days)")
-    note: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f]*$", description="free-form, shown in listings")
+    note: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="free-form, shown in listings")
 
 
 class ApiToken(BaseModel):
