@@ -252,8 +252,10 @@ class DecisionCarrier:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, s.gpus))
                 # `run` with the allocation applies it (cgroups) and starts the process group in one command.
                 run = {"job": d.job, "cpus": max(0.01, float(cpus)), "memory_bytes": max(1 << 20, int(mem)),
-                       "argv": row.spec["command"], "env": env, "gpus": list(s.gpus), "run_id": d.stimulus_id,
-                       "user": row.user or self.default_user}  # the node runs it as this user
+                       "argv": row.spec["command"], "env": env, "gpus": list(s.gpus), "run_id": d.stimulus_id}
+                owner = row.user or self.default_user
+                if owner:  # the node runs it as this user (none: as the node daemon's own user)
+                    run["user"] = owner
                 if al is not None and al.remote_bytes > 0:  # lent memory: the daemon exports the budget
                     run["remote_memory_bytes"] = int(al.remote_bytes)  # (DLSHARE_REMOTE_MEMORY_BYTES)
                 if row.spec.get("cwd"):

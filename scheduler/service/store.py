@@ -14,7 +14,7 @@ Decisions are keyed by their id: :meth:`JobStore.record_decision` returns
 False for an id it has seen, so a decision replayed after a restart is not
 applied twice, and a command is re-sent with the same id until a node acks it.
 The core's event log and its snapshots live in the same file
-(:mod:`scheduler.service.journal`).
+(:mod:`scheduler.service.journal`), and so do the users' tokens (:mod:`scheduler.service.tokens`).
 """
 
 from __future__ import annotations
@@ -247,7 +247,8 @@ def _row_to_job(r: sqlite3.Row) -> JobRow:
 
 
 class JobStore:
-    """All SQL lives here (and in :mod:`scheduler.service.journal`, on the same connections):
+    """All SQL lives here (and in :mod:`scheduler.service.journal` and :mod:`scheduler.service.tokens`, on
+    the same connections):
     one connection per thread (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str], synchronous: str = "FULL", clock=time.time) -> None:

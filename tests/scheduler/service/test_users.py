@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
@@ -175,3 +177,46 @@ def test_the_extender_is_an_admins(users):
     c, _, _, tok = users
     r = c.post("/k8s/filter", json={"Pod": {}, "NodeNames": []}, headers=as_(tok["alice"]))
     assert r.status_code == 403 and "admin" in r.json()["detail"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=120))
+def test_any_presented_token_is_a_principal_or_a_reason(text):
+    """Fuzz: whatever a caller presents, authentication answers a principal or a reason, never raises."""
+    from scheduler.service.store import JobStore
+
+    store = _FUZZ_STORE.setdefault("s", JobStore(":memory:"))
+    book = TokenBook(store, TOKEN, "ops")
+    res = book.authenticate(text)
+    assert (res.principal is None) == (text != TOKEN) and (res.principal is not None or res.why)
+
+
+_FUZZ_STORE: dict = {}
+
+
+async def test_run_names_the_owner_and_carries_the_jobs_aggregation_secret(fake_node, live_service):
+    """Promise: the scheduler's run names the job's owner (a job without one: the bootstrap user),
+    and hands every rank the job's aggregation secret: the same for a job across restarts, another
+    for another job, and the spec's own when it brings one."""
+    from nodesvc.bus.procs import until
+    from scheduler.service.store import Owner
+
+    n1 = await fake_node("n1", cpus=8, gpus=0)
+    svc = await live_service.start(default_user="ops")
+    await until(lambda: "n1" in svc.core.nodes, what="n1 registered")
+    a, _ = svc.submit(dict(SPEC), Owner("alice", "vision"))
+    b, _ = svc.submit(dict(SPEC))
+    c, _ = svc.submit({**SPEC, "env": {"DLSHARE_AGG_SECRET": "shared-by-two-jobs"}}, Owner("carol"))
+    await until(lambda: {a.id, b.id, c.id} <= set(n1.running), what="the three jobs started")
+    run = {x["args"]["job"]: x["args"] for x in n1.ops("run")}
+    assert run[a.id]["user"] == "alice" and run[b.id]["user"] == "ops" and run[c.id]["user"] == "carol"
+    secrets = {j: run[j]["env"]["DLSHARE_AGG_SECRET"] for j in (a.id, b.id, c.id)}
+    assert secrets[c.id] == "shared-by-two-jobs" and secrets[a.id] != secrets[b.id]
+    assert len(secrets[a.id]) == 32 and secrets[a.id] == svc.carrier.agg_secret(a.id)
+    from scheduler.service.store import JobStore
+
+    again = JobStore(svc.store.path)  # a restarted service reads the same key from its database
+    try:
+        assert again.service_key("agg") == svc.store.service_key("agg")
+    finally:
+        again.close()
