@@ -41,6 +41,7 @@ class Register:
     now: float
     conn: ConnId
     hello: Hello
+    peer: str = ""  # the connection's address (IP): what the per-peer job cap counts
 
 
 @dataclass(frozen=True)
@@ -185,15 +186,22 @@ class AggregationCore:
     """All jobs of one server.  Not thread-safe: the shell serialises calls."""
 
     def __init__(self, server_id: str, round_timeout_s: float, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
-                 min_chunk_charge: int = 4096, unit_charge_per_rank: int = 8, require_secret: bool = False) -> None:
+                 min_chunk_charge: int = 4096, unit_charge_per_rank: int = 8, require_secret: bool = False,
+                 max_jobs_per_peer: int = 0) -> None:
         """``max_job_bytes`` bounds what one job may pin.  Each pushed chunk is charged at least
         ``min_chunk_charge`` bytes and each open unit ``unit_charge_per_rank * world`` more, for its
         bookkeeping: otherwise a job with a large world pushing tiny chunks would pin gigabytes of
         Python objects while its payload count stayed near zero.
 
         A job's first HELLO sets its secret (or none, unless ``require_secret``); every later HELLO of
-        the job must present the same one, or it is refused and the job is left as it was."""
+        the job must present the same one, or it is refused and the job is left as it was.
+
+        ``max_jobs_per_peer``: the most jobs one peer address may hold a connection in at once (0:
+        no limit); a HELLO that would hold one more is refused with ``too_many_jobs``."""
         self.require_secret = require_secret
+        self.max_jobs_per_peer = max_jobs_per_peer
+        self.conn_peer: dict[ConnId, str] = {}
+        self.peer_jobs: dict[str, dict[str, int]] = {}  # peer -> job -> its connections there
         self.server_id = server_id
         self.min_chunk_charge = min_chunk_charge
         self.unit_charge_per_rank = unit_charge_per_rank
@@ -272,6 +280,11 @@ class AggregationCore:
             if diff:
                 msg = f"rank {h.rank} registered a layout that differs from job {h.job}'s: {diff}"
                 return [Send(ev.conn, error("layout_mismatch", msg), sid), Close(ev.conn, sid)]
+        held = self.peer_jobs.get(ev.peer, {})
+        if self.max_jobs_per_peer and h.job not in held and len(held) >= self.max_jobs_per_peer:
+            msg = (f"{ev.peer or 'this peer'} holds connections in {len(held)} jobs on server {self.server_id}, "
+                   f"the limit per address (agg.max_jobs_per_peer)")
+            return [Send(ev.conn, error("too_many_jobs", msg), sid), Close(ev.conn, sid)]
         if job is None:
             job = AggregationJob(h.job, self._next_handle, h.world, secret=digest)
             self._next_handle += 1
@@ -289,6 +302,9 @@ class AggregationCore:
             job.layout = {k: (n, dt) for k, n, dt in h.layout}
         job.conns[h.rank] = ev.conn
         self.conn_job[ev.conn] = (h.job, h.rank)
+        self.conn_peer[ev.conn] = ev.peer
+        jobs = self.peer_jobs.setdefault(ev.peer, {})
+        jobs[h.job] = jobs.get(h.job, 0) + 1
         body: dict[str, Any] = {"server": self.server_id, "job_handle": job.handle}
         out.append(Send(ev.conn, control(MsgType.WELCOME, body, job=job.handle, rank=h.rank, world=h.world), sid))
         if h.next_round is not None:
@@ -391,6 +407,14 @@ class AggregationCore:
         if who is None:
             return []
         name, rank = who
+        peer = self.conn_peer.pop(ev.conn, "")
+        jobs = self.peer_jobs.get(peer, {})
+        if jobs.get(name, 0) > 1:
+            jobs[name] -= 1
+        else:
+            jobs.pop(name, None)
+            if not jobs:
+                self.peer_jobs.pop(peer, None)
         job = self.jobs[name]
         if job.conns.get(rank) == ev.conn:
             del job.conns[rank]

@@ -72,6 +72,7 @@ config.register_section("agg", {
     "interleave": True,  # overlapping rounds of different jobs are read first come, first served
     "recv_buffer_bytes": RECV_BUF,  # per connection; bounds what a held-back job pushes meanwhile
     "require_secret": False,  # refuse a HELLO without a job secret (otherwise the first HELLO sets it or none)
+    "max_jobs_per_peer": 64,  # jobs one peer address may hold connections in at once (0: no limit)
     "hello_timeout_s": 10.0,  # a connection must be registered (HELLO accepted) within this
     "frame_timeout_s": 10.0,  # each header and payload must arrive within this of its start
     "max_connections": 1024,
@@ -99,6 +100,8 @@ def resolve(cfg: dict) -> dict:
             raise config.ConfigError(f"agg.{key} must be 0.05..3600 seconds")
     if not 1 <= a["max_connections_per_peer"] <= a["max_connections"] <= 100_000:
         raise config.ConfigError("agg.max_connections_per_peer must be 1..max_connections (at most 100000)")
+    if not 0 <= a["max_jobs_per_peer"] <= 1_000_000:
+        raise config.ConfigError("agg.max_jobs_per_peer must be 0 (no limit)..1000000")
     if not MAX_CHUNK_BYTES <= a["max_receiving_bytes_per_peer"] <= a["max_receiving_bytes"]:
         raise config.ConfigError(f"agg.max_receiving_bytes_per_peer must be {MAX_CHUNK_BYTES} (one chunk)"
                                  f"..max_receiving_bytes")
@@ -122,14 +125,15 @@ class AggregationServer:
                  interleave: bool = True, recv_buffer_bytes: int = RECV_BUF, require_secret: bool = False,
                  hello_timeout_s: float = 10.0, frame_timeout_s: float = 10.0, max_connections: int = 1024,
                  max_connections_per_peer: int = 256, max_receiving_bytes: int = 1 << 30,
-                 max_receiving_bytes_per_peer: int = 256 << 20) -> None:
+                 max_receiving_bytes_per_peer: int = 256 << 20, max_jobs_per_peer: int = 64) -> None:
         """``interleave``: read overlapping rounds of different jobs first come, first served
         (aggregator/interleave.py) instead of all at once; ``recv_buffer_bytes``: each connection's
         receive buffer, which bounds what a held-back job can still push meanwhile.  The rest are the
         ceilings of the module docstring (config keys of the same names)."""
         self.server_id = server_id
         self.send_timeout_s = max(1.0, round_timeout_s)
-        self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes, require_secret=require_secret)
+        self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes, require_secret=require_secret,
+                                    max_jobs_per_peer=max_jobs_per_peer)
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
         self._lock = threading.Lock()
@@ -371,7 +375,7 @@ class AggregationServer:
             except ProtocolError as exc:
                 conn.send(error("bad_message", str(exc)))
                 raise _Gone() from None
-            self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello))
+            self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello, conn.ip))
             with self._lock:
                 conn.registered = conn in self.core.conn_job
             if conn.registered:
@@ -501,7 +505,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
 
     ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s,
     max_job_bytes, interleave, recv_buffer_bytes, require_secret, hello_timeout_s, frame_timeout_s,
-    max_connections, max_connections_per_peer, max_receiving_bytes, max_receiving_bytes_per_peer;
+    max_connections, max_connections_per_peer, max_receiving_bytes, max_receiving_bytes_per_peer, max_jobs_per_peer;
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
     cfg = resolve(cfg)
@@ -514,7 +518,8 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
                                frame_timeout_s=float(a["frame_timeout_s"]), max_connections=int(a["max_connections"]),
                                max_connections_per_peer=int(a["max_connections_per_peer"]),
                                max_receiving_bytes=int(a["max_receiving_bytes"]),
-                               max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"])).start()
+                               max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"]),
+                               max_jobs_per_peer=int(a["max_jobs_per_peer"])).start()
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
     astop: list = []

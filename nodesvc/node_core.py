@@ -9,6 +9,7 @@ scheduler replays commands after a restart).
 
 from __future__ import annotations
 
+import re
 import signal as _signal
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ MAX_RUN_ID = 256
 MAX_ARG_LEN = 4096
 MAX_ENV = 256
 MAX_PIDS = 4096
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")  # as useradd takes them (and the scheduler's tokens)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class RunSpec:
     gpus: tuple[int, ...] = ()
     remote_memory_bytes: int | None = None  # donor memory the job may borrow (every copy counted)
     run_id: str = ""  # the sender's name for this run, echoed in the job's exit (tells runs of one job apart)
+    user: str | None = None  # whom it runs as (resolved on the node); None: the daemon's own user
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,14 @@ def parse_op(cmd: Command, protected_pids: frozenset[int] = frozenset({1})) -> A
         run_id = arg(a, "run_id", str, required=False, default="")
         if len(run_id) > MAX_RUN_ID or not run_id.isprintable():
             raise PayloadError(f"run_id must be at most {MAX_RUN_ID} printable characters")
+        if cwd is not None and (not cwd.startswith("/") or "\x00" in cwd or len(cwd) > MAX_ARG_LEN):
+            raise PayloadError("cwd must be an absolute path without NUL characters")
+        user = arg(a, "user", str, required=False)
+        if user is not None and not _USER.match(user):
+            raise PayloadError(f"user {user[:64]!r} is not a user name (1-32 characters of A-Z a-z 0-9 _ . -, "
+                               "not starting with a digit, '.' or '-')")
         return RunSpec(job, tuple(argv), dict(env), cwd, _alloc(a, job) if has_alloc else None, tuple(gpus),
-                       remote or None, run_id)
+                       remote or None, run_id, user)
     if cmd.op == "stop":
         job = _job(a)
         sig = arg(a, "signal", (int, str), required=False, default="SIGTERM")

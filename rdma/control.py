@@ -163,7 +163,9 @@ class ControlPlane:
                 self._donors[node] = DonorView(d.node, d.addr, d.slab_bytes, d.free_slabs, False, d.provider)
 
     async def _call(self, node: str, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return await self.rpc.call(self.bus.publish, node, op, args, timeout=timeout)
+        # A consumer's own ops go on the node's mem topic, the one the broker lets jobs publish on.
+        leaf = messages.MEMORY_LEAF if op in messages.MEMORY_OPS else "cmd"
+        return await self.rpc.call(self.bus.publish, node, op, args, timeout=timeout, leaf=leaf)
 
     def call(self, node: str, op: str, args: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         """Send a command and wait for its result; raises a :class:`~nodesvc.bus.rpc.CommandError`."""
@@ -185,7 +187,7 @@ class ControlPlane:
     def call_nowait(self, node: str, op: str, args: dict[str, Any]) -> None:
         """Fire a command without waiting for its reply (best effort, e.g. unmap on free)."""
         payload = messages.command(op, self.rpc.next_id(), **args)
-        asyncio.run_coroutine_threadsafe(self.bus.publish(messages.node_topic(node, "cmd"), payload, qos=1),
+        asyncio.run_coroutine_threadsafe(self.bus.publish(messages.node_topic(node, messages.MEMORY_LEAF), payload, qos=1),
                                          self._loop)
 
     def close(self) -> None:

@@ -81,9 +81,13 @@ class SchedulerClient:
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def list(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0) -> list[dict[str, Any]]:
+    def list(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0,
+             user: str | None = None) -> list[dict[str, Any]]:
+        """Jobs in submission order: the token's user's own (an admin's: everyone's, or ``user``'s)."""
         params: list[tuple[str, Any]] = [("limit", limit), ("offset", offset)]
         params += [("state", s) for s in states or []]
+        if user is not None:
+            params.append(("user", user))
         return self._call("GET", "/v1/jobs", params=params)["jobs"]
 
     def all(self, states: Iterable[str] | None = None, page: int = 10_000) -> list[dict[str, Any]]:
@@ -103,6 +107,22 @@ class SchedulerClient:
 
     def cluster(self) -> dict[str, Any]:
         return self._call("GET", "/v1/cluster")
+
+    def whoami(self) -> dict[str, Any]:
+        """The token's user, account, whether it is an admin's, and the token's id."""
+        return self._call("GET", "/v1/whoami")
+
+    def create_token(self, user: str, account: str = "", admin: bool = False, ttl_s: float = 90 * 86400.0,
+                     note: str = "") -> dict[str, Any]:
+        """A new token for ``user`` (an admin's call); the answer's ``token`` is shown only once."""
+        return self._call("POST", "/v1/tokens", json={"user": user, "account": account, "admin": admin,
+                                                       "ttl_s": ttl_s, "note": note})
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/tokens")["tokens"]
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/tokens/{token_id}")
 
     def wait(self, job_id: str, states: Iterable[str] = TERMINAL_STATES, timeout: float = 60.0,
              poll: float = 0.2) -> dict[str, Any]:

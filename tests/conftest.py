@@ -157,3 +157,16 @@ def node_daemons(tmp_path) -> NodeFactory:
     deadline = time.monotonic() + 10.0
     for node in started:
         stop_proc(node.proc, timeout=max(0.1, deadline - time.monotonic()))
+
+
+@pytest.fixture(scope="module")
+def local_users():
+    """Real local users and groups (``useradd``), removed at the end of the module:
+    ``local_users.user(groups=[local_users.group()])`` -> :class:`tests.local_users.LocalUser`."""
+    if os.geteuid() != 0:
+        pytest.skip("creating users needs root")
+    from tests.local_users import LocalUsers
+
+    users = LocalUsers()
+    yield users
+    users.remove_all()

@@ -46,6 +46,13 @@ def node_topic(node: str, leaf: str) -> str:
     return topic("node", node, leaf)
 
 
+# Memory consumers send their ops (map, unmap, renew) on a node's ``mem`` topic, which carries
+# nothing else: the broker can then let jobs borrow memory without letting them send ``run``,
+# ``allocate`` or ``stop`` (those come on ``cmd``, from the scheduler and operators only).
+MEMORY_LEAF = "mem"
+MEMORY_OPS = frozenset({"ping", "map", "unmap", "renew", "donor_status"})
+
+
 def parse_topic(t: str) -> tuple[str, str, str]:
     """``dlshare/v1/node/n1/telemetry`` -> (``node``, ``n1``, ``telemetry``)."""
     parts = t.split("/")

@@ -103,11 +103,13 @@ class Correlator:
             self._pending.pop(cmd_id, None)
 
     async def call(self, publish: Publish, node: str, op: str, args: dict[str, Any] | None = None,
-                   cmd_id: str | None = None, timeout: float | None = None, kind: str = "node") -> dict[str, Any]:
-        """Send ``op`` to daemon ``node`` and return the reply's ``result``; raises
-        :class:`CommandRefused`, :class:`CommandNotSent` or :class:`CommandTimeout`."""
+                   cmd_id: str | None = None, timeout: float | None = None, kind: str = "node",
+                   leaf: str = "cmd") -> dict[str, Any]:
+        """Send ``op`` to daemon ``node`` (on its ``leaf`` topic: ``cmd``, or ``mem`` for a memory
+        consumer's ops) and return the reply's ``result``; raises :class:`CommandRefused`,
+        :class:`CommandNotSent` or :class:`CommandTimeout`."""
         cid = cmd_id or self.next_id()
-        r = await self.reply(publish, messages.topic(kind, node, "cmd"), messages.command(op, cid, **(args or {})),
+        r = await self.reply(publish, messages.topic(kind, node, leaf), messages.command(op, cid, **(args or {})),
                              cid, timeout, what=f"{op} to {node}")
         if not r.get("ok"):
             raise CommandRefused(f"{op} on {node} refused: {r.get('error')}", r)

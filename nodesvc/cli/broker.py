@@ -6,10 +6,17 @@ import asyncio
 import signal
 
 from nodesvc.bus import config
+from nodesvc.bus.acl import AclError
 from nodesvc.bus.broker import serve
 from nodesvc.bus.procs import split_hostport
 
-config.register_section("broker", {"listen": "127.0.0.1:1883"})
+config.register_section("broker", {
+    "listen": "127.0.0.1:1883",
+    # mosquitto's formats: a mosquitto_passwd ($7$) file of users (anonymous clients are then
+    # refused) and an ACL file (deploy/mosquitto/dlshare.acl). Empty: anyone may connect.
+    "password_file": "",
+    "acl_file": "",
+})
 
 
 def _run(args, cfg) -> int:
@@ -22,9 +29,12 @@ def _run(args, cfg) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(addrs, stop)
+        await serve(addrs, stop, password_file=cfg["broker"]["password_file"], acl_file=cfg["broker"]["acl_file"])
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except (AclError, ValueError) as exc:
+        raise config.ConfigError(str(exc)) from None
     return 0
 
 
@@ -34,3 +44,6 @@ def register(sub) -> None:
     p = add_command(sub, "broker", _run, "run the embedded MQTT broker (amqtt) for single-machine use",
                     sections=["broker"])
     config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")
+    config_flag(p, "--password-file", "broker", "password_file",
+                help="mosquitto_passwd file of users; anonymous clients are then refused")
+    config_flag(p, "--acl-file", "broker", "acl_file", help="mosquitto ACL file of topic rights")

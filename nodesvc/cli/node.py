@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 
-from nodesvc.bus import config, messages
+from nodesvc.bus import config, jobenv, messages
 
 # Optional parts of the daemon register their config sections on import, and
 # the config is loaded before the daemon starts: import them here.
@@ -25,10 +25,22 @@ config.register_section("node", {
     "cgroup_root": "/sys/fs/cgroup",
     "cgroup_base": "",  # default: a dlshare group under the daemon's own (delegated) cgroup
     "fake_gpus": 0,  # simulate this many GPUs (marked simulated in telemetry) on GPU-less nodes
-    "state_dir": "",  # job logs; default /var/lib/dlshare/<id> (root) or ~/.local/state/dlshare/<id>
+    "state_dir": "",  # default /var/lib/dlshare/<id> (root) or ~/.local/state/dlshare/<id>
     # Start job processes on request (the `run` op). Off by default: whoever may publish to this
-    # node's cmd topic could then run programs as the daemon's user. Enable it together with broker ACLs.
+    # node's cmd topic could then run programs as any job owner. Enable it together with broker ACLs.
     "allow_run": False,
+    # Jobs run as their owner (the run command's user, resolved here). uid 0 only when allowed;
+    # other uids from min_job_uid up (system accounts, e.g. the broker's user, are refused).
+    "allow_root_jobs": False,
+    "min_job_uid": 1000,
+    "job_dir": "",  # the jobs' own directories (<job_dir>/<job>, the owner's, 0700); default <state_dir>/jobs
+    # The job's environment: the run command's variables that the allow list lets through (an exact
+    # name in job_env_allow beats the deny globs), plus these of the daemon's own (globs).
+    "job_env_allow": list(jobenv.DEFAULT_ALLOW),
+    "job_env_deny": list(jobenv.DEFAULT_DENY),
+    "job_env_inherit": ["PATH", "LANG", "LANGUAGE", "LC_*", "TZ"],
+    # The broker URL jobs get as DLSHARE_BROKER; default: the daemon's without its user and password.
+    "job_broker": "",
 })
 
 
@@ -58,3 +70,5 @@ def register(sub) -> None:
                 help="start job processes on request (the run command); restrict the broker's ACLs")
     config_flag(p, "--no-enforce", "node", "enforce", action="store_const", const=False,
                 help="do not apply allocations through cgroups")
+    config_flag(p, "--allow-root-jobs", "node", "allow_root_jobs", action="store_const", const=True,
+                help="let run start jobs as root (uid 0); by default a job whose owner is root is refused")

@@ -5,14 +5,27 @@ of remote memory when that part is installed), and, when those parts are
 installed, the aggregation server and the scheduler service.  It prints where
 everything listens and stops everything, in reverse order, on Ctrl-C.
 ``--tour`` runs a short scripted tour of the running stack and then stops.
+
+Nothing listens anonymously.  It makes a broker user and a random password for each
+principal (:class:`BrokerUsers`: each node daemon by its id, the scheduler, the
+aggregation server, memory consumers and the operator) and has the broker (amqtt
+or mosquitto) enforce ``deploy/mosquitto/dlshare.acl``; each child gets its own
+credentials in its environment (never on its command line, which every local
+user can read).  Jobs get the memory consumers' credentials (lent memory is found
+through the broker).  The scheduler's bootstrap token acts as the user who
+started ``dlshare up``: root's jobs are allowed on the nodes only when that user
+is root; other users get tokens with ``dlshare token create``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import importlib.util
 import logging
 import os
+import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -24,6 +37,7 @@ from pathlib import Path
 
 from nodesvc import netns
 from nodesvc.bus import config
+from nodesvc.bus.acl import password_line
 from nodesvc.bus.procs import free_port, split_hostport, wait_port
 from nodesvc.netns import HostNet
 
@@ -79,9 +93,53 @@ def _pick(host: str, port: int) -> int:
     return free
 
 
+ACL_FILE = Path(__file__).resolve().parent.parent / "bus" / "dlshare.acl"  # deploy/mosquitto/dlshare.acl's twin
+AGG_ID = "agg0"  # the aggregation server's id, and its broker user (a section of the ACL)
+
+
+@dataclass
+class BrokerUsers:
+    """A broker user and random password per principal of the stack, and the files the broker
+    reads: ``<dir>/passwd`` (mosquitto's ``$7$`` hashes) and ``<dir>/dlshare.acl``."""
+
+    dir: Path
+    passwords: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, state_dir: Path, node_ids: list[str]) -> "BrokerUsers":
+        d = state_dir / "broker"
+        d.mkdir(mode=0o700, exist_ok=True)
+        users = cls(d, {u: secrets.token_urlsafe(24) for u in (*node_ids, "dlshare-sched", AGG_ID, "dlshare-memory",
+                                                              "dlshare-operator")})
+        _write_private(d / "passwd", "".join(password_line(u, pw) + "\n" for u, pw in users.passwords.items()))
+        _write_private(d / "dlshare.acl", ACL_FILE.read_text())
+        return users
+
+    def url(self, user: str, host: str, port: int) -> str:
+        return f"mqtt://{user}:{self.passwords[user]}@{host}:{port}"
+
+    def hand_to(self, uid: int) -> None:
+        """Let the broker's own user (mosquitto drops to it) read the files."""
+        for p in (self.dir, self.dir / "passwd", self.dir / "dlshare.acl"):
+            os.chown(p, uid, -1)
+
+
+def _others_may_pass(path: Path) -> bool:
+    """Whether every directory from / down to ``path`` lets other users through."""
+    p = path.resolve()
+    return all(os.stat(d).st_mode & 0o001 for d in (p, *p.parents))
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 @dataclass
 class Stack:
-    broker_url: str = ""
+    broker_url: str = ""  # with the operator's credentials: what this process and the tour connect with
+    broker_public: str = ""  # the same without credentials, to show
     node_ids: list[str] = field(default_factory=list)
     agg_addr: str | None = None
     sched_url: str | None = None
@@ -91,6 +149,8 @@ class Stack:
     net: HostNet | None = None
     node_addrs: dict[str, str] = field(default_factory=dict)
     lending: bool = False  # the node daemons lend memory (remote memory is installed)
+    users: BrokerUsers | None = None
+    job_broker: str = ""  # the broker URL jobs get (the memory consumers' credentials)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
               prefix: list[str] = (), raw: list[str] | None = None) -> subprocess.Popen:
@@ -100,7 +160,7 @@ class Stack:
         cmd = raw if raw is not None else [*prefix, sys.executable, "-m", "nodesvc.cli", *argv]
         p = subprocess.Popen(cmd, stdout=logf,
                              stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
-                             cwd=Path(__file__).resolve().parent.parent, preexec_fn=_die_with_parent)
+                             cwd=Path(__file__).resolve().parents[2], preexec_fn=_die_with_parent)  # the checkout's root: its packages
         self.procs.append((name, p))
         return p
 
@@ -145,6 +205,8 @@ def start(cfg: dict, log_json: bool = False) -> Stack:
 
     u = cfg["up"]
     st = Stack(state_dir=u["state_dir"] or tempfile.mkdtemp(prefix="dlshare-up-"))
+    Path(st.state_dir).mkdir(parents=True, exist_ok=True)
+    os.chmod(st.state_dir, 0o711)  # jobs of other users pass through it to their own directories
     try:
         _start(st, u, log_json)
     except BaseException:
@@ -160,30 +222,47 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         st.net = HostNet(node_ids).create()
     host, port = split_hostport(u["broker_listen"], 1883)
     port = _pick(host, port)
-    st.broker_url = f"mqtt://{host}:{port}"
+    users = st.users = BrokerUsers.create(Path(st.state_dir), node_ids)
+    st.broker_url = users.url("dlshare-operator", host, port)
+    st.broker_public = f"mqtt://{host}:{port}"
+    _write_private(Path(st.state_dir) / "operator.env", f"DLSHARE_BROKER={st.broker_url}\n")
     listen = f"{host}:{port}" + (f",{st.net.gateway}:{port}" if st.net else "")
+    broker_files = ["--password-file", str(users.dir / "passwd"), "--acl-file", str(users.dir / "dlshare.acl")]
     if u["broker"] == "mosquitto":
         exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         if not os.path.exists(exe):
             raise config.ConfigError("up.broker = mosquitto, but mosquitto is not installed (apt-get install mosquitto)")
-        Path(st.state_dir).mkdir(parents=True, exist_ok=True)
         conf = Path(st.state_dir) / "mosquitto.conf"
+        run_as = ""
+        if os.geteuid() == 0:  # mosquitto started as root drops to its own user, which must read the files
+            try:
+                users.hand_to(pwd.getpwnam("mosquitto").pw_uid)
+            except KeyError:
+                pass
+            if not _others_may_pass(users.dir.parent):  # e.g. a state dir under a private one: stay root
+                run_as = "user root\n"
         conf.write_text("".join(f"listener {a.rpartition(':')[2]} {a.rpartition(':')[0]}\n" for a in listen.split(","))
-                        + "allow_anonymous true\npersistence false\nset_tcp_nodelay true\n")
+                        + run_as + f"allow_anonymous false\npassword_file {users.dir / 'passwd'}\n"
+                        f"acl_file {users.dir / 'dlshare.acl'}\npersistence false\nset_tcp_nodelay true\n")
         p = st.spawn("broker", [], raw=[exe, "-c", str(conf)])
     elif u["broker"] == "amqtt":
-        p = st.spawn("broker", ["broker", "--listen", listen, *common])
+        p = st.spawn("broker", ["broker", "--listen", listen, *broker_files, *common])
     else:
         raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
     wait_port(port, p, timeout=30, host=host)
     lend = st.lending = _has("nodesvc.daemon.donor")
+    bhost = st.net.gateway if st.net else host  # how the nodes (and their jobs) reach the broker
+    st.job_broker = users.url("dlshare-memory", bhost, port)
+    me = getpass.getuser()  # the bootstrap token's user: its jobs run as the user who started the stack
     for nid in node_ids:
         addr = st.net.addrs[nid] if st.net else "127.0.0.1"
-        broker = f"mqtt://{st.net.gateway}:{port}" if st.net else st.broker_url
-        argv = ["node", "--broker", broker, "--node-id", nid, "--interval", str(u["interval"]),
+        argv = ["node", "--node-id", nid, "--interval", str(u["interval"]),
                 "--metrics-listen", f"{addr}:0", "--fake-gpus", str(u["fake_gpus"]),
-                "--allow-run", *common]  # the scheduler starts jobs; only this machine reaches the broker
-        env = {"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid)}
+                "--allow-run", *common]  # the scheduler starts jobs; the broker's ACL says who may command
+        env = {"DLSHARE_NODE_STATE_DIR": str(Path(st.state_dir) / nid), "DLSHARE_BROKER": users.url(nid, bhost, port),
+               "DLSHARE_NODE_JOB_BROKER": st.job_broker,
+               # root started the stack: root's own jobs (the bootstrap token's) may run as root
+               "DLSHARE_NODE_ALLOW_ROOT_JOBS": "true" if pwd.getpwnam(me).pw_uid == 0 else "false"}
         if lend:
             argv.append("--lend")
             env["DLSHARE_DONOR_LISTEN"] = addr  # the slab server listens on this host's own address
@@ -195,21 +274,25 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         if st.net:
             ahost = st.net.gateway  # reachable from every node's namespace and from here
         aport = _pick(ahost, aport)
-        p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--broker", st.broker_url, *common])
+        p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--id", AGG_ID, *common],
+                     env={"DLSHARE_BROKER": users.url(AGG_ID, host, port)})
         wait_port(aport, p, timeout=30, host=ahost)
         st.agg_addr = f"{ahost}:{aport}"
     if _has("scheduler.cli.service"):
         shost, sport = split_hostport(u["sched_listen"], 7800)
         sport = _pick(shost, sport)
         token = os.environ.get("DLSHARE_SCHED_TOKEN") or os.urandom(16).hex()
-        p = st.spawn("sched", ["sched", "--listen", f"{shost}:{sport}", "--broker", st.broker_url,
-                               "--db", str(Path(st.state_dir) / "sched.db"), "--token", token, *common])
+        p = st.spawn("sched", ["sched", "--listen", f"{shost}:{sport}",
+                               "--db", str(Path(st.state_dir) / "sched.db"), *common],
+                     env={"DLSHARE_BROKER": users.url("dlshare-sched", host, port), "DLSHARE_SCHED_TOKEN": token,
+                          "DLSHARE_SCHED_TOKEN_USER": me})
         wait_port(sport, p, timeout=30, host=shost)
         st.sched_url, st.sched_token = f"http://{shost}:{sport}", token
 
 
 def describe(st: Stack) -> str:
-    lines = [f"MQTT broker        {st.broker_url}" + (f" (hosts reach it at {st.net.gateway})" if st.net else "")]
+    lines = [f"MQTT broker        {st.broker_public}" + (f" (hosts reach it at {st.net.gateway})" if st.net else "")
+             + f"; no anonymous clients: the operator's credentials are in {st.state_dir}/operator.env"]
     for nid in st.node_ids:
         where = f"network namespace {st.net.netns(nid)}, {st.node_addrs[nid]}" if st.net else "loopback"
         lines.append(f"node daemon        {nid} ({where}; telemetry on dlshare/v1/node/{nid}/telemetry)")

@@ -53,6 +53,8 @@ async def run(node: str, broker: str, cfg: dict[str, dict[str, Any]], interval: 
         try:
             cmd = messages.parse_command(payload)
             handler = handlers.get(cmd.op)
+            if topic.endswith("/" + messages.MEMORY_LEAF) and cmd.op not in messages.MEMORY_OPS:
+                raise messages.PayloadError(f"op {cmd.op!r} is not a memory consumer's: send it on the cmd topic")
             if cmd.op == "ping":
                 result: dict[str, Any] = {"pong": True}
             elif handler is None:
@@ -71,7 +73,8 @@ async def run(node: str, broker: str, cfg: dict[str, dict[str, Any]], interval: 
         await b.publish(state_t, messages.encode({"status": "online", "node": node, "pid": os.getpid(),
                                                   "lend": True}), qos=1, retain=True)
 
-    bus = Bus(broker, f"dlshare-node-{node}", [(messages.node_topic(node, "cmd"), 1)], on_message,
+    bus = Bus(broker, f"dlshare-node-{node}", [(messages.node_topic(node, "cmd"), 1),
+                                               (messages.node_topic(node, messages.MEMORY_LEAF), 1)], on_message,
               on_connect, will=(state_t, offline, 1, True))
     ctx = NodeContext(node_id=node, cfg=cfg, publish=bus.publish)
     await ext.start(ctx)

@@ -1,9 +1,12 @@
 """The processes a node daemon runs or manages for jobs, and their usage.
 
 A job started with ``run`` is its own process group (session), placed in its
-cgroup *before* it executes the job's program: a small ``/bin/sh`` trampoline
-writes its pid into the job's ``cgroup.procs`` files and then ``exec``s the
-program, so no child escapes the allocation by forking early.
+cgroup *before* it executes the job's program, and run as its owner: between
+fork and exec the child writes its pid into the job's ``cgroup.procs`` files,
+drops to the owner's uid, gid and groups and enters its working directory
+(:mod:`nodesvc.daemon.runas`), so no child escapes the allocation by forking
+early and nothing of the job runs as root.  Each job has its own directory
+(``<job_dir>/<job>``, the user's, mode 0700) with its log, ``job.log``.
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ from pathlib import Path
 
 import psutil
 
+from nodesvc.daemon.runas import JobCredentials, child_setup, job_root, prepare_job_dir
+
 log = logging.getLogger("dlshare.jobs")
-
-_TRAMPOLINE = 'IFS=:; for f in $DLSHARE_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
-
 
 @dataclass
 class JobProcess:
@@ -37,6 +39,8 @@ class JobProcess:
     log_path: str | None = None
     memory_bytes: int | None = None
     run_id: str = ""  # the run command's run_id, echoed in the exit event and telemetry
+    user: str = ""  # whom it runs as (adopted processes: "")
+    uid: int | None = None
     last_usage: dict = field(default_factory=dict)
     _ps: dict[int, psutil.Process] = field(default_factory=dict)
 
@@ -93,47 +97,41 @@ def tgid_of(pid: int) -> int | None:
     return None
 
 
-def private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (mode 0700) or check that an existing one is ours and private.
-
-    Job logs are written there as root; a directory another user could
-    prepare with symlinks would let them redirect those writes.
-    """
-    p = Path(path)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(p)
-    if not os.path.isdir(p) or os.path.islink(p):
-        raise RuntimeError(f"state directory {p} is not a plain directory")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise RuntimeError(f"state directory {p} must be owned by uid {os.geteuid()} and not group/world-writable")
-    return p
-
-
 class JobTable:
-    def __init__(self, state_dir: str) -> None:
+    """The jobs of one daemon.  ``state_dir`` holds ``jobs/`` (or ``job_dir``), the root of the
+    jobs' own directories."""
+
+    def __init__(self, state_dir: str, job_dir: str = "") -> None:
         self.state_dir = Path(state_dir)
+        self.job_dir = Path(job_dir) if job_dir else self.state_dir / "jobs"
         self.jobs: dict[str, JobProcess] = {}
 
     def start(self, job: str, argv: list[str], env: dict[str, str], cwd: str | None,
-              cgroup_procs: list[str], gpus: tuple[int, ...] = (), run_id: str = "") -> JobProcess:
+              cgroup_procs: list[str], creds: JobCredentials, gpus: tuple[int, ...] = (),
+              run_id: str = "") -> JobProcess:
+        """Start ``argv`` as ``creds`` with exactly ``env`` (the caller builds it: see
+        :func:`~nodesvc.daemon.runas.job_environment`), in ``cwd`` or the job's own directory."""
         cur = self.jobs.get(job)
         if cur is not None and cur.state == "running":
             raise RuntimeError(f"job {job} is already running (pid {cur.root_pids()})")
-        private_dir(self.state_dir)
-        log_path = self.state_dir / f"{job}.log"
-        full_env = {**os.environ, **env, "DLSHARE_JOB": job, "DLSHARE_CGROUP_PROCS": ":".join(cgroup_procs)}
-        if gpus:
-            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "ab") as out:
+        if not self.job_dir.is_relative_to(self.state_dir) or self.job_dir == self.state_dir:
+            job_root(self.job_dir)
+        else:
+            job_root(self.state_dir)  # users pass through it to their job's directory
+            job_root(self.job_dir)
+        workdir, fd = prepare_job_dir(self.job_dir, job, creds)
+        try:
             popen = subprocess.Popen(
-                ["/bin/sh", "-c", _TRAMPOLINE, "dlshare-job", *argv],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                cwd=cwd or None, env=full_env, start_new_session=True,
+                argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=child_setup(creds, cgroup_procs, cwd or str(workdir)),
             )
-        jp = JobProcess(job=job, popen=popen, gpus=tuple(gpus), log_path=str(log_path), run_id=run_id)
+        finally:
+            os.close(fd)
+        log_path = workdir / "job.log"
+        jp = JobProcess(job=job, popen=popen, gpus=tuple(gpus), log_path=str(log_path), run_id=run_id,
+                        user=creds.user, uid=creds.uid)
         self.jobs[job] = jp
-        log.info("started job %s pid %d: %s", job, popen.pid, " ".join(argv))
+        log.info("started job %s pid %d as %s (uid %d): %s", job, popen.pid, creds.user, creds.uid, " ".join(argv))
         return jp
 
     def adopt(self, job: str, pids: list[int], memory_bytes: int | None) -> JobProcess:

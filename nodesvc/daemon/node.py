@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from typing import Any
 
@@ -21,8 +22,11 @@ from nodesvc.bus import messages
 from nodesvc.bus.mqtt import Bus
 from nodesvc.extension import NodeContext
 from nodesvc.gpu import GpuProbe, SimulatedNvml
+from nodesvc.bus import jobenv
+from nodesvc.bus.mqtt import parse_broker_url
 from nodesvc.daemon.jobs import JobTable, tgid_of
 from nodesvc.daemon.metrics import NodeMetrics
+from nodesvc.daemon.runas import RunAsError, job_environment, resolve
 from nodesvc.node_core import (BUILTIN_OPS, AllocateSpec, Ping, ReleaseSpec, ReplyCache, RunSpec, StopSpec, parse_op,
                                thread_groups)
 
@@ -76,8 +80,16 @@ class NodeDaemon:
             cgroups.driver(n["cgroup_root"], n["cgroup_base"] or None, group=f"dlshare/{self.node_id}")
             if n["enforce"] else cgroups.NoCgroups("enforcement disabled (node.enforce = false)")
         )
-        self.jobs = JobTable(n["state_dir"] or default_state_dir(self.node_id))
+        self.jobs = JobTable(n["state_dir"] or default_state_dir(self.node_id), n["job_dir"])
         self.allow_run = bool(n["allow_run"])
+        self.allow_root_jobs = bool(n["allow_root_jobs"])
+        self.min_job_uid = int(n["min_job_uid"])
+        if not 0 <= self.min_job_uid < 1 << 31:
+            raise ValueError("node.min_job_uid must be a uid (0 to 2^31-1)")
+        self.env_allow = jobenv.check_patterns(n["job_env_allow"], "node.job_env_allow")
+        self.env_deny = jobenv.check_patterns(n["job_env_deny"], "node.job_env_deny")
+        self.env_inherit = jobenv.check_patterns(n["job_env_inherit"], "node.job_env_inherit")
+        self.job_broker = n["job_broker"] or _without_credentials(cfg["dlshare"]["broker"])
         self.protected_pids = protected_pids()
         self.allocations: dict[str, cgroups.CgroupLimits] = {}
         nvml = None
@@ -96,7 +108,7 @@ class NodeDaemon:
         self.bus = Bus(
             cfg["dlshare"]["broker"],
             client_id=f"dlshare-node-{self.node_id}",
-            subscriptions=[(self.topic("cmd"), 1)],
+            subscriptions=[(self.topic("cmd"), 1), (self.topic(messages.MEMORY_LEAF), 1)],
             handler=self._on_message,
             on_connect=self._on_connect,
             will=(self.topic("state"), messages.encode({"node": self.node_id, "status": "offline",
@@ -224,12 +236,18 @@ class NodeDaemon:
             sd_notify(f"READY=1\nSTATUS=connected to {bus.addr.url()}")
 
     async def _on_message(self, topic: str, payload: bytes) -> None:
-        if topic != self.topic("cmd"):
+        if topic == self.topic("cmd"):
+            reply = await self.handle_command(payload)
+        elif topic == self.topic(messages.MEMORY_LEAF):
+            reply = await self.handle_command(payload, memory_only=True)
+        else:
             return
-        await self.bus.publish(self.topic("reply"), await self.handle_command(payload), qos=1)
+        await self.bus.publish(self.topic("reply"), reply, qos=1)
 
-    async def handle_command(self, payload: bytes) -> bytes:
-        """Validate and apply one command; always returns a reply payload."""
+    async def handle_command(self, payload: bytes, memory_only: bool = False) -> bytes:
+        """Validate and apply one command; always returns a reply payload.  ``memory_only``: it came
+        on the ``mem`` topic, where only a memory consumer's ops are taken (the broker lets jobs
+        publish there, not on ``cmd``)."""
         try:
             cmd = messages.parse_command(payload)
         except messages.PayloadError as exc:
@@ -237,9 +255,15 @@ class NodeDaemon:
             cid = messages.command_id_of(payload)
             log.warning("malformed command (id %s): %s", cid, exc)
             return messages.reply(cid, False, error=f"malformed command: {exc}")
-        cached = self.replies.get(cmd.id)
+        key = f"mem:{cmd.id}" if memory_only else cmd.id  # one topic's ids never answer the other's
+        cached = self.replies.get(key)
         if cached is not None:
             return cached
+        if memory_only and cmd.op not in messages.MEMORY_OPS:
+            self.metrics.commands.labels("unknown", "rejected").inc()
+            log.warning("refused %s on the memory topic (command %s)", cmd.op, cmd.id)
+            return messages.reply(cmd.id, False, op=cmd.op, error=f"op {cmd.op!r} is not a memory consumer's "
+                                  f"({', '.join(sorted(messages.MEMORY_OPS))}): it is taken on the cmd topic only")
         known = cmd.op in BUILTIN_OPS or any(cmd.op in ext.commands() for ext in self.extensions)
         label = cmd.op if known else "unknown"  # bounded label set: one series per real op
         try:
@@ -254,7 +278,7 @@ class NodeDaemon:
             log.exception("command %s %s failed", cmd.id, cmd.op)
             reply = messages.reply(cmd.id, False, error=f"{type(exc).__name__}: {exc}", op=cmd.op)
             self.metrics.commands.labels(label, "failed").inc()
-        self.replies.put(cmd.id, reply)
+        self.replies.put(key, reply)
         return reply
 
     async def _apply(self, cmd: messages.Command) -> dict[str, Any]:
@@ -283,6 +307,14 @@ class NodeDaemon:
                 raise messages.PayloadError(
                     f"node {self.node_id} does not start processes: set node.allow_run = true "
                     "(and restrict who may publish to its cmd topic with broker ACLs)")
+            # Who it runs as and with what environment, checked before anything is applied.
+            try:
+                creds = resolve(spec.user, self.allow_root_jobs, self.min_job_uid)
+            except RunAsError as exc:
+                raise messages.PayloadError(str(exc)) from None
+            bad = jobenv.refused(spec.env, self.env_allow, self.env_deny)
+            if bad:
+                raise messages.PayloadError(jobenv.explain(bad, "node.job_env_allow"))
             procs: list[str] = []
             if spec.alloc is not None:
                 where = self.cgroups.apply(spec.alloc)
@@ -291,18 +323,25 @@ class NodeDaemon:
             elif spec.job in self.allocations:
                 procs = [str(p / "cgroup.procs") for p in _path_list(self.cgroups.apply(self.allocations[spec.job]))]
             try:
-                # A job reaches the broker (and through it the aggregation servers) the way its node does.
-                env = {"DLSHARE_BROKER": self.cfg["dlshare"]["broker"], "DLSHARE_NODE_ID": self.node_id, **spec.env}
+                # A job reaches the broker (and through it the aggregation servers) as job_broker says:
+                # never with the daemon's own credentials.
+                own = {"DLSHARE_BROKER": self.job_broker, "DLSHARE_NODE_ID": self.node_id, "DLSHARE_JOB": spec.job}
                 if spec.remote_memory_bytes:  # rdma.region_from_env() maps it
-                    env["DLSHARE_REMOTE_MEMORY_BYTES"] = str(spec.remote_memory_bytes)
+                    own["DLSHARE_REMOTE_MEMORY_BYTES"] = str(spec.remote_memory_bytes)
                 if spec.alloc is not None and spec.alloc.memory_bytes:
-                    env["DLSHARE_MEMORY_BYTES"] = str(spec.alloc.memory_bytes)
-                jp = self.jobs.start(spec.job, list(spec.argv), env, spec.cwd, procs, spec.gpus, spec.run_id)
-            except RuntimeError as exc:
+                    own["DLSHARE_MEMORY_BYTES"] = str(spec.alloc.memory_bytes)
+                if spec.gpus:
+                    own["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+                env = job_environment(creds, spec.env, dict(os.environ), self.env_inherit, own)
+                jp = self.jobs.start(spec.job, list(spec.argv), env, spec.cwd, procs, creds, spec.gpus, spec.run_id)
+            except (RuntimeError, RunAsError) as exc:
                 raise messages.PayloadError(str(exc)) from None
             except OSError as exc:
-                raise messages.PayloadError(f"cannot start {spec.argv[0]!r}: {exc.strerror}") from None
-            return {"job": spec.job, "pid": jp.popen.pid, "log": jp.log_path}
+                raise messages.PayloadError(f"cannot start {spec.argv[0]!r}: {exc.strerror or exc}") from None
+            except subprocess.SubprocessError as exc:  # the child failed between fork and exec (cgroup, ids)
+                raise messages.PayloadError(f"cannot start {spec.argv[0]!r} as {creds.user}: {exc}") from None
+            return {"job": spec.job, "pid": jp.popen.pid, "log": jp.log_path, "user": creds.user, "uid": creds.uid,
+                    "gid": creds.gid}
         if isinstance(spec, StopSpec):
             try:
                 members = [p for p in self.cgroups.pids(spec.job) if p not in self.protected_pids]
@@ -380,6 +419,14 @@ class NodeDaemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _without_credentials(url: str) -> str:
+    """The broker URL with its user name and password taken out (for jobs)."""
+    try:
+        return parse_broker_url(url).url()
+    except ValueError:
+        return url
 
 
 def _split(text: str) -> tuple[str, int]:

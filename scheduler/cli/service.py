@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from nodesvc.bus import config
+from nodesvc.bus import config, jobenv
 
 log = logging.getLogger("dlshare.sched")
 
@@ -25,6 +25,17 @@ config.register_section("sched", {
     "listen": "127.0.0.1:7800",
     "db": _default_db(),
     "token": "",  # empty: generated at first start, stored beside the DB as <db>.token (mode 0600)
+    # The bootstrap token above is an admin acting as this user (its jobs run as it on the nodes);
+    # empty: the service's own user.  Users get their own tokens from `dlshare token create`.
+    "token_user": "",
+    "token_ttl_s": 90 * 86400.0,  # `dlshare token create`'s default lifetime (90 days)
+    # Admission: the most jobs one user (one account) may have waiting, queued or preempted;
+    # more get 429 with the reason.  0: no limit.
+    "max_waiting_per_user": 0,
+    "max_waiting_per_account": 0,
+    # The environment variables a job spec may set (README, Security; the nodes check their own lists).
+    "job_env_allow": list(jobenv.DEFAULT_ALLOW),
+    "job_env_deny": list(jobenv.DEFAULT_DENY),
     "profile": "dlshare",
     "synchronous": "FULL",  # SQLite: FULL survives power loss, NORMAL survives a process kill only
     "tick_s": 2.0,
@@ -83,13 +94,23 @@ def _predictors(kind: str):
         return Predictors.default()
 
 
+def token_user(cfg: dict[str, dict[str, Any]]) -> str:
+    """The user the bootstrap token acts as: ``sched.token_user``, else the service's own user."""
+    import getpass
+
+    return cfg["sched"]["token_user"] or getpass.getuser()
+
+
 def _service(cfg: dict[str, dict[str, Any]], store):
     """The live service the ``[sched]`` settings describe (its core from the store's snapshot and
     log; the predictors are trained only when no snapshot holds them)."""
     from scheduler import WatchRules
     from scheduler.service.live import SchedulerService
+    from scheduler.service.store import WaitingLimits
 
     s = cfg["sched"]
+    if not (0 <= s["max_waiting_per_user"] <= 1 << 30 and 0 <= s["max_waiting_per_account"] <= 1 << 30):
+        raise config.ConfigError("sched.max_waiting_per_user and _per_account must be 0 (no limit) to 2^30")
     try:
         rules = WatchRules(backoff_s=float(s["backoff_s"]), vanish_after_s=float(s["vanish_after_s"]) or None)
     except ValueError as exc:
@@ -101,7 +122,9 @@ def _service(cfg: dict[str, dict[str, Any]], store):
                                 broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
                                 command_timeout_s=s["command_timeout_s"], node_timeout_s=s["node_timeout_s"],
                                 rules=rules, snapshot_events=int(s["snapshot_events"]),
-                                snapshot_s=float(s["snapshot_s"]))
+                                snapshot_s=float(s["snapshot_s"]),
+                                limits=WaitingLimits(int(s["max_waiting_per_user"]), int(s["max_waiting_per_account"])),
+                                default_user=token_user(cfg))
     except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
 
@@ -119,6 +142,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from scheduler.service.http_limits import server_options
     from scheduler.service.k8s import BinderConfigError, binder_from_config
     from scheduler.service.store import JobStore, load_or_create_token
+    from scheduler.service.tokens import TokenBook, TokenError
 
     s = cfg["sched"]
     host, port = split_hostport(s["listen"], 7800)
@@ -142,7 +166,15 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         store.close()
         raise
     service.k8s_binder = binder
-    app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"])
+    try:
+        book = TokenBook(store, token, token_user(cfg))
+        env_allow = jobenv.check_patterns(s["job_env_allow"], "sched.job_env_allow")
+        env_deny = jobenv.check_patterns(s["job_env_deny"], "sched.job_env_deny")
+    except (TokenError, ValueError) as exc:
+        store.close()
+        raise config.ConfigError(str(exc)) from None
+    app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"], tokens=book,
+                     env_allow=env_allow, env_deny=env_deny)
     limits = server_options(s["max_connections"], s["request_timeout_s"], s["keep_alive_s"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            lifespan="off", **limits))
@@ -255,7 +287,7 @@ def _spec_from_args(args) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if args.spec:
         spec = _read_spec(args.spec)
-    for key in ("id", "name", "kind", "model", "batch_size", "gpus", "cpus", "priority", "cwd"):
+    for key in ("id", "name", "kind", "model", "batch_size", "gpus", "cpus", "priority", "cwd", "user", "account"):
         v = getattr(args, key.replace("-", "_"), None)
         if v is not None:
             spec[key] = v
@@ -287,10 +319,11 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("job", "name", "state", "node", "gpus", "cpus", "memory", "service s", "reason")
+    table = Table("job", "user", "name", "state", "node", "gpus", "cpus", "memory", "service s", "reason")
     for j in jobs:
         a, s = j.get("allocation") or {}, j["spec"]
-        table.add_row(j["id"], str(s.get("name") or s.get("model") or ""), j["state"], str(a.get("node") or "-"),
+        table.add_row(j["id"], str(j.get("user") or "-"), str(s.get("name") or s.get("model") or ""), j["state"],
+                      str(a.get("node") or "-"),
                       ",".join(map(str, a.get("gpus") or [])) or str(s.get("gpus")), str(a.get("cpus", s.get("cpus"))),
                       f"{(a.get('memory_bytes') or s.get('memory_bytes') or 0) / (1 << 30):.2f} GiB",
                       f"{j.get('attained_service', 0):.1f}", str(j.get("reason") or ""))
@@ -309,7 +342,7 @@ def _run_job(args, cfg) -> int:
                 print(json.dumps(job, indent=2) if args.json_out else f"{job['id']} {job['state']}")
                 return 0 if job["state"] not in ("failed", "cancelled") else 1
             if args.action == "list":
-                jobs = c.list(states=args.state or None)
+                jobs = c.list(states=args.state or None, user=args.user)
                 if args.json_out:
                     print(json.dumps(jobs, indent=2))
                 else:
@@ -323,11 +356,75 @@ def _run_job(args, cfg) -> int:
             elif args.action == "cancel":
                 job = c.cancel(args.job)
                 print(f"{job['id']} {job['state']}")
+            elif args.action == "whoami":
+                me = c.whoami()
+                print(json.dumps(me) if args.json_out else
+                      f"{me['user']}{' (admin)' if me['admin'] else ''} account {me['account'] or '-'} "
+                      f"token {me['token']}")
     except SchedulerApiError as exc:
         print(f"dlshare job: {exc}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as exc:
         print(f"dlshare job: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``3600``, ``90m``, ``12h``, ``30d`` or ``2w``; ValueError otherwise."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    t = text.strip().lower()
+    mult = units.get(t[-1:], None)
+    try:
+        v = float(t[:-1] if mult else t) * (mult or 1)
+    except ValueError:
+        raise ValueError(f"duration {text!r}: expected seconds or a number with s, m, h, d or w") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise ValueError(f"duration {text!r} must be positive")
+    return v
+
+
+def _run_token(args, cfg) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from scheduler.client import SchedulerApiError
+
+    try:
+        with _client(cfg) as c:
+            if args.action == "create":
+                ttl = parse_duration(args.expires) if args.expires else float(cfg["sched"]["token_ttl_s"])
+                tok = c.create_token(args.user, account=args.account, admin=args.admin, ttl_s=ttl, note=args.note)
+                if args.json_out:
+                    print(json.dumps(tok, indent=2))
+                else:
+                    import datetime
+
+                    until = datetime.datetime.fromtimestamp(tok["expires_at"]).isoformat(timespec="seconds")
+                    print(tok["token"])
+                    print(f"token {tok['id']} for user {tok['user']}{' (admin)' if tok['admin'] else ''}, "
+                          f"account {tok['account'] or '-'}, expires {until}: it is shown only now", file=sys.stderr)
+            elif args.action == "list":
+                toks = c.tokens()
+                if args.json_out:
+                    print(json.dumps(toks, indent=2))
+                else:
+                    import datetime
+
+                    table = Table("id", "user", "account", "admin", "state", "expires", "note")
+                    for t in toks:
+                        table.add_row(t["id"], t["user"], t["account"] or "-", "yes" if t["admin"] else "",
+                                      t["state"], datetime.datetime.fromtimestamp(t["expires_at"]).isoformat(
+                                          timespec="minutes"), t["note"])
+                    Console().print(table)
+            elif args.action == "revoke":
+                t = c.revoke_token(args.id)
+                print(f"{t['id']} {t['state']} (user {t['user']})")
+    except SchedulerApiError as exc:
+        print(f"dlshare token: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"dlshare token: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -358,14 +455,35 @@ def register(sub) -> None:
     s.add_argument("--gpus", type=int), s.add_argument("--cpus", type=float)
     s.add_argument("--memory", help="host memory, e.g. 4GiB")
     s.add_argument("--priority", type=int), s.add_argument("--cwd")
+    s.add_argument("--user", help="an admin: submit as this user (the job runs as them)")
+    s.add_argument("--account", help="the account the job counts to (default: your token's)")
     s.add_argument("--env", action="append", metavar="NAME=VALUE")
     s.add_argument("--wait", type=float, metavar="SECONDS", help="wait until the job ends")
     s.add_argument("argv", nargs=argparse.REMAINDER, help="the command to run")
-    ls = acts.add_parser("list", help="list jobs")
+    ls = acts.add_parser("list", help="list jobs (yours; an admin's token: everyone's)")
     ls.add_argument("--state", action="append", choices=["queued", "running", "preempted", "done", "failed", "cancelled"])
+    ls.add_argument("--user", help="an admin: only this user's jobs")
     for name in ("show", "events", "cancel"):
         a = acts.add_parser(name, help=f"{name} one job")
         a.add_argument("job")
+    acts.add_parser("whoami", help="the user, account and rights of your token")
+
+    t = add_command(sub, "token", _run_token, "create, list or revoke users' API tokens (an admin's token)",
+                    sections=["sched"])
+    config_flag(t, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
+    config_flag(t, "--token", "sched", "token", help="an admin's token (default $DLSHARE_SCHED_TOKEN or <db>.token)")
+    config_flag(t, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
+    t.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
+    tacts = t.add_subparsers(dest="action", metavar="ACTION", required=True)
+    tc = tacts.add_parser("create", help="a new token for a user: dlshare token create alice --account vision")
+    tc.add_argument("user", help="the user it acts as: its jobs run as this user on the nodes")
+    tc.add_argument("--account", default="", help="the account its jobs count to")
+    tc.add_argument("--admin", action="store_true", help="an admin token: every job, and tokens")
+    tc.add_argument("--expires", metavar="DURATION", help="lifetime: 3600, 90m, 12h, 30d (default sched.token_ttl_s)")
+    tc.add_argument("--note", default="", help="a note shown in listings")
+    tacts.add_parser("list", help="list tokens (never their secrets)")
+    tr = tacts.add_parser("revoke", help="revoke a token by its id (refused from the next request on)")
+    tr.add_argument("id")
 
 
 __all__ = ["register", "serve"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -127,8 +128,11 @@ class TourStack(Protocol):
 
 
 def node_broker(st: TourStack) -> str:
-    """The broker URL as a job on a node reaches it: through the namespace gateway when
-    ``dlshare up`` put the nodes in network namespaces (``st.net``), else ``st.broker_url``."""
+    """The broker URL as a job on a node reaches it: the one the stack hands its jobs
+    (``st.job_broker``: the memory consumers' credentials), else through the namespace gateway
+    when ``dlshare up`` put the nodes in network namespaces (``st.net``), else ``st.broker_url``."""
+    if getattr(st, "job_broker", ""):
+        return st.job_broker
     gateway = st.net.gateway if st.net is not None else None
     if not gateway:
         return st.broker_url
@@ -153,11 +157,15 @@ def tour_jobs(st: TourStack, tag: str) -> list[dict[str, Any]]:
                      "kind": "data_prep", "gpus": 0, "cpus": 0.25, "memory_bytes": 1 << 30,
                      "command": py + [DATA_PREP], "env": {**env, "USE_BYTES": str(64 << 20)}, "cwd": str(ROOT)})
     if st.agg_addr and _has("aggregator.client"):
+        # Two jobs, one aggregation job: the scheduler gives each job its own secret, so these two
+        # ranks bring a shared one (a job's own DLSHARE_AGG_SECRET wins over the issued one).
+        shared = secrets.token_hex(16)
         for r in range(2):
             jobs.append({"id": f"{tag}-ddp-r{r}", "name": f"2-rank training via aggregation, rank {r}",
                          "kind": "training", "model": "linear", "batch_size": 256, "gpus": 1, "cpus": 0.25,
                          "memory_bytes": 512 << 20, "command": py + [AGG_TRAIN], "cwd": str(ROOT),
-                         "env": {**env, "RANK": str(r), "WORLD": "2", "AGG": st.agg_addr, "AGG_JOB": f"{tag}-ddp"}})
+                         "env": {**env, "RANK": str(r), "WORLD": "2", "AGG": st.agg_addr, "AGG_JOB": f"{tag}-ddp",
+                                 "DLSHARE_AGG_SECRET": shared}})
     if st.lending and _has("rdma.region") and len(st.node_ids) >= 2:
         # A memory-short training job: it asks the scheduler for lent memory, which the run command
         # carries to its node and rdma.region_from_env() maps on the other nodes' donors.

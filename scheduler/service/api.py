@@ -2,14 +2,20 @@
 and the Kubernetes extender.
 
 Authentication: every ``/v1`` and ``/k8s`` endpoint needs ``Authorization: Bearer
-<token>``.  The status page ``/`` and its data ``/status.json`` are read-only and
-need the token too, given either as the header or once as ``/?token=...`` (the
-page then keeps it in the URL of its own refreshes).  ``/healthz``,
-``/openapi.json`` and ``/docs`` are open: they reveal no cluster state.
+<token>``; the token names its user (:mod:`scheduler.service.tokens`).  The status page ``/``
+is read-only and needs the token too, given either as the header or once as ``/?token=...``
+(the page then keeps it in the URL of its own refreshes).  ``/healthz``, ``/openapi.json`` and
+``/docs`` are open: they reveal no cluster state.
+
+Authorisation: a job belongs to the user whose token submitted it.  A user lists, reads,
+follows and cancels only their own jobs (another user's job is answered as absent, 404); an
+admin sees and changes all of them, submits for other users and manages tokens
+(``/v1/tokens``).  The cluster view (nodes, their load, which job ids run where) is every
+user's, as ``squeue`` shows every job by default.  ``/k8s/*`` is for kube-scheduler: admins
+only, unless ``k8s_open``.
 """
 
 
-import hmac
 import logging
 from typing import Annotated, Any
 
@@ -24,16 +30,37 @@ from scheduler.service import k8s, status_page
 from scheduler.service.http_checks import BAD_BODY, known_query
 from scheduler.service.http_limits import BodyLimit
 from scheduler.service.live import SchedulerService
-from scheduler.service.models import ApiCluster, ApiError, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState
-from scheduler.service.store import ConflictError
+from nodesvc.bus import jobenv
+from scheduler.service.models import (
+    ApiCluster, ApiError, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState, ApiNewToken, ApiToken,
+    ApiTokenList, ApiTokenRequest, ApiWhoami,
+)
+from scheduler.service.store import ConflictError, JobRow, Owner, QuotaError
+from scheduler.service.tokens import Principal, TokenBook, TokenError
 
 log = logging.getLogger("dlshare.sched.api")
 
 _AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ApiError, "description": "missing or wrong bearer token"},
 }
-_NOT_FOUND = {404: {"model": ApiError, "description": "no job with this id"}}
+_NOT_FOUND = {404: {"model": ApiError, "description": "no job with this id (or it is another user's)"}}
+_ADMIN = {403: {"model": ApiError, "description": "only an admin's token may do this"}}
 _INVALID = {422: {"description": "the request does not validate; `detail` lists each field and rule broken"}}
+
+
+def _owner(who: Principal, user: str | None, account: str | None) -> Owner:
+    """The owner of a submission: the caller's own user and account, or (an admin only) the
+    ``user``/``account`` the spec names."""
+    if not who.admin:
+        if user not in (None, who.user):
+            raise HTTPException(403, f"user {who.user} may submit jobs only as {who.user}, not as {user}")
+        if account not in (None, who.account):
+            raise HTTPException(403, f"user {who.user}'s jobs count to account {who.account or '(none)'}; "
+                                     f"a token of account {account} is needed for that account")
+        return Owner(who.user, who.account)
+    if user is None or user == who.user:
+        return Owner(who.user, who.account if account is None else account)
+    return Owner(user, account or "")
 
 
 def _same_path(route: Any, request: Request) -> bool:
@@ -48,12 +75,27 @@ JobIdPath = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z
 MAX_BODY_BYTES = 8 << 20  # the largest valid job spec is ~1.6 MB; kube-scheduler's NodeList of ~1000 nodes fits
 
 
+def _bootstrap_user(service: SchedulerService) -> str:
+    if service.default_user:
+        return service.default_user
+    import getpass
+
+    return getpass.getuser()
+
+
 def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """``max_body_bytes``: larger request bodies get a 413 before they are read or parsed.
+               max_body_bytes: int = MAX_BODY_BYTES, tokens: TokenBook | None = None,
+               env_allow: list[str] = list(jobenv.DEFAULT_ALLOW),
+               env_deny: list[str] = list(jobenv.DEFAULT_DENY)) -> FastAPI:
+    """``token``: the bootstrap (admin) token; ``tokens``: the user tokens (default: those in the
+    service's database, the bootstrap token acting as the service's ``default_user``).
+    ``max_body_bytes``: larger request bodies get a 413 before they are read or parsed.
     ``k8s_open``: serve ``/k8s/*`` without the token.  kube-scheduler's extender client sends
     no Authorization header, so a cluster either fronts the extender with a proxy that adds it,
-    or opens these three read-mostly endpoints and restricts who can reach them (NetworkPolicy)."""
+    or opens these three read-mostly endpoints and restricts who can reach them (NetworkPolicy).
+    ``env_allow``/``env_deny``: the variables a job spec may set (:mod:`nodesvc.bus.jobenv`;
+    the nodes check again against their own lists)."""
+    book = tokens if tokens is not None else TokenBook(service.store, token, _bootstrap_user(service))
     app = FastAPI(
         title="dlshare scheduler",
         version="1",
@@ -61,22 +103,44 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
         "Send `Authorization: Bearer <token>` (the token is in `<db>.token` unless configured).",
     )
     app.router.redirect_slashes = False  # /v1/jobs/ is not /v1/jobs: a 404, never a redirect
-    bearer = HTTPBearer(auto_error=False, description="the service token")
+    bearer = HTTPBearer(auto_error=False, description="a user's token (or the service's bootstrap token)")
 
-    def check_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
-        if creds is None or creds.scheme.lower() != "bearer":
+    def check_token(request: Request,
+                    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+        """The caller (the middleware authenticated it before the body was read)."""
+        who = getattr(request.state, "principal", None)
+        if who is not None:
+            return who
+        if creds is None or creds.scheme.lower() != "bearer":  # pragma: no cover - the middleware answered
             raise HTTPException(401, "missing bearer token: send 'Authorization: Bearer <token>'",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(creds.credentials.encode(), token.encode()):
-            raise HTTPException(401, "wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        res = book.authenticate(creds.credentials)
+        if res.principal is None:
+            raise HTTPException(401, res.why, headers={"WWW-Authenticate": "Bearer"})
+        return res.principal
+
+    Caller = Annotated[Principal, Depends(check_token)]
+
+    def admin_only(who: Caller) -> Principal:
+        if not who.admin:
+            raise HTTPException(403, f"user {who.user} is not an admin: only an admin's token may do this")
+        return who
 
     def check_page_token(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-                         tok: Annotated[str | None, Query(alias="token", description="the service token")] = None
-                         ) -> str | None:
+                         tok: Annotated[str | None, Query(alias="token", description="your token")] = None
+                         ) -> tuple[str, Principal] | None:
         given = tok if tok is not None else (creds.credentials if creds is not None else None)
-        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+        if given is None:
             return None
-        return given
+        res = book.authenticate(given)
+        return (given, res.principal) if res.principal is not None else None
+
+    def own_job(job_id: str, who: Principal) -> JobRow:
+        """The job, when the caller may see it; another user's job is as absent as a missing one."""
+        row = service.store.get_job(job_id)
+        if row is None or not who.may_see(row.user):
+            raise HTTPException(404, f"no job {job_id!r}")
+        return row
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -111,9 +175,13 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
             if scheme.lower() != "bearer" or not cred:
                 return JSONResponse({"detail": "missing bearer token: send 'Authorization: Bearer <token>'"},
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            if not hmac.compare_digest(cred.strip().encode(), token.encode()):
-                return JSONResponse({"detail": "wrong bearer token"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+            res = book.authenticate(cred.strip())
+            if res.principal is None:
+                return JSONResponse({"detail": res.why}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            request.state.principal = res.principal
+            if request.url.path.startswith("/k8s/") and not res.principal.admin:
+                return JSONResponse({"detail": f"user {res.principal.user} is not an admin: the extender's "
+                                               "endpoints are kube-scheduler's (an admin token)"}, status_code=403)
         return await call_next(request)
 
     auth = [Depends(check_token)]
@@ -122,47 +190,94 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/jobs", status_code=201, response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
+    @app.post("/v1/jobs", status_code=201, response_model=ApiJob, dependencies=[known_query()], tags=["jobs"],
               responses={**_AUTH_RESPONSES, **_INVALID, **BAD_BODY, 200: {"model": ApiJob, "description": "an identical job with this id existed"},
-                         409: {"model": ApiError, "description": "a job with this id exists with a different spec"}})
-    async def submit(spec: ApiJobSpec) -> Any:
+                         403: {"model": ApiError, "description": "a user (not an admin) named another owner or account, "
+                                                                 "or an environment variable the service refuses"},
+                         409: {"model": ApiError, "description": "a job with this id exists with a different spec, "
+                                                                 "or another user's"},
+                         429: {"model": ApiError, "description": "the owner has as many jobs waiting as the limit "
+                                                                 "(sched.max_waiting_per_user / _per_account)"}})
+    async def submit(spec: ApiJobSpec, who: Caller) -> Any:
+        body = spec.model_dump(exclude_none=True)
+        owner = _owner(who, body.pop("user", None), body.pop("account", None))
+        bad = jobenv.refused(body.get("env") or {}, env_allow, env_deny)
+        if bad:
+            raise HTTPException(403, jobenv.explain(bad, "sched.job_env_allow (and node.job_env_allow)"))
         try:
-            row, created = await service.submit_async(spec.model_dump(exclude_none=True))
+            row, created = await service.submit_async(body, owner)
         except ConflictError as exc:
             raise HTTPException(409, str(exc)) from None
-        body = ApiJob.model_validate(row.as_api()).model_dump(mode="json")
-        return JSONResponse(body, status_code=201 if created else 200)
+        except QuotaError as exc:
+            raise HTTPException(429, str(exc)) from None
+        out = ApiJob.model_validate(row.as_api()).model_dump(mode="json")
+        return JSONResponse(out, status_code=201 if created else 200)
 
-    @app.get("/v1/jobs", response_model=ApiJobList, dependencies=[*auth, known_query("state", "limit", "offset")], tags=["jobs"],
-             responses={**_AUTH_RESPONSES, **_INVALID})
-    async def list_jobs(state: Annotated[list[ApiJobState] | None, Query(description="filter by state")] = None,
+    @app.get("/v1/jobs", response_model=ApiJobList, dependencies=[known_query("state", "limit", "offset", "user")],
+             tags=["jobs"], responses={**_AUTH_RESPONSES, **_INVALID})
+    async def list_jobs(who: Caller,
+                        state: Annotated[list[ApiJobState] | None, Query(description="filter by state")] = None,
                         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-                        offset: Annotated[int, Query(ge=0, le=1 << 40)] = 0) -> Any:
-        rows, total = service.store.list_jobs(states=state, limit=limit, offset=offset)
+                        offset: Annotated[int, Query(ge=0, le=1 << 40)] = 0,
+                        user: Annotated[str | None, Query(max_length=32, description="an admin: only this user's jobs "
+                                                          "(everyone else sees only their own)")] = None) -> Any:
+        if not who.admin:
+            user = who.user
+        rows, total = service.store.list_jobs(states=state, limit=limit, offset=offset, user=user)
         return {"jobs": [r.as_api() for r in rows], "total": total}
 
-    @app.get("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
+    @app.get("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[known_query()], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
-    async def get_job(job_id: JobIdPath) -> Any:
-        row = service.store.get_job(job_id)
-        if row is None:
-            raise HTTPException(404, f"no job {job_id!r}")
-        return row.as_api()
+    async def get_job(job_id: JobIdPath, who: Caller) -> Any:
+        return own_job(job_id, who).as_api()
 
-    @app.delete("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[*auth, known_query()], tags=["jobs"],
+    @app.delete("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[known_query()], tags=["jobs"],
                 responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
-    async def cancel_job(job_id: JobIdPath) -> Any:
-        row = await service.call(service.cancel, job_id)
+    async def cancel_job(job_id: JobIdPath, who: Caller) -> Any:
+        own_job(job_id, who)  # the owner never changes, so the check holds for the cancel below
+        row = await service.call(service.cancel, job_id, f"cancelled by {who.user}")
         if row is None:
             raise HTTPException(404, f"no job {job_id!r}")
         return row.as_api()
 
-    @app.get("/v1/jobs/{job_id}/events", response_model=ApiJobEvents, dependencies=[*auth, known_query("after")], tags=["jobs"],
+    @app.get("/v1/jobs/{job_id}/events", response_model=ApiJobEvents, dependencies=[known_query("after")], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
-    async def job_events(job_id: JobIdPath, after: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Any:
-        if service.store.get_job(job_id) is None:
-            raise HTTPException(404, f"no job {job_id!r}")
+    async def job_events(job_id: JobIdPath, who: Caller, after: Annotated[int, Query(ge=0, le=1 << 62)] = 0) -> Any:
+        own_job(job_id, who)
         return {"job": job_id, "events": service.store.events(job=job_id, after=after)}
+
+    @app.get("/v1/whoami", response_model=ApiWhoami, dependencies=[known_query()], tags=["users"],
+             responses={**_AUTH_RESPONSES}, summary="the user, account and rights of the token sent")
+    async def whoami(who: Caller) -> Any:
+        return {"user": who.user, "account": who.account, "admin": who.admin, "token": who.token_id}
+
+    @app.post("/v1/tokens", status_code=201, response_model=ApiNewToken, dependencies=[known_query()], tags=["users"],
+              responses={**_AUTH_RESPONSES, **_ADMIN, **_INVALID, **BAD_BODY},
+              summary="a new token for a user (admins only); the token is in this answer only")
+    async def create_token(req: ApiTokenRequest, who: Annotated[Principal, Depends(admin_only)]) -> Any:
+        try:
+            rec, text = book.create(req.user, req.account, req.admin, req.ttl_s, req.note, created_by=who.user)
+        except TokenError as exc:
+            raise HTTPException(422, str(exc)) from None
+        log.info("token %s created for user %s%s by %s", rec.id, rec.user, " (admin)" if rec.admin else "", who.user)
+        return JSONResponse({**rec.to_json(book.clock()), "token": text}, status_code=201)
+
+    @app.get("/v1/tokens", response_model=ApiTokenList, dependencies=[known_query()], tags=["users"],
+             responses={**_AUTH_RESPONSES}, summary="tokens (an admin: all; a user: their own), never the secrets")
+    async def list_tokens(who: Caller) -> Any:
+        now = book.clock()
+        return {"tokens": [r.to_json(now) for r in book.list(None if who.admin else who.user)]}
+
+    @app.delete("/v1/tokens/{token_id}", response_model=ApiToken, dependencies=[known_query()], tags=["users"],
+                responses={**_AUTH_RESPONSES, 404: {"model": ApiError, "description": "no such token (of yours)"}},
+                summary="revoke a token (an admin: any; a user: their own); refused from the next request on")
+    async def revoke_token(token_id: Annotated[str, Path(pattern=r"^[0-9a-f]{12}$")], who: Caller) -> Any:
+        rec = book.get(token_id)
+        if rec is None or not who.may_see(rec.user):
+            raise HTTPException(404, f"no token {token_id!r}")
+        rec = book.revoke(token_id)
+        log.info("token %s of user %s revoked by %s", token_id, rec.user, who.user)
+        return rec.to_json(book.clock())
 
     @app.get("/v1/cluster", response_model=ApiCluster, dependencies=[*auth, known_query()], tags=["cluster"],
              responses={**_AUTH_RESPONSES, **_INVALID})
@@ -178,14 +293,17 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
              responses={401: {"description": "missing or wrong token (an HTML page that says so)",
                               "content": {"text/html": {}}},
                         422: {"description": "a bad query parameter", "content": {"application/json": {}}}})
-    async def status(tok: Annotated[str | None, Depends(check_page_token)],
+    async def status(caller: Annotated[tuple[str, Principal] | None, Depends(check_page_token)],
                      refresh: Annotated[int, Query(ge=1, le=3600, description="seconds between refreshes")] = 3) -> Any:
-        if tok is None:
+        if caller is None:
             return HTMLResponse(status_page.DENIED, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        jobs, _ = service.store.list_jobs(limit=200, offset=max(0, service.store.list_jobs(limit=1)[1] - 200))
+        tok, who = caller
+        mine = None if who.admin else who.user  # a user's page lists their own jobs
+        total = service.store.list_jobs(limit=1, user=mine)[1]
+        jobs, _ = service.store.list_jobs(limit=200, offset=max(0, total - 200), user=mine)
         view = await service.call(service.cluster)
         return HTMLResponse(status_page.render(view, [j.as_api() for j in jobs], tok, refresh))
 
-    k8s.add_routes(app, service, [] if k8s_open else auth)
+    k8s.add_routes(app, service, [] if k8s_open else [Depends(admin_only)])
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before the body is read
     return app

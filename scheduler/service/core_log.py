@@ -54,10 +54,12 @@ def new_event_id() -> str:
 def core_job(row: "JobRow", now: float) -> Job:
     """The core's view of an accepted job row (``gpus = 0``: a CPU-only job, which the API
     makes ask for cores)."""
-    return spec_job(row.id, row.spec, max(0.0, row.submitted_at), float(row.attained_service))
+    return spec_job(row.id, row.spec, max(0.0, row.submitted_at), float(row.attained_service),
+                    user=row.user, account=row.account)
 
 
-def spec_job(job_id: str, s: dict, arrival: float, attained_service: float = 0.0) -> Job:
+def spec_job(job_id: str, s: dict, arrival: float, attained_service: float = 0.0, user: str = "",
+             account: str = "") -> Job:
     """The core's Job for a submitted spec (or a Kubernetes pod's, see ``k8s.pod_to_job``)."""
     gpus = int(s.get("gpus") or 0)
     cpus = float(s.get("cpus") or 0.0)
@@ -65,4 +67,4 @@ def spec_job(job_id: str, s: dict, arrival: float, attained_service: float = 0.0
                gpus=gpus, cpus=cpus if cpus > 0 or gpus else 0.01, memory_bytes=int(s.get("memory_bytes") or 0),
                priority=int(s.get("priority") or 0), arrival=arrival,
                remote_memory_bytes=int(s.get("remote_memory_bytes") or 0),
-               attained_service=attained_service, features=s.get("graph_features"))
+               attained_service=attained_service, features=s.get("graph_features"), user=user, account=account)

@@ -24,6 +24,8 @@ command re-sent after a restart is answered from the node's reply cache.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +44,7 @@ from scheduler.service.journal import Journal
 from scheduler.service.store import DecisionRow, JobAllocation, JobStore
 
 log = logging.getLogger("dlshare.sched.live")
+AGG_SECRET_ENV = "DLSHARE_AGG_SECRET"  # where aggregator.Client reads the secret (aggregator.protocol.SECRET_ENV)
 
 
 def decision_ids(decisions: list[Decision]) -> list[str]:
@@ -69,7 +72,7 @@ class DecisionCarrier:
 
     def __init__(self, store: JobStore, journal: Journal, core: SchedulerState, commands: NodeCommands,
                  clock: Callable[[], float], now: Callable[[], float], post: Callable[[Event], None],
-                 observe: Callable[[list[Event], float], None] | None = None) -> None:
+                 observe: Callable[[list[Event], float], None] | None = None, default_user: str = "") -> None:
         self.store = store
         self.journal = journal
         self.core = core
@@ -78,6 +81,8 @@ class DecisionCarrier:
         self.now = now
         self.post = post
         self.observe = observe
+        self.default_user = default_user  # who a job without an owner runs as
+        self._agg_key: bytes | None = None
         self.batch = journal.last_batch()  # the number of the last logged batch
         self.events_logged = 0  # since the last snapshot (the service counts)
 
@@ -218,6 +223,14 @@ class DecisionCarrier:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             log.warning("decision %s failed: %s", did, exc)
 
+    def agg_secret(self, job: str) -> str:
+        """The job's aggregation secret (``DLSHARE_AGG_SECRET``): an HMAC of its id under the
+        service's key, so every rank, and every re-send after a restart, gets the same one, and
+        nobody who lacks the key can compute another job's."""
+        if self._agg_key is None:
+            self._agg_key = self.store.service_key("agg")
+        return hmac.new(self._agg_key, job.encode(), hashlib.sha256).hexdigest()[:32]
+
     async def _start(self, d: Place, did: str, replay: bool) -> None:
         rec = self.core.records.get(d.job)
         row = self.store.get_job(d.job)
@@ -232,13 +245,17 @@ class DecisionCarrier:
                 a = row.allocation
                 cpus = al.cpus if al else (a.cpus if a else float(row.spec.get("cpus") or 1.0))
                 mem = al.memory_bytes if al else (a.memory_bytes if a else int(row.spec.get("memory_bytes") or 0))
-                env = {**(row.spec.get("env") or {}), "DLSHARE_JOB_ID": d.job, "DLSHARE_RANK": str(rank),
-                       "DLSHARE_WORLD_SIZE": str(len(d.shards))}
+                # Every rank gets the job's aggregation secret, unless the spec brought its own.
+                env = {AGG_SECRET_ENV: self.agg_secret(d.job), **(row.spec.get("env") or {}), "DLSHARE_JOB_ID": d.job,
+                       "DLSHARE_RANK": str(rank), "DLSHARE_WORLD_SIZE": str(len(d.shards))}
                 if s.gpus:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, s.gpus))
                 # `run` with the allocation applies it (cgroups) and starts the process group in one command.
                 run = {"job": d.job, "cpus": max(0.01, float(cpus)), "memory_bytes": max(1 << 20, int(mem)),
                        "argv": row.spec["command"], "env": env, "gpus": list(s.gpus), "run_id": d.stimulus_id}
+                owner = row.user or self.default_user
+                if owner:  # the node runs it as this user (none: as the node daemon's own user)
+                    run["user"] = owner
                 if al is not None and al.remote_bytes > 0:  # lent memory: the daemon exports the budget
                     run["remote_memory_bytes"] = int(al.remote_bytes)  # (DLSHARE_REMOTE_MEMORY_BYTES)
                 if row.spec.get("cwd"):

@@ -58,7 +58,7 @@ from scheduler.service.models import TERMINAL_STATES
 from scheduler.service.nodes import LiveNode
 from scheduler.service.recovery import Recovery
 from scheduler.service.stats import ServiceStats
-from scheduler.service.store import JobRow, JobStore
+from scheduler.service.store import JobRow, JobStore, Owner, WaitingLimits
 from scheduler.service.translate import Translator
 from scheduler.service.views import cluster_view
 
@@ -81,14 +81,16 @@ class SchedulerService:
     snapshot exists: training takes seconds); ``core``: a ready core instead (tests);
     ``rules``: the :class:`WatchRules` (default :data:`LIVE_RULES`); ``snapshot_events``:
     events between snapshots (the most a restart replays); ``snapshot_s``: at most this
-    long between snapshots while events come."""
+    long between snapshots while events come; ``limits``: the admission limits per user and account;
+    ``default_user``: the user a job without an owner runs as (jobs from before owners were kept,
+    and in-process submissions without one): the bootstrap token's user."""
 
     def __init__(self, store: JobStore, profile: str | Path | Profile = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
-                 snapshot_s: float = 120.0) -> None:
+                 snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "") -> None:
         self.store = store
         self.journal = Journal(store)
         self.profile_obj = core.profile if core is not None else (
@@ -104,6 +106,8 @@ class SchedulerService:
         self.clock = clock
         self.snapshot_events = snapshot_events
         self.snapshot_s = snapshot_s
+        self.limits = limits
+        self.default_user = default_user
         self.nodes: dict[str, LiveNode] = {}  # the live node table
         self.aggregation: dict[str, dict[str, Any]] = {}  # aggregation server -> its last telemetry
         self.bus: Bus | None = None
@@ -122,7 +126,7 @@ class SchedulerService:
         self._last_snapshot = clock()
         self._snapshotting = False
         self._snapshot_write: asyncio.Future | None = None
-        self._submissions: list[tuple[str | None, dict[str, Any], asyncio.Future]] = []
+        self._submissions: list[tuple[str | None, dict[str, Any], Owner, asyncio.Future]] = []
         self._committing = False
 
         def fresh() -> SchedulerState:
@@ -137,7 +141,7 @@ class SchedulerService:
                               else self.profile)
         self.journal.set_meta("rules", json.dumps(asdict(self.rules), sort_keys=True))
         self.carrier = DecisionCarrier(store, self.journal, self.core, self.commands, clock, self.now, self.post,
-                                       self._observe)
+                                       self._observe, default_user=default_user)
         self.translator = Translator(self, self.post)
         self.recovery.reconcile()
         self.stats.restore = self.recovery.report
@@ -185,19 +189,20 @@ class SchedulerService:
 
     # --- API side ---------------------------------------------------------------------------
 
-    def submit(self, spec: dict[str, Any]) -> tuple[JobRow, bool]:
-        """Persist a validated spec as a queued job (on the loop's thread); raises ConflictError."""
+    def submit(self, spec: dict[str, Any], owner: Owner = Owner()) -> tuple[JobRow, bool]:
+        """Persist a validated spec as a queued job of ``owner`` (on the loop's thread); raises
+        ConflictError or QuotaError."""
         job_id = spec.pop("id", None)
-        row, created = self.store.add_job(job_id, spec)
+        row, created = self.store.add_job(job_id, spec, owner, self.limits)
         if created:
             self.accepted([row])
         return row, created
 
-    async def submit_async(self, spec: dict[str, Any]) -> tuple[JobRow, bool]:
+    async def submit_async(self, spec: dict[str, Any], owner: Owner = Owner()) -> tuple[JobRow, bool]:
         """:meth:`submit` for the API's thread, with group commit: submissions that arrive while a
         commit runs share the next transaction (and its fsync), which runs off the event loop."""
         fut = asyncio.get_running_loop().create_future()
-        self._submissions.append((spec.pop("id", None), spec, fut))
+        self._submissions.append((spec.pop("id", None), spec, owner, fut))
         if not self._committing:
             self._committing = True
             asyncio.get_running_loop().create_task(self._commit_submissions())
@@ -211,16 +216,17 @@ class SchedulerService:
             while self._submissions:
                 batch, self._submissions = self._submissions, []
                 try:
-                    results = await asyncio.to_thread(self.store.add_jobs, [(jid, spec) for jid, spec, _ in batch])
+                    results = await asyncio.to_thread(self.store.add_jobs,
+                                                      [(jid, spec, owner) for jid, spec, owner, _ in batch], self.limits)
                 except Exception as exc:  # noqa: BLE001 - every waiting request gets the error
-                    for _, _, fut in batch:
+                    for _, _, _, fut in batch:
                         if not fut.done():
                             fut.set_exception(exc)
                     continue
                 created = [res[0] for res in results if not isinstance(res, Exception) and res[1]]
                 if created:
                     self.call_soon(self.accepted, created)
-                for (_, _, fut), res in zip(batch, results):
+                for (_, _, _, fut), res in zip(batch, results):
                     if not fut.done():
                         fut.set_result(res)
         finally:
@@ -231,16 +237,16 @@ class SchedulerService:
         for row in rows:
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
 
-    def cancel(self, job_id: str) -> JobRow | None:
+    def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRow | None:
         """Cancel a job (on the loop's thread): the row says so durably, then the core ends it
         and releases it where it runs."""
         job = self.store.get_job(job_id)
         if job is None or job.state in TERMINAL_STATES:
             return job
         self.store.update_job(job_id, event="cancelled", node=job.allocation.node if job.allocation else None,
-                              state="cancelled", reason="cancelled by user", finished_at=self.clock(),
+                              state="cancelled", reason=reason, finished_at=self.clock(),
                               allocation=None, durable=True, only_active=True)
-        self.post(JobCancelled(_eid(), self.now(), job_id, "cancelled by user"))
+        self.post(JobCancelled(_eid(), self.now(), job_id, reason))
         return self.store.get_job(job_id)
 
     def bind(self, job: Job, node: str, uid: str = "") -> str:

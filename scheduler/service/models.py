@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from scheduler.service.tokens import ACCOUNT_PATTERN, USER_PATTERN
+
 ApiJobState = Literal["queued", "running", "preempted", "done", "failed", "cancelled"]
 TERMINAL_STATES: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 ApiJobKind = Literal["training", "data_prep", "inference", "other"]
@@ -94,7 +96,13 @@ class ApiJobSpec(_Strict):
               Annotated[str, Field(max_length=MAX_ARG_CHARS, pattern=r"^[^\x00]*$")]] = Field(
         default_factory=dict, max_length=128, json_schema_extra={"additionalProperties": False})
     cwd: str | None = Field(None, min_length=1, max_length=MAX_ARG_CHARS, pattern=r"^/[^\x00]*$",
-                            description="absolute working directory on the node")
+                            description="absolute working directory on the node (default: the job's own private "
+                                        "directory there, owned by its user)")
+    user: str | None = Field(None, pattern=USER_PATTERN,
+                             description="the owner (an admin submitting for a user; anyone else may give only their "
+                                         "own name): the job runs as this user on its nodes. Not stored in the spec")
+    account: str | None = Field(None, pattern=ACCOUNT_PATTERN,
+                                description="the account the job's usage counts to (default: the token's)")
 
     @field_validator("command")
     @classmethod
@@ -143,6 +151,8 @@ class ApiJob(BaseModel):
     exit_code: int | None = None
     attained_service: float = Field(0.0, description="GPU-seconds (CPU-seconds for CPU-only jobs) received, for LAS")
     attempts: int = Field(0, description="how many times the job was placed")
+    user: str = Field("", description="the job's owner: it runs as this user on its nodes")
+    account: str = Field("", description="the account its usage counts to")
 
 
 class ApiJobList(BaseModel):
@@ -224,3 +234,42 @@ class ApiCluster(BaseModel):
 
 class ApiError(BaseModel):
     detail: str
+
+
+class ApiWhoami(BaseModel):
+    user: str
+    account: str = ""
+    admin: bool = False
+    token: str = Field(..., description="the token's id ('bootstrap' for the service's own token)")
+
+
+class ApiTokenRequest(_Strict):
+    """A new token (admins only)."""
+
+    user: str = Field(..., pattern=USER_PATTERN, description="the user the token acts as (its jobs run as this user)")
+    account: str = Field("", pattern=r"^$|" + ACCOUNT_PATTERN, description="the account its jobs count to")
+    admin: bool = Field(False, description="sees and changes every job and manages tokens")
+    ttl_s: float = Field(90 * 86400.0, ge=60, le=10 * 365 * 86400.0, allow_inf_nan=False,
+                         description="seconds until it expires (60 s to 10 years; default 90 days)")
+    note: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="free-form, shown in listings")
+
+
+class ApiToken(BaseModel):
+    id: str
+    user: str
+    account: str = ""
+    admin: bool = False
+    created_at: float
+    expires_at: float
+    revoked_at: float | None = None
+    note: str = ""
+    created_by: str = ""
+    state: Literal["active", "expired", "revoked"]
+
+
+class ApiNewToken(ApiToken):
+    token: str = Field(..., description="the bearer token itself: shown only in this answer, stored only as a digest")
+
+
+class ApiTokenList(BaseModel):
+    tokens: list[ApiToken]

@@ -14,7 +14,7 @@ Decisions are keyed by their id: :meth:`JobStore.record_decision` returns
 False for an id it has seen, so a decision replayed after a restart is not
 applied twice, and a command is re-sent with the same id until a node acks it.
 The core's event log and its snapshots live in the same file
-(:mod:`scheduler.service.journal`).
+(:mod:`scheduler.service.journal`), and so do the users' tokens (:mod:`scheduler.service.tokens`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2  # 2: decisions.batch, core_decisions, snapshots (a version-1 database is upgraded in place)
+# 2: decisions.batch, core_decisions, snapshots; 3: jobs.user/account (a job's owner) and tokens.
+# An older database is upgraded in place, in one transaction.
+SCHEMA_VERSION = 3
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -49,7 +51,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     exit_code INTEGER,
     attained_service REAL NOT NULL DEFAULT 0,
     attempts INTEGER NOT NULL DEFAULT 0,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    user TEXT NOT NULL DEFAULT '',
+    account TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 CREATE TABLE IF NOT EXISTS events (
@@ -85,6 +89,18 @@ CREATE TABLE IF NOT EXISTS core_decisions (
     batch INTEGER PRIMARY KEY,
     payload TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tokens (
+    id TEXT PRIMARY KEY,
+    digest TEXT NOT NULL,
+    user TEXT NOT NULL,
+    account TEXT NOT NULL DEFAULT '',
+    admin INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    revoked_at REAL,
+    note TEXT NOT NULL DEFAULT '',
+    created_by TEXT NOT NULL DEFAULT ''
+);
 CREATE TABLE IF NOT EXISTS snapshots (
     batch INTEGER PRIMARY KEY,
     ts REAL NOT NULL,
@@ -92,8 +108,10 @@ CREATE TABLE IF NOT EXISTS snapshots (
     data BLOB NOT NULL
 );
 """
-_UPGRADES = {  # from version -> the statements that bring a database to the next one
-    1: ["ALTER TABLE decisions ADD COLUMN batch INTEGER"],
+_UPGRADES = {  # from version -> the columns (table, column, declaration) that bring a database to the next one
+    1: [("decisions", "batch", "INTEGER")],
+    2: [("jobs", "user", "TEXT NOT NULL DEFAULT ''"),  # jobs from before: no owner (they run as the
+        ("jobs", "account", "TEXT NOT NULL DEFAULT ''")],  # bootstrap token's user); tokens: CREATE IF NOT EXISTS
 }
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -154,6 +172,8 @@ class JobRow:
     attained_service: float = 0.0
     attempts: int = 0
     updated_at: float = 0.0
+    user: str = ""
+    account: str = ""
 
     @property
     def gpus(self) -> int:
@@ -162,7 +182,7 @@ class JobRow:
     def as_api(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in (
             "id", "spec", "state", "reason", "submitted_at", "started_at",
-            "finished_at", "exit_code", "attained_service", "attempts")}
+            "finished_at", "exit_code", "attained_service", "attempts", "user", "account")}
         out["allocation"] = self.allocation.to_json() if self.allocation is not None else None
         return out
 
@@ -192,7 +212,28 @@ _NO_LOCK = _NoLock()
 
 
 class ConflictError(ValueError):
-    """A job id that exists with a different spec."""
+    """A job id that exists with a different spec (or another owner)."""
+
+
+class QuotaError(ValueError):
+    """A submission over its owner's admission limit (jobs waiting per user or account)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a job belongs to: the user it runs as on the nodes, and the account its usage counts to."""
+
+    user: str = ""
+    account: str = ""
+
+
+@dataclass(frozen=True)
+class WaitingLimits:
+    """Admission limits: the most jobs waiting (queued or preempted) per user and per account
+    (0: no limit)."""
+
+    per_user: int = 0
+    per_account: int = 0
 
 
 def _row_to_job(r: sqlite3.Row) -> JobRow:
@@ -201,11 +242,13 @@ def _row_to_job(r: sqlite3.Row) -> JobRow:
         reason=r["reason"], allocation=JobAllocation.from_json(json.loads(r["allocation"])) if r["allocation"] else None,
         started_at=r["started_at"], finished_at=r["finished_at"], exit_code=r["exit_code"],
         attained_service=r["attained_service"], attempts=r["attempts"], updated_at=r["updated_at"],
+        user=r["user"], account=r["account"],
     )
 
 
 class JobStore:
-    """All SQL lives here (and in :mod:`scheduler.service.journal`, on the same connections):
+    """All SQL lives here (and in :mod:`scheduler.service.journal` and :mod:`scheduler.service.tokens`, on
+    the same connections):
     one connection per thread (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str], synchronous: str = "FULL", clock=time.time) -> None:
@@ -218,6 +261,7 @@ class JobStore:
         self.memory = self.path == ":memory:"
         if not self.memory:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            _private_file(self.path)
         self.clock = clock
         self.durable_level = synchronous.upper()
         self._lock = threading.RLock()  # only an in-memory database shares one connection between threads
@@ -235,11 +279,15 @@ class JobStore:
             if version > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path}: database schema {version}, this service reads up to {SCHEMA_VERSION}")
             while version < SCHEMA_VERSION:
-                for stmt in _UPGRADES[version]:
-                    db.execute(stmt)
+                for table, column, decl in _UPGRADES[version]:
+                    # A table the DDL above just made has its columns already.
+                    if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
                 version += 1
             db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         db.execute("CREATE INDEX IF NOT EXISTS decisions_batch ON decisions(batch)")
+        db.execute("CREATE INDEX IF NOT EXISTS jobs_owner ON jobs(user, state)")
+        db.execute("CREATE INDEX IF NOT EXISTS jobs_account ON jobs(account, state)")
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -318,53 +366,96 @@ class JobStore:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    def add_job(self, job_id: str | None, spec: dict[str, Any]) -> tuple[JobRow, bool]:
+    def add_job(self, job_id: str | None, spec: dict[str, Any], owner: Owner = Owner(),
+                limits: WaitingLimits = WaitingLimits()) -> tuple[JobRow, bool]:
         """Insert a queued job and its ``submitted`` event in one transaction.
 
-        Returns (job, created).  Resubmitting an existing id with an equal spec
-        returns the stored job (created=False); with a different spec it raises
-        :class:`ConflictError`.
+        Returns (job, created).  Resubmitting an existing id with an equal spec and owner
+        returns the stored job (created=False); with a different spec, or by another owner, it
+        raises :class:`ConflictError`; over the owner's ``limits``, :class:`QuotaError`.
         """
-        res = self.add_jobs([(job_id, spec)])[0]
+        res = self.add_jobs([(job_id, spec, owner)], limits)[0]
         if isinstance(res, Exception):
             raise res
         return res
 
-    def add_jobs(self, items: list[tuple[str | None, dict[str, Any]]]) -> list[tuple[JobRow, bool] | ConflictError]:
+    def add_jobs(self, items: list[tuple[str | None, dict[str, Any], Owner]],
+                 limits: WaitingLimits = WaitingLimits()) -> list[tuple[JobRow, bool] | ConflictError | QuotaError]:
         """:meth:`add_job` for several submissions in ONE durable transaction (group commit:
-        one fsync for all of them).  A clashing id yields a ConflictError in its slot only."""
+        one fsync for all of them).  A clashing id yields a ConflictError in its slot only, a
+        submission over its owner's limit a QuotaError; the limits count the jobs this
+        transaction adds, so a burst cannot slip past them."""
         now = self.clock()
-        out: list[tuple[JobRow, bool] | ConflictError] = []
+        out: list[tuple[JobRow, bool] | ConflictError | QuotaError] = []
+        waiting: dict[tuple[str, str], int] = {}  # ("user"|"account", name) -> jobs waiting
+
+        def count(col: str, name: str, db: sqlite3.Connection) -> int:
+            if (col, name) not in waiting:
+                waiting[(col, name)] = db.execute(
+                    f"SELECT COUNT(*) FROM jobs WHERE {col}=? AND state IN ('queued','preempted')", (name,)).fetchone()[0]
+            return waiting[(col, name)]
+
         with self.tx(durable=True) as db:
-            for job_id, spec in items:
+            for job_id, spec, owner in items:
                 jid = job_id or f"job-{uuid.uuid4().hex[:12]}"
                 body = json.dumps({**spec, "id": jid}, sort_keys=True)
                 old = db.execute("SELECT * FROM jobs WHERE id=?", (jid,)).fetchone()
                 if old is not None:
-                    if json.loads(old["spec"]) != json.loads(body):
+                    if (old["user"], old["account"]) != (owner.user, owner.account):
+                        out.append(ConflictError(f"job id {jid} is taken; choose another"))
+                    elif json.loads(old["spec"]) != json.loads(body):
                         out.append(ConflictError(f"job {jid} exists with a different spec"))
                     else:
                         out.append((_row_to_job(old), False))
                     continue
+                over = self._over_limit(owner, limits, lambda col, name: count(col, name, db))
+                if over:
+                    out.append(QuotaError(over))
+                    continue
                 cur = db.execute(
-                    "INSERT INTO jobs (id, spec, state, submitted_at, updated_at) VALUES (?,?,?,?,?)",
-                    (jid, body, "queued", now, now))
-                self._event(db, "submitted", job=jid, data={"gpus": spec.get("gpus", 0), "cpus": spec.get("cpus")})
+                    "INSERT INTO jobs (id, spec, state, submitted_at, updated_at, user, account) VALUES (?,?,?,?,?,?,?)",
+                    (jid, body, "queued", now, now, owner.user, owner.account))
+                waiting[("user", owner.user)] = count("user", owner.user, db) + 1
+                if owner.account:
+                    waiting[("account", owner.account)] = count("account", owner.account, db) + 1
+                self._event(db, "submitted", job=jid, data={"gpus": spec.get("gpus", 0), "cpus": spec.get("cpus"),
+                                                            "user": owner.user, "account": owner.account})
                 out.append((JobRow(id=jid, spec=json.loads(body), state="queued", submitted_at=now,
-                                   seq=cur.lastrowid, updated_at=now), True))
+                                   seq=cur.lastrowid, updated_at=now, user=owner.user, account=owner.account), True))
         return out
+
+    @staticmethod
+    def _over_limit(owner: Owner, limits: WaitingLimits, count: Callable[[str, str], int]) -> str:
+        """Why a new job of ``owner`` would be over ``limits`` ("" when it is not)."""
+        if limits.per_user > 0:
+            n = count("user", owner.user)
+            if n >= limits.per_user:
+                return (f"user {owner.user or '(none)'} has {n} jobs waiting; the limit is {limits.per_user} per "
+                        f"user (sched.max_waiting_per_user): wait until some start, or cancel some")
+        if limits.per_account > 0 and owner.account:
+            n = count("account", owner.account)
+            if n >= limits.per_account:
+                return (f"account {owner.account} has {n} jobs waiting; the limit is {limits.per_account} per "
+                        f"account (sched.max_waiting_per_account): wait until some start, or cancel some")
+        return ""
 
     def get_job(self, job_id: str) -> JobRow | None:
         with self.read() as db:
             r = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return _row_to_job(r) if r else None
 
-    def list_jobs(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0) -> tuple[list[JobRow], int]:
-        q, args = "FROM jobs", []
+    def list_jobs(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0,
+                  user: str | None = None) -> tuple[list[JobRow], int]:
+        """Jobs in submission order (``user``: only that user's), and how many match in all."""
+        where, args = [], []
         states = list(states or [])
         if states:
-            q += " WHERE state IN (%s)" % ",".join("?" * len(states))
+            where.append("state IN (%s)" % ",".join("?" * len(states)))
             args += states
+        if user is not None:
+            where.append("user=?")
+            args.append(user)
+        q = "FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
         with self.read() as db:
             total = db.execute(f"SELECT COUNT(*) {q}", args).fetchone()[0]
             rows = db.execute(f"SELECT * {q} ORDER BY seq LIMIT ? OFFSET ?", [*args, limit, offset]).fetchall()
@@ -473,11 +564,39 @@ class JobStore:
             db.execute("UPDATE decisions SET state=?, reply=? WHERE id=?",
                        (state, json.dumps(reply) if reply is not None else None, decision_id))
 
+    def service_key(self, name: str) -> bytes:
+        """A random 256-bit key of the service's, made at first use and kept in the database
+        (``meta``), e.g. the one aggregation secrets are derived from."""
+        key = f"key:{name}"
+        with self.tx(durable=True) as db:
+            r = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+            if r is None:
+                value = secrets.token_hex(32)
+                db.execute("INSERT INTO meta VALUES (?, ?)", (key, value))
+            else:
+                value = r[0]
+        return bytes.fromhex(value)
+
     def pending_decisions(self) -> list[DecisionRow]:
         """Decisions logged but never carried out to the end, oldest first (for the resend after a restart)."""
         with self.read() as db:
             rows = db.execute("SELECT * FROM decisions WHERE state IN ('pending','sent') ORDER BY rowid").fetchall()
         return [self._decision_row(r) for r in rows]
+
+
+def _private_file(path: str) -> None:
+    """Create the database file readable by its owner only (it holds token digests and the
+    aggregation key), or make an existing one so.  SQLite gives its -wal and -shm files the
+    database's mode."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return  # SQLite reports an unusable path with its own error
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def load_or_create_token(db_path: str, configured: str = "") -> str:

@@ -291,6 +291,31 @@ def test_connection_caps_per_peer_and_in_total(agg_proc):
             s.close()
 
 
+def test_one_peer_cannot_register_more_than_max_jobs_per_peer(agg_proc):
+    """Promise: agg.max_jobs_per_peer holds against a real server: one address that registers
+    job after job gets `too_many_jobs` past the cap (and is closed), another address still
+    registers, and an honest job's round completes meanwhile."""
+    p = agg_proc(max_jobs_per_peer=3, hello_timeout_s=60.0)
+    held: list[socket.socket] = []
+    try:
+        for i in range(3):
+            s = _connect(p.port, "127.0.0.4")
+            held.append(s)
+            assert _hello(s, f"squat-{i}", 0, 2, SECRET)[0] == MsgType.WELCOME
+        s = _connect(p.port, "127.0.0.4")
+        mt, body = _hello(s, "squat-3", 0, 2, SECRET)
+        assert mt == MsgType.ERROR and body["code"] == "too_many_jobs" and "max_jobs_per_peer" in body["message"]
+        assert _frames_until_closed(s, 5)[1] is not None
+        s.close()
+        with Client([p.addr], "honest", 0, 1, secret=SECRET) as c:
+            x = np.ones(4, dtype=np.float32)
+            c.allreduce(x)
+            assert np.array_equal(x, np.ones(4, dtype=np.float32))
+    finally:
+        for s in held:
+            s.close()
+
+
 _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
                             lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
                                                                                         max_size=4), max_leaves=12)

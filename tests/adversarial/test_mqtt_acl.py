@@ -1,4 +1,6 @@
-"""The broker as the node commands' gate: deploy/mosquitto/dlshare.{conf,acl} in a real mosquitto.
+"""The broker as the node commands' gate: deploy/mosquitto/dlshare.{conf,acl} in a real mosquitto,
+and the same ACL file in the embedded broker (amqtt, ``dlshare broker --password-file --acl-file``,
+what ``dlshare up`` runs): every test runs against both.
 
 Node commands are authenticated by the broker alone, so the ACL is the security boundary of
 every attack in test_node_commands.py: these tests check that the example ACL draws it where
@@ -17,24 +19,36 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
+from nodesvc.bus.acl import password_line
 from nodesvc.bus.procs import free_port, stop_proc, wait_port
-from tests.adversarial.conftest import ROOT
+from tests.adversarial.conftest import PY, ROOT
 
 DEPLOY = ROOT / "deploy" / "mosquitto"
 USERS = ("n1", "n2", "dlshare-sched", "dlshare-memory", "dlshare-operator", "mallory")
 
 
-@pytest.fixture(scope="module")
-def acl_broker(tmp_path_factory):
-    """mosquitto with the example conf and ACL, a password per user (the password is the name)."""
-    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    passwd_tool = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+@pytest.fixture(scope="module", params=["mosquitto", "amqtt"])
+def acl_broker(request, tmp_path_factory):
+    """mosquitto with the example conf and ACL, or the embedded broker with the same ACL file; a
+    password per user (the password is the name)."""
     tmp = tmp_path_factory.mktemp("acl")
     pw = tmp / "passwd"
     pw.touch(mode=0o600)
+    port = free_port()
+    if request.param == "amqtt":
+        pw.write_text("".join(password_line(u, u) + "\n" for u in USERS))
+        with open(tmp / "amqtt.log", "ab") as log:
+            proc = subprocess.Popen([PY, "-m", "nodesvc.cli", "broker", "--listen", f"127.0.0.1:{port}",
+                                     "--password-file", str(pw), "--acl-file", str(DEPLOY / "dlshare.acl")],
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_port(port, proc=proc)
+        yield port
+        stop_proc(proc)
+        return
+    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    passwd_tool = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
     for user in USERS:
         subprocess.run([passwd_tool, "-b", str(pw), user, user], check=True, capture_output=True)
-    port = free_port()
     conf = (DEPLOY / "dlshare.conf").read_text()
     conf = (conf.replace("listener 1883", f"listener {port} 127.0.0.1")
                 .replace("/etc/mosquitto/dlshare.passwd", str(pw))
@@ -95,35 +109,42 @@ async def test_a_node_reads_only_its_own_commands(acl_broker):
     """Promise: a node cannot read another node's commands nor any node's replies (which carry
     slab tokens): its subscription to them stays silent."""
     async with _client(acl_broker, "dlshare-sched") as sched, _client(acl_broker, "n1") as n1:
-        await n1.subscribe("dlshare/v1/node/+/cmd", qos=1)
-        await n1.subscribe("dlshare/v1/node/+/reply", qos=1)
+        await n1.subscribe("dlshare/v1/node/+/cmd", qos=1)  # mosquitto takes it and filters each delivery;
+        await n1.subscribe("dlshare/v1/node/+/reply", qos=1)  # the embedded broker refuses the whole filter
+        await n1.subscribe("dlshare/v1/node/n1/cmd", qos=1)
         await sched.publish("dlshare/v1/node/n2/cmd", b'{"schema":1,"op":"map"}', qos=1)
         await sched.publish("dlshare/v1/node/n1/cmd", b'{"schema":1,"op":"ping"}', qos=1)  # the barrier
         got = await _received(n1, "dlshare/v1/node/n1/cmd")
     assert got == ["dlshare/v1/node/n1/cmd"], got
 
 
-async def test_only_the_scheduler_consumers_and_operators_command_nodes(acl_broker):
+async def test_only_the_scheduler_and_operators_command_nodes_and_consumers_only_borrow(acl_broker):
     """Promise: an authenticated client without a grant (mallory) cannot publish on a node's
-    command topic; the scheduler, memory consumers and operators can."""
+    command topic; the scheduler and operators can; memory consumers (the credential jobs get)
+    cannot publish there, only on the node's mem topic, which the node takes map/unmap/renew
+    from and nothing else."""
     async with _client(acl_broker, "n2") as n2:
         await n2.subscribe("dlshare/v1/node/n2/cmd", qos=1)
+        await n2.subscribe("dlshare/v1/node/n2/mem", qos=1)
         async with _client(acl_broker, "mallory") as m:
             await m.publish("dlshare/v1/node/n2/cmd", b'{"schema":1,"op":"allocate"}', qos=1)
-        for user in ("dlshare-sched", "dlshare-memory", "dlshare-operator"):
+            await m.publish("dlshare/v1/node/n2/mem", b'{"schema":1,"op":"map"}', qos=1)
+        async with _client(acl_broker, "dlshare-memory") as c:
+            await c.publish("dlshare/v1/node/n2/cmd", b'{"schema":1,"op":"run"}', qos=1)
+            await c.publish("dlshare/v1/node/n2/mem", b"dlshare-memory", qos=1)
+        for user in ("dlshare-sched", "dlshare-operator"):
             async with _client(acl_broker, user) as c:
                 await c.publish("dlshare/v1/node/n2/cmd", user.encode(), qos=1)
         got = []
 
         async def three() -> None:
             async for msg in n2.messages:
-                got.append(bytes(msg.payload))
+                got.append((str(msg.topic).rsplit("/", 1)[1], bytes(msg.payload)))
                 if len(got) == 3:
                     return
 
         await asyncio.wait_for(three(), 10)
-    assert sorted(got) == [b"dlshare-memory", b"dlshare-operator", b"dlshare-sched"], got
-    assert all(b"allocate" not in g for g in got)
+    assert sorted(got) == [("cmd", b"dlshare-operator"), ("cmd", b"dlshare-sched"), ("mem", b"dlshare-memory")], got
 
 
 async def test_the_example_files_are_the_ones_documented():

@@ -289,3 +289,22 @@ def test_a_job_without_a_secret_stays_open_unless_the_server_requires_one():
     assert msgs(d)[0][2]["code"] == "auth_required" and "j" not in strict.jobs
     d = strict.handle(Register("h", 0.0, Conn("a"), Hello("j", 0, 2, secret="s" * 8)))
     assert msgs(d)[0][1].mtype == MsgType.WELCOME
+
+
+def test_one_peer_holds_at_most_max_jobs_per_peer():
+    """Promise: a peer address may hold connections in at most max_jobs_per_peer jobs; one more is
+    refused with too_many_jobs (and closed), more ranks of a job it holds are not, other peers are
+    not, and leaving a job makes room again."""
+    core = AggregationCore("s", 5.0, max_jobs_per_peer=2)
+    a = [Conn(f"a{i}") for i in range(5)]
+    for i, name in enumerate(("j1", "j2")):
+        assert msgs(core.handle(Register(f"h{i}", 0.0, a[i], Hello(name, 0, 2), "10.0.0.1")))[0][1].mtype == MsgType.WELCOME
+    d = core.handle(Register("h2", 0.0, a[2], Hello("j3", 0, 1), "10.0.0.1"))
+    (_, _, body), = msgs(d)
+    assert body["code"] == "too_many_jobs" and "agg.max_jobs_per_peer" in body["message"]
+    assert any(isinstance(x, Close) and x.conn is a[2] for x in d) and "j3" not in core.jobs
+    assert msgs(core.handle(Register("h3", 0.0, a[3], Hello("j1", 1, 2), "10.0.0.1")))[0][1].mtype == MsgType.WELCOME
+    assert msgs(core.handle(Register("h4", 0.0, Conn("b"), Hello("j3", 0, 1), "10.0.0.2")))[0][1].mtype == MsgType.WELCOME
+    core.handle(ConnectionLost("bye", 0.0, a[1], orderly=True))  # j2 left
+    assert msgs(core.handle(Register("h5", 0.0, a[4], Hello("j4", 0, 1), "10.0.0.1")))[0][1].mtype == MsgType.WELCOME
+    assert core.peer_jobs["10.0.0.1"] == {"j1": 2, "j4": 1}

@@ -13,7 +13,7 @@ from tests.nodesvc.strategies import json_values
 @settings(max_examples=400, deadline=None)
 @given(st.sampled_from(["ping", "allocate", "release", "run", "stop", "nope"]),
        st.dictionaries(st.sampled_from(["job", "pids", "cpus", "cpuset", "memory_bytes", "argv", "env", "cwd",
-                                        "signal", "gpus", "run_id"]), json_values, max_size=6))
+                                        "signal", "gpus", "run_id", "user"]), json_values, max_size=6))
 def test_parse_op_random_args_only_payload_error(op, args):
     try:
         spec = parse_op(messages.Command("c", op, args))
@@ -24,6 +24,18 @@ def test_parse_op_random_args_only_payload_error(op, args):
         assert messages.valid_id(spec.alloc.job)
     if isinstance(spec, RunSpec):
         assert spec.argv and all(isinstance(a, str) for a in spec.argv)
+        assert spec.user is None or (spec.user.isprintable() and "/" not in spec.user and len(spec.user) <= 32)
+
+
+def test_run_names_its_owner_by_a_user_name_only():
+    """Promise: run's user is a user name (resolved on the node), never a uid or a path."""
+    run = lambda **a: parse_op(messages.Command("c", "run", {"job": "j", "argv": ["true"], **a}))  # noqa: E731
+    assert run(user="alice").user == "alice" and run().user is None
+    for bad in ("root\n", "0", "../etc", "", "a" * 33, 1000, ["alice"], "al ice"):
+        with pytest.raises(PayloadError, match="user"):
+            run(user=bad)
+    with pytest.raises(PayloadError, match="cwd"):
+        run(cwd="relative/dir")
 
 
 def test_parse_op_specs_and_refusals_say_why():

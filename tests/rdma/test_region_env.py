@@ -96,7 +96,7 @@ async def _run_job(url: str, go: str, budget: int) -> dict:
 def test_a_job_started_with_a_remote_budget_maps_it_and_status_shows_it_borrowed(mosquitto, donor_factory,
                                                                                 tmp_path):
     donor_factory(mosquitto.url, 2)
-    node = start_node(mosquitto.url, "n-job", tmp_path, "--allow-run")
+    node = start_node(mosquitto.url, "n-job", tmp_path, "--allow-run", "--allow-root-jobs")
     try:
         wait_until(lambda: borrowed(mosquitto.url, "n-job").get("status") == "online", 30, "the job's node")
         go = tmp_path / "go"

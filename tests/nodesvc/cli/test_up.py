@@ -42,8 +42,13 @@ def test_up_starts_stack_status_shows_nodes_and_stops_on_sigint(tmp_path, broker
                 break
         out = "".join(lines)
         assert f"mqtt://127.0.0.1:{port}" in out and "node-2" in out, out
-        r = subprocess.run([sys.executable, "-m", "nodesvc.cli", "status", "--json", "--broker",
-                            f"mqtt://127.0.0.1:{port}"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+        # No anonymous clients: the operator's credentials are in the state directory (mode 0600).
+        opfile = tmp_path / "up" / "operator.env"
+        assert os.stat(opfile).st_mode & 0o777 == 0o600
+        operator = opfile.read_text().strip().partition("=")[2]
+        assert operator.startswith("mqtt://dlshare-operator:") and operator.split("@")[0] not in out
+        r = subprocess.run([sys.executable, "-m", "nodesvc.cli", "status", "--json"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=30, env={**os.environ, "DLSHARE_BROKER": operator})
         doc = json.loads(r.stdout)
         assert {n["node"]: n["status"] for n in doc["nodes"]} == {"node-1": "online", "node-2": "online"}
         assert all(n["gpus"] == 1 for n in doc["nodes"])

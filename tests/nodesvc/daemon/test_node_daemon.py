@@ -108,7 +108,7 @@ async def test_malformed_commands_get_error_replies_and_daemon_lives(broker, nod
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
 async def test_run_under_allocation_reports_usage_and_exit(mosquitto, node_daemons):
-    node_daemons(mosquitto.url, "n-run", "--allow-run")
+    node_daemons(mosquitto.url, "n-run", "--allow-run", "--allow-root-jobs")
     await next_message(mosquitto.url, "dlshare/v1/node/n-run/state", lambda o: o["status"] == "online")
     async with NodeClient(mosquitto.url) as nc:
         busy = "import time\nt=time.time()\nwhile time.time()-t<4: pass\n"

@@ -18,7 +18,7 @@ from tests.scheduler.service.svc_helpers import ROOT, TOKEN, SchedProc
 def _node(url: str, nid: str, tmp) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "nodesvc.cli", "node", "--broker", url, "--node-id", nid, "--interval", "0.5",
-         "--metrics-listen", "127.0.0.1:-1", "--fake-gpus", "2", "--allow-run"],
+         "--metrics-listen", "127.0.0.1:-1", "--fake-gpus", "2", "--allow-run", "--allow-root-jobs"],
         cwd=ROOT, stdout=open(tmp / f"{nid}.log", "ab"), stderr=subprocess.STDOUT,
         env={**__import__("os").environ, "DLSHARE_NODE_STATE_DIR": str(tmp / nid)})
 

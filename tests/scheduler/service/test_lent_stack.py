@@ -39,7 +39,7 @@ def _gpu_node(url: str, tmp) -> subprocess.Popen:
     log = open(tmp / "g1.log", "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "nodesvc.cli", "node", "--broker", url, "--node-id", "g1", "--interval", "0.3",
-         "--metrics-listen", "127.0.0.1:-1", "--fake-gpus", "1", "--allow-run"],
+         "--metrics-listen", "127.0.0.1:-1", "--fake-gpus", "1", "--allow-run", "--allow-root-jobs"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "DLSHARE_NODE_STATE_DIR": str(tmp / "state-g1"),
              "PYTHONUNBUFFERED": "1"})

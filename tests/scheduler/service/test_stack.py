@@ -24,7 +24,7 @@ def _node(broker_url: str, node_id: str, tmp, gpus: int = 2) -> subprocess.Popen
     log = open(tmp / f"{node_id}.log", "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "nodesvc.cli", "node", "--broker", broker_url, "--node-id", node_id,
-         "--interval", "0.5", "--metrics-listen", "127.0.0.1:-1", "--fake-gpus", str(gpus), "--allow-run"],
+         "--interval", "0.5", "--metrics-listen", "127.0.0.1:-1", "--fake-gpus", str(gpus), "--allow-run", "--allow-root-jobs"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "DLSHARE_NODE_STATE_DIR": str(tmp / node_id)})
 

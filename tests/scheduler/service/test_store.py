@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import stat
 
 import pytest
@@ -13,7 +14,9 @@ from hypothesis import strategies as st
 from scheduler import Job, JobArrived, JobFinished, JobSample, Node, NodeLost, NodeReport, Tick
 from scheduler.service.core_log import CoreLogError, decode_event, encode_event
 from scheduler.service.journal import Journal
-from scheduler.service.store import ConflictError, DecisionRow, JobAllocation, JobStore, load_or_create_token
+from scheduler.service.store import (
+    SCHEMA_VERSION, ConflictError, DecisionRow, JobAllocation, JobStore, Owner, WaitingLimits, load_or_create_token,
+)
 
 
 def test_wal_mode_and_job_round_trip(tmp_path):
@@ -93,7 +96,59 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path):
     con.close()
     s = JobStore(path)
     assert [r.id for r in s.pending_decisions()] == ["old/place/j"] and s.pending_decisions()[0].batch is None
-    assert s.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+    assert s.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == str(SCHEMA_VERSION)
+    s.close()
+
+
+def test_a_version_2_database_keeps_its_jobs_without_an_owner(tmp_path):
+    """Promise: a database from before jobs had owners is upgraded in place: its jobs stay, owned
+    by nobody (an admin sees them; they run as the bootstrap token's user), and new jobs get one."""
+    s = JobStore(tmp_path / "v2.db")
+    s.add_job("old", {"gpus": 0, "cpus": 1.0, "command": ["x"]})
+    s.db.execute("UPDATE meta SET value='2' WHERE key='schema'")
+    s.close()
+    con = sqlite3.connect(tmp_path / "v2.db")  # as version 2 had it: no owner columns, no tokens
+    con.executescript("DROP INDEX IF EXISTS jobs_owner; DROP INDEX IF EXISTS jobs_account; DROP TABLE tokens;"
+                      "ALTER TABLE jobs DROP COLUMN user; ALTER TABLE jobs DROP COLUMN account;")
+    con.close()
+    s = JobStore(tmp_path / "v2.db")
+    old = s.get_job("old")
+    assert old is not None and (old.user, old.account) == ("", "")
+    row, _ = s.add_job("new", {"gpus": 0, "cpus": 1.0, "command": ["x"]}, Owner("alice", "vision"))
+    assert (s.get_job("new").user, s.get_job("new").account) == ("alice", "vision")
+    assert [r.id for r in s.list_jobs(user="alice")[0]] == ["new"]
+    assert s.db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == str(SCHEMA_VERSION)
+    s.close()
+
+
+def test_the_database_is_private(tmp_path):
+    """Promise: the database (token digests, the aggregation key) is readable by its owner only,
+    even when an older one was not."""
+    s = JobStore(tmp_path / "p.db")
+    s.add_job("j", {"gpus": 0, "cpus": 1.0, "command": ["x"]})
+    s.close()
+    assert os.stat(tmp_path / "p.db").st_mode & 0o777 == 0o600
+    os.chmod(tmp_path / "p.db", 0o644)
+    JobStore(tmp_path / "p.db").close()
+    assert os.stat(tmp_path / "p.db").st_mode & 0o777 == 0o600
+
+
+def test_waiting_limits_count_a_burst_in_one_transaction(tmp_path):
+    """Promise: the per-user and per-account admission limits count the jobs of the same group
+    commit, and only waiting (queued or preempted) jobs count."""
+    s = JobStore(tmp_path / "q.db")
+    lim = WaitingLimits(per_user=2, per_account=3)
+    spec = {"gpus": 0, "cpus": 1.0, "command": ["x"]}
+    out = s.add_jobs([(f"a{i}", spec, Owner("alice", "lab")) for i in range(3)]
+                     + [(f"b{i}", spec, Owner("bob", "lab")) for i in range(2)], lim)
+    kinds = [type(r).__name__ if isinstance(r, Exception) else "ok" for r in out]
+    assert kinds == ["ok", "ok", "QuotaError", "ok", "QuotaError"], kinds
+    assert "sched.max_waiting_per_account" in str(out[4]) and "sched.max_waiting_per_user" in str(out[2])
+    s.update_job("a0", state="running")
+    assert not isinstance(s.add_jobs([("a3", spec, Owner("alice", "other"))], lim)[0], Exception)
+    assert s.add_job("a1", spec, Owner("alice", "lab"), lim)[1] is False  # resubmitting is not a new job
+    with pytest.raises(ConflictError):
+        s.add_job("a1", spec, Owner("bob", "lab"))  # another user's id
     s.close()
 
 
