@@ -71,6 +71,8 @@ static int check_config(const dls_pager_config *c, char *err, size_t err_len) {
     else if (c->policy < DLS_PAGER_FIFO || c->policy > DLS_PAGER_RANDOM) why = "unknown eviction policy";
     else if (c->fetch_workers < 1 || c->fetch_workers > 64) why = "fetch_workers must be 1..64";
     else if (c->evict_threads < 1 || c->evict_threads > 16) why = "evict_threads must be 1..16";
+    else if (c->fault_threads < 0 || c->fault_threads > PG_MAX_FAULT_THREADS) why = "fault_threads must be 0..16";
+    else if (c->spin_us > 10000) why = "spin_us must be at most 10000";
     else if (!c->nextents) why = "no extents";
     if (why) snprintf(err, err_len, "%s", why);
     return why ? -1 : 0;
@@ -82,6 +84,7 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
     if (!p) return NULL;
     p->cfg = *cfg;
     if (p->cfg.io_timeout_ms <= 0) p->cfg.io_timeout_ms = 5000;
+    if (p->cfg.fault_threads <= 0) p->cfg.fault_threads = 2;
     p->uffd = p->wakefd = -1;
     p->unit = cfg->unit;
     p->size = cfg->nbytes;
@@ -116,6 +119,7 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
     pthread_mutex_init(&p->inst_mu, NULL);
     pthread_cond_init(&p->inst_cv, NULL);
     pthread_mutex_init(&p->ev_mu, NULL);
+    pthread_mutex_init(&p->trend_mu, NULL);
     pthread_cond_init(&p->ev_cv, NULL);
     if (!p->state || !p->flags || !p->ref || !p->crc || !p->evict_seq || !p->ext || !p->zeros ||
         pg_queue_init(&p->demand, p->nunits < 4096 ? p->nunits : 4096) ||
@@ -234,18 +238,21 @@ int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
         snprintf(err, err_len, "the extents do not cover the region");
         return DLS_E_ARG;
     }
+    p->faulters = calloc((size_t)p->cfg.fault_threads, sizeof(pthread_t));
     p->workers = calloc((size_t)p->cfg.fetch_workers, sizeof(pthread_t));
     p->evictors = calloc((size_t)p->cfg.evict_threads, sizeof(pthread_t));
-    if (!p->workers || !p->evictors) {
+    if (!p->faulters || !p->workers || !p->evictors) {
         snprintf(err, err_len, "out of memory");
         return DLS_E_INTERNAL;
     }
     p->started = 1;
-    int rc = pthread_create(&p->fault_thread, NULL, pg_fault_main, p);
-    for (int i = 0; !rc && i < p->cfg.fetch_workers; i++, p->nworkers++)
-        rc = pthread_create(&p->workers[i], NULL, pg_worker_main, p);
-    for (int i = 0; !rc && i < p->cfg.evict_threads; i++, p->nevictors++)
-        rc = pthread_create(&p->evictors[i], NULL, pg_evict_main, p);
+    int rc = 0; /* count only the threads that started: close() joins those */
+    for (int i = 0; !rc && i < p->cfg.fault_threads; i++)
+        if (!(rc = pthread_create(&p->faulters[i], NULL, pg_fault_main, p))) p->nfaulters++;
+    for (int i = 0; !rc && i < p->cfg.fetch_workers; i++)
+        if (!(rc = pthread_create(&p->workers[i], NULL, pg_worker_main, p))) p->nworkers++;
+    for (int i = 0; !rc && i < p->cfg.evict_threads; i++)
+        if (!(rc = pthread_create(&p->evictors[i], NULL, pg_evict_main, p))) p->nevictors++;
     if (rc) {
         snprintf(err, err_len, "pthread_create: %s", strerror(rc));
         dls_pager_close(p);
@@ -404,7 +411,7 @@ void dls_pager_close(dls_pager *p) {
     }
     /* The engine's threads first: an evictor may be copying a unit out of the mapping right now. */
     if (p->started) {
-        pthread_join(p->fault_thread, NULL);
+        for (int i = 0; i < p->nfaulters; i++) pthread_join(p->faulters[i], NULL);
         for (int i = 0; i < p->nworkers; i++) pthread_join(p->workers[i], NULL);
         for (int i = 0; i < p->nevictors; i++) pthread_join(p->evictors[i], NULL);
     }
@@ -438,6 +445,7 @@ void dls_pager_free(dls_pager *p) {
     free(p->evict_seq);
     free(p->ext);
     free(p->zeros);
+    free(p->faulters);
     free(p->workers);
     free(p->evictors);
     free(p);

@@ -47,11 +47,13 @@ typedef struct dls_pager_config {
     uint32_t unit;           /* bytes: a multiple of 4096, at most DLS_PAGER_MAX_UNIT */
     uint64_t local_bytes;    /* resident at most this much (at least 4 units) */
     int policy;              /* DLS_PAGER_FIFO, _CLOCK or _RANDOM */
-    int fetch_workers;       /* threads that fetch and install units */
+    int fetch_workers;       /* threads that fetch and install units ahead of faults (streams, prefetch calls) */
     int evict_threads;
     uint64_t prefetch_bytes; /* how far a sequential stream may run ahead; 0 turns prefetch off */
     int io_timeout_ms;
     uint32_t nextents;
+    int fault_threads;       /* threads that read faults and fetch what they ask for themselves (0: 2) */
+    uint32_t spin_us;        /* a fault thread polls for its donor's answer this long before it sleeps */
 } dls_pager_config;
 
 typedef struct dls_pager_event {

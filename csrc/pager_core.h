@@ -56,8 +56,12 @@ enum { U_ABSENT = DLS_UNIT_ABSENT, U_FETCHING = DLS_UNIT_FETCHING, U_CLEAN = DLS
 
 #define PG_STRIPES 256
 #define PG_MAX_RUN_BYTES (1u << 20) /* one batched fetch or write-back */
+/* A stream's units are fetched in runs this big: the first ones are mapped in (and the reader goes on)
+ * while the fetch workers bring the next, instead of the reader waiting for a whole 1 MiB run. */
+#define PG_STREAM_RUN_BYTES (128u << 10)
 #define PG_EV_CAP 1024
 #define PG_TRENDS 8 /* sequential detectors, one per faulting thread (LRU) */
+#define PG_MAX_FAULT_THREADS 16
 
 typedef struct pg_copy {
     int32_t ep;
@@ -90,6 +94,7 @@ typedef struct pg_io {
     uint32_t *crcs;
     uint64_t *units;
     uint32_t max_units; /* per run */
+    uint32_t spin_us;   /* poll this long for a donor's answer before sleeping (fault threads) */
 } pg_io;
 
 typedef struct pg_queue {
@@ -149,13 +154,14 @@ struct dls_pager {
     dls_pager_event ev[PG_EV_CAP];
     uint32_t ev_head, ev_len;
 
-    dls_trend trends[PG_TRENDS]; /* fault thread only */
+    dls_trend trends[PG_TRENDS]; /* under trend_mu */
     uint32_t trend_tid[PG_TRENDS];
     uint64_t trend_used[PG_TRENDS];
+    uint64_t trend_seq;
 
-    pthread_t fault_thread;
-    pthread_t *workers, *evictors;
-    int nworkers, nevictors;
+    pthread_mutex_t trend_mu; /* the sequential detectors, shared by the fault threads */
+    pthread_t *faulters, *workers, *evictors;
+    int nfaulters, nworkers, nevictors;
     int started, closed;
     volatile int closing;
     uint32_t install_delay_us; /* testing only (dls_pager_set_install_delay) */

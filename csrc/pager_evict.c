@@ -124,16 +124,17 @@ static void settle_dropped(dls_pager *p, uint64_t u, int was_dirty) {
     if (refetch) pg_queue_demand(p, u);
 }
 
-/* Drop sorted units (all EVICTING): one MADV_DONTNEED per run of adjacent units. */
+/* Drop sorted units (all EVICTING): one MADV_DONTNEED per run of adjacent units, and one release of
+ * their slots for the whole batch (each release wakes every fetch waiting for room). */
 static void drop_sorted(dls_pager *p, const uint64_t *units, const uint8_t *was_dirty, uint32_t n) {
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
         while (j < n && units[j] == units[j - 1] + 1) j++;
         madvise(pg_addr(p, units[i]), (size_t)(j - i) * p->unit, MADV_DONTNEED);
         for (uint32_t k = i; k < j; k++) settle_dropped(p, units[k], was_dirty[k]);
-        pg_release(p, j - i);
         i = j;
     }
+    if (n) pg_release(p, n);
 }
 
 /* Write-protect sorted units, one ioctl per run of adjacent units. */

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
 
@@ -73,8 +74,10 @@ static uint32_t prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t c
 
 enum { A_NONE, A_WAKE, A_UNPROTECT, A_FETCH };
 
-static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint64_t seq) {
-    if (addr < (uintptr_t)p->base || addr >= (uintptr_t)p->base + p->size) return;
+/* One fault message.  Returns 1 when the caller (a fault thread) has claimed unit *out and must fetch
+ * it itself; everything else is settled here (a wake, an unprotect, a wait for a unit in transit). */
+static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint64_t *out) {
+    if (addr < (uintptr_t)p->base || addr >= (uintptr_t)p->base + p->size) return 0;
     uint64_t u = (addr - (uintptr_t)p->base) / p->unit;
     int wp = (fl & UFFD_PAGEFAULT_FLAG_WP) != 0, write = (fl & UFFD_PAGEFAULT_FLAG_WRITE) != 0;
     int action = A_NONE, demand = 0;
@@ -91,7 +94,7 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
             action = A_UNPROTECT;
         } else if (s == U_ABSENT) { /* dropped after the write faulted: fetch it again, writable */
             p->state[u] = U_FETCHING;
-            p->flags[u] |= UF_WRITE | UF_QUEUED;
+            p->flags[u] |= UF_WRITE | UF_CLAIMED;
             action = A_FETCH;
         } else if (s == U_FETCHING || s == U_WRITEBACK || s == U_EVICTING) {
             p->flags[u] |= UF_WAIT | UF_WRITE;
@@ -101,7 +104,7 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
     } else {
         if (s == U_ABSENT) {
             p->state[u] = U_FETCHING;
-            p->flags[u] |= UF_QUEUED | (write ? UF_WRITE : 0);
+            p->flags[u] |= UF_CLAIMED | (write ? UF_WRITE : 0);
             uint32_t left = p->evict_seq[u];
             if (left && (uint32_t)(__atomic_load_n(&p->evict_clock, __ATOMIC_RELAXED) - left) <= p->local_units)
                 p->ref[u] = 1; /* back soon after it left: keep it once more (CLOCK) */
@@ -110,7 +113,7 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
         } else if (s == U_FETCHING) {
             if (write) p->flags[u] |= UF_WRITE;
             if (!(p->flags[u] & (UF_QUEUED | UF_CLAIMED))) { /* a prefetch not started yet: now it is wanted */
-                p->flags[u] |= UF_QUEUED;
+                p->flags[u] |= UF_CLAIMED;
                 action = A_FETCH;
             }
             demand = 1;
@@ -124,50 +127,75 @@ static void on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uin
     if (action == A_WAKE) {
         PG_ADD(p, faults_stale, 1);
         pg_wake(p, (uint8_t *)(uintptr_t)(addr & ~(uint64_t)(PAGE - 1)), PAGE);
-        return;
+        return 0;
     }
     if (wp) PG_ADD(p, faults_wp, 1);
     else PG_ADD(p, faults_missing, 1);
     if (!wp && s == U_FETCHING) PG_ADD(p, faults_inflight, 1);
-    if (action == A_FETCH) pg_queue_demand(p, u);
-    if (demand && p->cfg.prefetch_bytes) {
+    if (demand && p->cfg.prefetch_bytes) { /* a stream: the fetch workers bring what follows meanwhile */
         int64_t first, stride;
         uint32_t max_depth = (uint32_t)(p->cfg.prefetch_bytes / p->unit);
-        dls_trend *t = trend_for(p, tid, seq);
+        pthread_mutex_lock(&p->trend_mu);
+        dls_trend *t = trend_for(p, tid, ++p->trend_seq);
         uint32_t n = dls_trend_fault(t, (int64_t)u, max_depth, &first, &stride);
         if (n) {
             uint32_t covered = prefetch(p, first, stride, n, write);
             if (covered < n) dls_trend_cut(t, first + stride * (int64_t)covered); /* the rest was not asked for */
         }
+        pthread_mutex_unlock(&p->trend_mu);
     }
+    if (action != A_FETCH) return 0;
+    *out = u;
+    return 1;
 }
 
+static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n);
+
+/* A fault thread: it reads fault messages (each message goes to one of the fault threads: the
+ * descriptor is in each thread's epoll set with EPOLLEXCLUSIVE) and fetches the units they ask for
+ * itself, one batched read per extent, with no hand-off to another thread on the way: a missing
+ * fault costs the wake of this thread, the donor's round trip and the wake of the faulting thread.
+ * While one fault thread waits on a donor, the others take the next faults. */
 void *pg_fault_main(void *arg) {
     dls_pager *p = arg;
+    pg_io *io = pg_io_new(p);
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event uev = {.events = EPOLLIN | EPOLLEXCLUSIVE, .data.u32 = 0};
+    struct epoll_event wev = {.events = EPOLLIN, .data.u32 = 1};
+    if (!io || ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, p->uffd, &uev) || epoll_ctl(ep, EPOLL_CTL_ADD, p->wakefd, &wev)) {
+        /* cannot serve faults from this thread: the others (or none, and close) carry on */
+        if (ep >= 0) close(ep);
+        pg_io_free(io);
+        return NULL;
+    }
+    io->spin_us = p->cfg.spin_us;
     struct uffd_msg msgs[64];
-    struct pollfd pf[2] = {{.fd = p->uffd, .events = POLLIN}, {.fd = p->wakefd, .events = POLLIN}};
-    uint64_t seq = 0;
+    uint64_t mine[64];
     while (!p->closing) {
-        int r = poll(pf, 2, -1);
+        struct epoll_event evs[2];
+        int r = epoll_wait(ep, evs, 2, -1);
         if (r < 0) {
             if (errno == EINTR) continue;
             break;
         }
         if (p->closing) break;
-        if (pf[0].revents & (POLLERR | POLLHUP | POLLNVAL)) break;
         ssize_t got = read(p->uffd, msgs, sizeof msgs);
         if (got < 0) {
             if (errno == EAGAIN || errno == EINTR) continue;
             break;
         }
         uint64_t t0 = pg_now_ns();
+        uint32_t k = 0;
         for (ssize_t i = 0; i < got / (ssize_t)sizeof msgs[0]; i++) {
             if (msgs[i].event != UFFD_EVENT_PAGEFAULT) continue;
-            on_fault(p, msgs[i].arg.pagefault.address, msgs[i].arg.pagefault.flags,
-                     msgs[i].arg.pagefault.feat.ptid, ++seq);
+            k += (uint32_t)on_fault(p, msgs[i].arg.pagefault.address, msgs[i].arg.pagefault.flags,
+                                    msgs[i].arg.pagefault.feat.ptid, &mine[k]);
         }
         PG_ADD(p, fault_ns, pg_now_ns() - t0);
+        if (k) fetch_claimed(p, io, mine, k);
     }
+    close(ep);
+    pg_io_free(io);
     return NULL;
 }
 
@@ -291,11 +319,27 @@ static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n, in
     }
 }
 
+/* Fetch units this thread claimed (in any order, possibly several extents), one batched read per
+ * extent. */
+static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n) {
+    qsort(units, n, sizeof units[0], cmp_u64);
+    for (uint32_t i = 0; i < n;) {
+        pg_extent *e = pg_extent_of(p, units[i], NULL);
+        uint64_t end = e->first_unit + e->nunits;
+        uint32_t j = i + 1;
+        while (j < n && units[j] < end && j - i < io->max_units) j++;
+        fetch_group(p, io, units + i, j - i, 0);
+        i = j;
+    }
+}
+
 void *pg_worker_main(void *arg) {
     dls_pager *p = arg;
     pg_io *io = pg_io_new(p);
     if (!io) return NULL;
     uint32_t max = io->max_units > 256 ? 256 : io->max_units;
+    uint32_t stream_max = PG_STREAM_RUN_BYTES / p->unit ? (uint32_t)(PG_STREAM_RUN_BYTES / p->unit) : 1;
+    if (stream_max > max) stream_max = max;
     uint32_t units[256];
     for (;;) {
         pthread_mutex_lock(&p->q_mu);
@@ -316,7 +360,7 @@ void *pg_worker_main(void *arg) {
             pg_queue_pop(&p->pref, &units[n++]);
             pg_extent *e = pg_extent_of(p, units[0], NULL);
             uint64_t end = e->first_unit + e->nunits;
-            while (n < max && pg_queue_peek(&p->pref, &nx) == 0 && nx == units[n - 1] + 1 && nx < end) {
+            while (n < stream_max && pg_queue_peek(&p->pref, &nx) == 0 && nx == units[n - 1] + 1 && nx < end) {
                 pg_queue_pop(&p->pref, &nx);
                 units[n++] = nx;
             }

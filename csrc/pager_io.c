@@ -44,7 +44,7 @@ static int read_any(dls_pager *p, pg_io *io, uint32_t idx, uint32_t n, uint64_t 
         }
         dls_batch b = {.slab = c->slab, .token = c->token, .nseg = n, .offs = io->offs, .lens = io->lens,
                        .buf = io->bounce, .flags = DLS_F_LOCAL_CRC, .crcs = io->crcs,
-                       .timeout_ms = p->cfg.io_timeout_ms, .bad_seg = -1};
+                       .timeout_ms = p->cfg.io_timeout_ms, .bad_seg = -1, .spin_us = io->spin_us};
         int rc = dls_ep_read(conn, &b);
         if (rc) {
             if (rc < 0) pg_io_drop(io, c->ep);
@@ -106,20 +106,31 @@ int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
     pg_copy cs[DLS_PAGER_MAX_COPIES];
     uint32_t nc = pg_copies(e, cs);
     uint32_t durable = 0, sent = 0;
+    /* every copy at once: n copies cost about one round trip, not n */
+    dls_ep *eps[DLS_PAGER_MAX_COPIES];
+    dls_batch bs[DLS_PAGER_MAX_COPIES], *bp[DLS_PAGER_MAX_COPIES];
+    int rcs[DLS_PAGER_MAX_COPIES], which[DLS_PAGER_MAX_COPIES], m = 0;
     for (uint32_t k = 0; k < nc; k++) {
         pg_copy *c = &cs[k];
         if (c->failed || p->closing) continue;
         dls_ep *conn = pg_io_conn(p, io, c->ep);
-        int rc = DLS_E_IO;
-        if (conn) {
-            dls_batch b = {.slab = c->slab, .token = c->token, .nseg = n, .offs = io->offs, .lens = io->lens,
-                           .buf = io->bounce, .flags = 0, .crcs = NULL, .timeout_ms = p->cfg.io_timeout_ms,
-                           .bad_seg = -1};
-            rc = dls_ep_write(conn, &b);
-            if (rc < 0) pg_io_drop(io, c->ep);
+        if (!conn) {
+            pg_copy_failed(p, idx, c, DLS_E_IO);
+            continue;
         }
-        if (rc) {
-            pg_copy_failed(p, idx, c, rc);
+        bs[m] = (dls_batch){.slab = c->slab, .token = c->token, .nseg = n, .offs = io->offs, .lens = io->lens,
+                            .buf = io->bounce, .flags = 0, .crcs = NULL, .timeout_ms = p->cfg.io_timeout_ms,
+                            .bad_seg = -1};
+        bp[m] = &bs[m];
+        eps[m] = conn;
+        which[m++] = (int)k;
+    }
+    if (m) dls_ep_write_many(eps, bp, m, rcs);
+    for (int i = 0; i < m; i++) {
+        pg_copy *c = &cs[which[i]];
+        if (rcs[i] < 0) pg_io_drop(io, c->ep);
+        if (rcs[i]) {
+            pg_copy_failed(p, idx, c, rcs[i]);
             continue;
         }
         sent++;

@@ -28,6 +28,7 @@ typedef struct dls_batch {
     uint32_t *crcs;
     int timeout_ms;
     int32_t bad_seg; /* out: the segment whose checksum failed, else -1 */
+    uint32_t spin_us; /* a lone request: poll for the answer this long before sleeping in recv (0: sleep) */
 } dls_batch;
 
 typedef struct dls_provider {
@@ -40,6 +41,9 @@ typedef struct dls_provider {
     int (*write_batch)(void *conn, dls_batch *b);
     int (*ping)(void *conn, int timeout_ms);
     void (*close)(void *conn);
+    /* Optional: write batch i on conns[i] for every i at once (one wait for them all), status in
+     * rcs[i]; NULL makes dls_ep_write_many write them one after the other. */
+    void (*write_many)(void **conns, dls_batch **bs, int n, int *rcs);
 } dls_provider;
 
 extern const dls_provider dls_tcp_provider;
@@ -52,6 +56,9 @@ int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len);
 int dls_ep_read(dls_ep *ep, dls_batch *b);
 int dls_ep_write(dls_ep *ep, dls_batch *b);
 int dls_ep_ping(dls_ep *ep, int timeout_ms);
+/* The same bytes to several copies: batch i on eps[i] (distinct endpoints), all in flight together,
+ * so n copies cost about one round trip instead of n.  rcs[i]: each batch's status. */
+void dls_ep_write_many(dls_ep **eps, dls_batch **bs, int n, int *rcs);
 /* One segment, no arrays: the small-read fast path. */
 int dls_ep_read1(dls_ep *ep, uint32_t slab, const uint8_t *token, uint64_t off, uint32_t len, uint8_t *buf,
                  uint32_t flags, uint32_t *crc_out, int timeout_ms);

@@ -78,6 +78,20 @@ typedef struct run {
     int status; /* first error seen */
 } run;
 
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 static int fail(run *r, int code) {
     if (r->status == DLS_OK) r->status = code;
     return code;
@@ -381,12 +395,23 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
         int skip_recv = built && !r->sending && r->count == 1 && c->sb_len == c->sb_off &&
                         !(r->status == DLS_OK && r->next_seg < b->nseg);
         if (skip_recv && b->timeout_ms == c->rcv_timeout_ms) {
-            /* sleep in recv for the response (SO_RCVTIMEO bounds the wait) */
+            /* sleep in recv for the response (SO_RCVTIMEO bounds the wait), after polling for it for
+             * spin_us: a round trip on a fast link is shorter than the wake-up of a sleeping thread */
             c->sb_off = c->sb_len = 0;
-            ssize_t n;
-            do {
-                n = recv(c->fd, c->scratch, SCRATCH, 0);
-            } while (n < 0 && errno == EINTR);
+            ssize_t n = -1;
+            if (b->spin_us) {
+                uint64_t until = mono_ns() + (uint64_t)b->spin_us * 1000u;
+                do {
+                    n = recv(c->fd, c->scratch, SCRATCH, MSG_DONTWAIT);
+                    if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
+                    cpu_relax();
+                } while (mono_ns() < until);
+            }
+            if (n < 0 && (!b->spin_us || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+                do {
+                    n = recv(c->fd, c->scratch, SCRATCH, 0);
+                } while (n < 0 && errno == EINTR);
+            }
             if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
                 rc = DLS_E_IO;
                 break;
@@ -422,6 +447,96 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
     free(r);
     pthread_mutex_unlock(&c->mu);
     return rc;
+}
+
+static int cmp_conn(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t)((tcp_conn *const *)a)[0], y = (uintptr_t)((tcp_conn *const *)b)[0];
+    return x < y ? -1 : x > y;
+}
+
+/* Several write batches on distinct connections at once: each run is the state machine run_batch
+ * drives, and one poll waits on all of them, so the donors receive and answer in parallel. */
+static void tcp_write_many(void **conns, dls_batch **bs, int n, int *rcs) {
+    tcp_conn *order[16];
+    run *rs[16];
+    int active[16], timeout = 0;
+    for (int i = 0; i < n; i++) order[i] = conns[i];
+    qsort(order, (size_t)n, sizeof order[0], cmp_conn); /* lock in address order: no deadlock with another caller */
+    for (int i = 0; i < n; i++) pthread_mutex_lock(&order[i]->mu);
+    for (int i = 0; i < n; i++) {
+        tcp_conn *c = conns[i];
+        dls_batch *b = bs[i];
+        rs[i] = NULL;
+        active[i] = 0;
+        rcs[i] = DLS_OK;
+        int bad = !b->token || (b->nseg && (!b->offs || !b->lens || !b->buf)) ||
+                  ((b->flags & (DLS_F_CRC | DLS_F_LOCAL_CRC)) && !b->crcs) || (b->flags & ~(DLS_F_CRC | DLS_F_LOCAL_CRC));
+        for (uint32_t k = 0; !bad && k < b->nseg; k++) bad = b->lens[k] == 0 || b->lens[k] > DLS_MAX_SEG_BYTES;
+        b->bad_seg = -1;
+        if (bad) rcs[i] = DLS_E_ARG;
+        else if (c->broken) rcs[i] = DLS_E_CLOSED;
+        else if (!(rs[i] = calloc(1, sizeof *rs[i]))) rcs[i] = DLS_E_INTERNAL;
+        if (!rs[i]) continue;
+        rs[i]->c = c;
+        rs[i]->b = b;
+        rs[i]->op = DLS_OP_WRITE;
+        rs[i]->next_buf = b->buf;
+        active[i] = 1;
+        int t = b->timeout_ms > 0 ? b->timeout_ms : 10000;
+        if (t > timeout) timeout = t;
+    }
+    for (;;) {
+        struct pollfd pf[16];
+        int who[16], np = 0, busy = 0, again = 0;
+        for (int i = 0; i < n; i++) {
+            if (!active[i]) continue;
+            run *r = rs[i];
+            dls_batch *b = r->b;
+            if (!r->sending && r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW) build_request(r);
+            int rc = pump_send(r);
+            if (rc == 0) rc = pump_recv(r);
+            if (rc < 0) {
+                rcs[i] = rc;
+                active[i] = 0;
+                continue;
+            }
+            int more = r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW;
+            if (!r->sending && r->count == 0 && !more) {
+                rcs[i] = r->status;
+                active[i] = 0;
+                continue;
+            }
+            busy++;
+            if (more && !r->sending) {
+                again = 1;
+                continue;
+            }
+            pf[np] = (struct pollfd){.fd = r->c->fd, .events = (short)((r->count ? POLLIN : 0) | (r->sending ? POLLOUT : 0))};
+            who[np++] = i;
+        }
+        if (!busy) break;
+        if (again) continue;
+        int pr = poll(pf, (nfds_t)np, timeout);
+        if (pr == 0) {
+            for (int k = 0; k < np; k++) {
+                rcs[who[k]] = DLS_E_TIMEOUT;
+                active[who[k]] = 0;
+            }
+        } else if (pr < 0 && errno != EINTR) {
+            for (int k = 0; k < np; k++) {
+                rcs[who[k]] = DLS_E_IO;
+                active[who[k]] = 0;
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        if (rs[i] && rcs[i] < 0 && rcs[i] != DLS_E_ARG) {
+            rs[i]->c->broken = 1; /* the stream is out of step: never reuse it */
+            shutdown(rs[i]->c->fd, SHUT_RDWR);
+        }
+        free(rs[i]);
+    }
+    for (int i = n - 1; i >= 0; i--) pthread_mutex_unlock(&order[i]->mu);
 }
 
 static int tcp_read(void *conn, dls_batch *b) { return run_batch(conn, b, DLS_OP_READ); }
@@ -477,4 +592,5 @@ const dls_provider dls_tcp_provider = {
     .write_batch = tcp_write,
     .ping = tcp_ping,
     .close = tcp_close,
+    .write_many = tcp_write_many,
 };

@@ -49,6 +49,8 @@ log = logging.getLogger("dlshare.rdma.region")
 # Chosen by `dlshare bench paging` (bench/RESULTS.md, "Paging"): the unit and policy sweep.
 DEFAULT_UNIT = 4 << 10
 DEFAULT_POLICY = "clock"
+DEFAULT_FAULT_THREADS = 2  # one may wait on a slow donor while another takes the next fault
+DEFAULT_SPIN_US = 0  # how long a fault thread polls for a donor's answer before it sleeps
 POLICIES = {"fifo": lib.DLS_PAGER_FIFO, "clock": lib.DLS_PAGER_CLOCK, "random": lib.DLS_PAGER_RANDOM}
 UNIT_STATES = ("absent", "fetching", "clean", "dirty", "writeback", "evicting", "lost")
 _ROLES = {LIVE: lib.DLS_COPY_LIVE, REBUILDING: lib.DLS_COPY_REBUILDING, EVICTING: lib.DLS_COPY_EVICTING}
@@ -114,11 +116,13 @@ class _Engine:
     until no call is in flight, as rdma.native_mem.Endpoint does."""
 
     def __init__(self, nbytes: int, unit: int, local_bytes: int, policy: str, nextents: int,
-                 fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int) -> None:
+                 fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int,
+                 fault_threads: int = 2, spin_us: int = 0) -> None:
         cfg = ffi.new("dls_pager_config *", {
             "nbytes": nbytes, "unit": unit, "local_bytes": local_bytes, "policy": POLICIES[policy],
             "fetch_workers": fetch_workers, "evict_threads": evict_threads, "prefetch_bytes": prefetch_bytes,
-            "io_timeout_ms": io_timeout_ms, "nextents": nextents})
+            "io_timeout_ms": io_timeout_ms, "nextents": nextents, "fault_threads": fault_threads,
+            "spin_us": spin_us})
         err = ffi.new("char[512]")
         p = lib.dls_pager_create(cfg, err, 512)
         if p == ffi.NULL:
@@ -384,7 +388,8 @@ class RemoteRegion:
 
     def __init__(self, buf: RegionBuffer, local_bytes: int, policy: str = DEFAULT_POLICY, *,
                  io_timeout_ms: int = 5000, fetch_workers: int = 4, evict_threads: int = 1,
-                 prefetch_bytes: int = 1 << 20, owns: Any = None) -> None:
+                 prefetch_bytes: int = 1 << 20, fault_threads: int = DEFAULT_FAULT_THREADS,
+                 spin_us: int = DEFAULT_SPIN_US, owns: Any = None) -> None:
         check_geometry(buf.nbytes, local_bytes, buf.unit, policy)
         self.unit = buf.unit
         self.nbytes = buf.nbytes
@@ -392,7 +397,8 @@ class RemoteRegion:
         self.policy = policy
         self._buf = buf
         self._engine = _Engine(self.nbytes, self.unit, max(self.local_bytes, 4 * self.unit), policy,
-                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms)
+                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms,
+                               fault_threads, spin_us)
         try:
             for ext in buf.extents:
                 with ext.lock:
