@@ -14,7 +14,7 @@ import pytest
 
 from nodesvc.bus.procs import wait_until
 from rdma import wire
-from rdma.native import crc32c
+from rdma.native import crc32c, ffi, lib
 from rdma.native_mem import Endpoint, Region, RemoteMemoryError, SlabServer, provider_available, random_token
 from tests.rdma.rawsock import recv_exact
 
@@ -417,3 +417,54 @@ def test_buffers_handed_to_c_are_checked(served):
             ep.read(1, tokens[1][:8], *pages(4), out)
         with pytest.raises(ValueError, match="16 bytes"):
             ep.read_one(1, b"short", 0, PAGE, out)
+
+
+def test_write_many_writes_every_copy_at_once_and_reports_each_one():
+    """dls_ep_write_many: the same batch to several copies in one wait (the region engine's
+    write-back); a copy that refuses (a wrong token) fails alone, the others hold the bytes."""
+    servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(3)]
+    regions = [Region(1 << 20) for _ in servers]
+    tokens = [random_token() for _ in servers]
+    for s, r, t in zip(servers, regions, tokens):
+        s.add_slab(7, r, t)
+    err = ffi.new("char[256]")
+    eps = [lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, err, 256) for s in servers]
+    try:
+        assert all(e != ffi.NULL for e in eps), ffi.string(err)
+        n = 64
+        data = np.random.default_rng(2).integers(0, 256, n * PAGE, dtype=np.uint8)
+        offs = np.arange(n, dtype=np.uint64)[::-1].copy() * PAGE  # scattered: back to front
+        lens = np.full(n, PAGE, dtype=np.uint32)
+        keep = []
+
+        def batch(token: bytes):
+            tok = ffi.new("uint8_t[16]", token)
+            keep.append(tok)
+            return ffi.new("dls_batch *", {"slab": 7, "token": tok, "nseg": n,
+                                            "offs": ffi.cast("uint64_t *", ffi.from_buffer(offs)),
+                                            "lens": ffi.cast("uint32_t *", ffi.from_buffer(lens)),
+                                            "buf": ffi.cast("uint8_t *", ffi.from_buffer(data)),
+                                            "timeout_ms": 2000, "bad_seg": -1})
+
+        bs = [batch(tokens[0]), batch(bytes(16)), batch(tokens[2])]  # the second copy's token is wrong
+        rcs = ffi.new("int[3]")
+        lib.dls_ep_write_many(ffi.new("dls_ep *[]", eps), ffi.new("dls_batch *[]", bs), 3, rcs)
+        assert rcs[0] == 0 and rcs[2] == 0 and rcs[1] == wire.E_TOKEN, list(rcs)
+        want = data.reshape(n, PAGE)[::-1].reshape(-1)  # segment i landed at offs[i]
+        assert np.array_equal(regions[0].view()[: n * PAGE], want)
+        assert np.array_equal(regions[2].view()[: n * PAGE], want)
+        assert not regions[1].view()[: n * PAGE].any()
+        # a copy whose server is gone fails with an I/O error; the live one still takes the batch
+        servers[0].stop()
+        rcs2 = ffi.new("int[2]")
+        lib.dls_ep_write_many(ffi.new("dls_ep *[]", [eps[0], eps[2]]), ffi.new("dls_batch *[]", [bs[0], bs[2]]),
+                              2, rcs2)
+        assert rcs2[0] < 0 and rcs2[1] == 0, list(rcs2)
+    finally:
+        for e in eps:
+            if e != ffi.NULL:
+                lib.dls_ep_close(e)
+        for s in servers[1:]:
+            s.stop()
+        for r in regions:
+            r.release()
