@@ -293,3 +293,28 @@ def test_fuzzed_owners_through_the_shell_every_job_arrives(owners):
                 (lambda j: (j.user, j.account))(parse_job(slurm.jobs[jid]))
         assert sh.stats.refused == 0
         sh.close()
+
+
+def test_a_job_past_its_owners_queued_limit_stays_held_with_the_reason(tmp_path):
+    slurm = FakeSlurm(nodes=1, gpus=1, slots=1)
+    a1, a2, a3 = (slurm.submit("LM@8", user_name="alice", user_id=1001) for _ in range(3))
+    b1 = slurm.submit("LM@8", user_name="bob", user_id=1002)
+    sh = make_shell(slurm, tmp_path, BASE.format(name="fifo-queued") + "[quota.default_user]\nqueued = 1\n")
+    sh.step()
+    assert slurm.schedule() == [a1]
+    j = parse_job(slurm.jobs[a3])  # rejected at arrival: it never runs here, Slurm keeps it held
+    assert j.held and "cannot run: user 'alice' has 1 jobs waiting; its quota is 1" in j.comment, j.comment
+    assert sh.core.records[a3].job.state is JobState.FAILED
+    assert sh.core.records[a2].job.state is JobState.QUEUED and sh.core.records[b1].job.state is JobState.QUEUED
+
+
+def test_restart_under_a_new_quota_replays_and_requeues_what_is_now_over_it(tmp_path):
+    slurm = FakeSlurm(nodes=1, gpus=2, slots=1)
+    a, b = (slurm.submit("LM@8", user_name="alice", user_id=1001) for _ in range(2))
+    sh = make_shell(slurm, tmp_path, BASE.format(name="p"))
+    sh.step()
+    assert slurm.schedule() == [a, b]
+    sh.close()
+    sh2 = make_shell(slurm, tmp_path, BASE.format(name="p") + "[quota.default_user]\ngpus = 1\n")  # same journal
+    assert [x.kind for x in sh2.step()] == ["requeue"]
+    assert [slurm.jobs[j]["job_state"] for j in (a, b)] == ["RUNNING", "PENDING"] and slurm.jobs[b]["priority"] == 0
