@@ -8,7 +8,13 @@ last release (so a requeue by Slurm itself is told apart from dlshare's own pree
 :func:`observe` compares one :class:`Snapshot` of Slurm with the book and the core's state and
 returns the events that bring the core up to date, in order: nodes first (registration, loss,
 return), then jobs (arrivals, finishes, cancellations, requeues by Slurm).  It changes only the book
-(new jobs tracked); the caller hands the events to the core.
+(new jobs tracked, and :attr:`Book.warnings`, lines for the shell to log); the caller hands the
+events to the core.
+
+A job reaches the core with its Slurm owner (``user_name`` within ``account``), so the profile's
+``[fairshare]`` and ``[quota]`` apply as in the simulator and the service.  The core keeps the owner a
+job arrived with: an owner Slurm shows differently later (an account changed with ``scontrol update``,
+a job journaled before dlshare read owners) is logged once, not followed.
 
 Pure: no I/O, no clock (``now`` is handed in).
 """
@@ -97,6 +103,7 @@ class Tracked:
     rejected: str = ""  # the core's reason when it rejected the job (it can never run here)
     action_key: str = ""  # the last action sent for this job, and when (no repeat within retry_s)
     action_at: float = float("-inf")
+    owner_warned: bool = False  # the owner Slurm shows differs from the core's: logged once (not journaled)
 
     def to_record(self) -> dict[str, Any]:
         """What the journal keeps of a newly seen job (the rest is rebuilt from events and Slurm)."""
@@ -126,6 +133,7 @@ class Book:
     jobs: dict[str, Tracked] = field(default_factory=dict)
     seq: int = 0  # events made so far (part of every stimulus id)
     new: list[Tracked] = field(default_factory=list)  # tracked since the shell last journaled them
+    warnings: list[str] = field(default_factory=list)  # for the shell to log (odd owners), then clear
 
     def sid(self, kind: str, what: str, now: float) -> str:
         self.seq += 1
@@ -136,6 +144,8 @@ class Book:
         self.jobs[j.job_id] = t
         self._parse(t, j)
         self.new.append(t)
+        if j.owner_note:
+            self.warnings.append(f"job {j.job_id}: {j.owner_note}")
         return t
 
     def _parse(self, t: Tracked, j: SlurmJob) -> None:
@@ -166,7 +176,17 @@ class Book:
         return Job(id=t.job_id, model=f.model, batch_size=f.batch_size, gpus=gpus_of(t),
                    cpus=float(o.cpus) if self.respect_requests else 0.0,
                    memory_bytes=(o.memory_mb or 0) * MiB if self.respect_requests else 0,
-                   arrival=max(0.0, j.submit_time), gpu_memory_bytes=f.gpu_memory_bytes)
+                   arrival=max(0.0, j.submit_time), gpu_memory_bytes=f.gpu_memory_bytes,
+                   user=j.user, account=j.account)
+
+    def check_owner(self, t: Tracked, j: SlurmJob, job: Job) -> None:
+        """Note (once per job) that Slurm now shows another owner than the core counts the job under."""
+        if t.owner_warned or (j.user, j.account) == (job.user, job.account):
+            return
+        t.owner_warned = True
+        self.warnings.append(
+            f"job {j.job_id}: Slurm shows user {j.user!r} account {j.account!r}, but dlshare counts it under "
+            f"user {job.user!r} account {job.account!r} (its owner when it reached dlshare) until it ends")
 
 
 def gpus_of(t: Tracked) -> int:
@@ -246,6 +266,8 @@ def observe(book: Book, core: Any, snap: Snapshot, now: float) -> list[Any]:
         if rec is None:
             continue
         state = rec.job.state
+        if state.active and not j.terminal:
+            book.check_owner(t, j, rec.job)
         if j.terminal:
             if state is JobState.RUNNING:
                 failed = j.state != "COMPLETED"

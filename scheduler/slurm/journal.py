@@ -5,7 +5,9 @@ One JSON object a line, appended and fsync'ed before any ``scontrol`` call that 
 * ``{"t": "hdr", "v": 1, "partition": .., "profile": ..}``: the first line; a restart with another
   partition or profile is refused (the replay would not rebuild the same state);
 * ``{"t": "ev", "ev": {...}}``: every event handed to the core, in order (``scheduler.codec``);
-  replaying them into a fresh core rebuilds its state exactly (same events, same decisions);
+  replaying them into a fresh core rebuilds its state exactly (same events, same decisions).  An
+  arrival's job carries its owner (``user``, ``account``); a line written before dlshare read owners
+  has neither and reads back as "" (the anonymous user, no account);
 * ``{"t": "job", "id": .., "original": {...}, "comment": .., "name": .., "foreign": ..}``: a job
   seen for the first time, with its request as it was then (restored when dlshare is taken out);
 * ``{"t": "rel", "id": .., "restart": N, "key": .., "at": T}``: dlshare is about to release the job at

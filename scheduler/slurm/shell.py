@@ -186,6 +186,9 @@ class SlurmShell:
                 t.running_seen_at = snap.taken_at
                 self.stats.latency_s.append(max(0.0, snap.taken_at - t.placed_at))
         events = observe(self.book, self.core, snap, now)
+        for w in self.book.warnings:
+            log.warning("slurm: %s", w)
+        self.book.warnings.clear()
         if self.telemetry is not None:
             events += self._telemetry_events(events, now)
         if now >= self.wakeup_at:

@@ -6,6 +6,11 @@ and the later forms where a field changed shape (``gres/gpu`` for ``gres:gpu``; 
 ``{"set": true, "number": N}``; states as lists).  Anything that is not the expected shape raises
 :class:`SlurmJsonError` naming the job or node and the field, never anything else.
 
+A job's owner (``user_name`` within ``account``; :func:`job_owner`) is the exception: it never
+makes a job unreadable.  A missing or odd value falls back (to the numeric ``user_id``, as later
+Slurm versions print a uid without a name; or to no account) and says so in ``SlurmJob.owner_note``,
+which the shell logs, so one strange field cannot hold up the partition's queue.
+
 Pure: no I/O.
 """
 
@@ -16,6 +21,8 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from scheduler.model import MAX_OWNER
 
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                       "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"})
@@ -68,6 +75,9 @@ class SlurmJob:
     end_time: float
     exit_code: int
     restart_count: int
+    user: str = ""  # Slurm's user_name ("": unknown, the core's anonymous user)
+    account: str = ""  # Slurm's account ("": none)
+    owner_note: str = ""  # why user/account are not what Slurm wrote (a fallback was used); "" when they are
 
     @property
     def held(self) -> bool:
@@ -266,6 +276,80 @@ def _load(data: Any, what: str) -> dict[str, Any]:
     return data
 
 
+NOBODY_UID = 65534
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _uid(rec: dict[str, Any]) -> int | None:
+    v = rec.get("user_id")
+    if isinstance(v, dict):  # later versions may wrap numbers
+        v = v.get("number") if v.get("set", True) and not v.get("infinite") else None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 32:
+        return None
+    return v
+
+
+def _name_problem(v: Any) -> str:
+    """Why ``v`` is not usable as an owner name ("" when it is)."""
+    if not isinstance(v, str):
+        return f"not text: {type(v).__name__}"
+    if len(v) > MAX_OWNER:
+        return f"{len(v)} characters, more than {MAX_OWNER}"
+    if _CONTROL.search(v):
+        return "control characters"
+    return ""
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def job_owner(rec: dict[str, Any]) -> tuple[str, str, str]:
+    """``(user, account, note)`` of one ``squeue --json`` job record; never raises.
+
+    The user is ``user_name`` (``user`` in sacct's shape).  When that is missing, empty, not
+    usable as a name (not text, control characters, more than ``MAX_OWNER`` characters) or
+    ``"nobody"`` for a uid that is not nobody's (Slurm 22.05 writes that when the uid has no name on
+    the host running squeue), the user is the numeric ``user_id`` as text, as later Slurm versions
+    print it; with no usable uid either, "" (the anonymous user).  The account is ``account``
+    (Slurm keeps it in lower case); missing, empty or ``(null)`` is no account, and an unusable
+    value is no account too.  ``note`` says what was replaced and by what ("" when nothing was).
+    """
+    notes = []
+    uid = _uid(rec)
+    key = "user_name" if "user_name" in rec or "user" not in rec else "user"
+    raw = rec.get(key)
+    name = raw.strip() if isinstance(raw, str) else raw
+    if name is None:
+        why = f"no {key}"
+    elif name in ("", "(null)"):
+        why = f"{key} is empty ({raw!r})"
+    elif name == "nobody" and uid is not None and uid != NOBODY_UID:
+        why = f"{key} 'nobody' for uid {uid} (the uid has no name on this host: is its user directory set up here?)"
+    else:
+        why = _name_problem(name)
+        why = why and f"{key} {_short(raw)}: {why}"
+    if not why:
+        user = name
+    elif uid is not None:
+        user = str(uid)
+        notes.append(f"{why}: counted as user {user!r} (its user_id)")
+    else:
+        user = ""
+        notes.append(f"{why}, and no usable user_id ({_short(rec.get('user_id'))}): counted as the anonymous user")
+    raw_acct = rec.get("account")
+    acct = raw_acct.strip() if isinstance(raw_acct, str) else raw_acct
+    if acct in (None, "", "(null)"):
+        account = ""
+    else:
+        why = _name_problem(acct)
+        account = "" if why else acct
+        if why:
+            notes.append(f"account {_short(raw_acct)} ({why}): counted as no account")
+    return user, account, "; ".join(notes)
+
+
 def parse_job(rec: Any) -> SlurmJob:
     if not isinstance(rec, dict):
         raise SlurmJsonError("job: expected an object")
@@ -289,6 +373,7 @@ def parse_job(rec: Any) -> SlurmJob:
         req_nodes = expand_hostlist(_text(rec, "required_nodes", where))
     except SlurmJsonError as exc:
         raise SlurmJsonError(f"{where}: {exc}") from None
+    user, account, owner_note = job_owner(rec)
     exit_code = rec.get("exit_code", 0)
     if isinstance(exit_code, dict):  # later versions: {"status": [...], "return_code": {...}}
         exit_code = _num(exit_code, "return_code", 0, where)
@@ -303,6 +388,7 @@ def parse_job(rec: Any) -> SlurmJob:
         end_time=float(_num(rec, "end_time", 0, where) or 0),
         exit_code=int(exit_code) if isinstance(exit_code, int) and not isinstance(exit_code, bool) else 0,
         restart_count=_num(rec, "restart_cnt", 0, where) or 0,
+        user=user, account=account, owner_note=owner_note,
     )
 
 

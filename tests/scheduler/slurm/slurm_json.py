@@ -12,7 +12,8 @@ def job_json(job_id: int, **kw: Any) -> dict[str, Any]:
         "tasks": 1, "cpus": 1, "memory_per_node": None, "memory_per_cpu": 2000, "tres_per_node": "gres:gpu:1",
         "tres_per_job": "", "tres_per_task": "", "comment": "", "admin_comment": "", "submit_time": 1000,
         "start_time": 0, "end_time": 0, "exit_code": 0, "restart_cnt": 0, "gres_detail": [], "flags": [],
-        "array_job_id": 0, "array_task_id": None, "het_job_id": 0, "user_name": "root",
+        "array_job_id": 0, "array_task_id": None, "het_job_id": 0, "user_name": "root", "user_id": 0,
+        "account": "",
     }
     d.update(kw)
     return d

@@ -9,6 +9,7 @@ really did.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -176,3 +177,91 @@ def test_telemetry_of_dlshare_node_beside_slurmd_reaches_the_core(slurm, tmp_pat
     finally:
         sh.close()
         stop_proc(node)
+
+
+OWNER_QUOTAS = """name = "fifo-quota"
+[order]
+plugin = "fifo"
+[placement]
+share = "never"
+backfill = true
+[[score]]
+plugin = "consolidate"
+[allocate]
+plugin = "proportional"
+[quota.default_user]
+gpus = 4
+[quota.accounts.vision]
+gpus = 2
+"""
+
+
+def test_slurm_users_and_accounts_get_their_own_quotas(slurm, tmp_path):
+    """Jobs of two local users (root, and nobody through sbatch --uid), one account: each owner's limit
+    holds only its own jobs back, on a cluster with room to spare (7 of 12 GPUs in use)."""
+    c = slurm
+    sh = make_shell(c, tmp_path, OWNER_QUOTAS, status_s=0.5)
+
+    def sub(*args):
+        return c.sbatch("-p", c.partition, "-o", "/dev/null", "-J", "LM@20", *args, "--wrap", "sleep 300")
+
+    root = [sub("--gres=gpu:4"), sub("--gres=gpu:4")]  # root: 8 GPUs asked, 4 allowed
+    vision = [sub("--uid", "nobody", "--account", "vision", "--gres=gpu:1") for _ in range(3)]  # vision: 2 allowed
+    free = sub("--uid", "nobody", "--gres=gpu:1")  # nobody's own job, no account: 3 of nobody's 4 GPUs
+
+    def settled():
+        jobs = {j: c.job(j) for j in (*root, *vision, free)}
+        run = {j for j, d in jobs.items() if d.get("job_state") == "RUNNING"}
+        waits = {j for j, d in jobs.items() if "(quota)" in d.get("comment", "")}
+        return (run, waits, jobs) if len(run) == 4 and len(waits) == 2 else None
+
+    run, waits, jobs = drive(sh, settled, timeout=60, what="4 jobs running, 2 held by their owner's quota")
+    assert sh.core.records[root[0]].job.user == "root" and sh.core.records[root[0]].job.account == ""
+    assert {(sh.core.records[j].job.user, sh.core.records[j].job.account) for j in vision} == {("nobody", "vision")}
+    assert (sh.core.records[free].job.user, sh.core.records[free].job.account) == ("nobody", "")
+    assert free in run and len(run & set(root)) == 1 and len(run & set(vision)) == 2 and not run & waits
+    (r_wait,) = set(root) - run
+    assert jobs[r_wait]["priority"] == 0 and "user 'root' holds 4 of its 4 GPUs (quota)" in jobs[r_wait]["comment"]
+    (v_wait,) = set(vision) - run
+    assert jobs[v_wait]["priority"] == 0 and "account 'vision' holds 2 of its 2 GPUs (quota)" in jobs[v_wait]["comment"]
+    assert jobs[v_wait]["user_name"] == "nobody"  # really submitted as another user
+    # an owner's next job starts when its own running one ends
+    c.run("scancel", next(iter(run & set(root))))
+    drive(sh, lambda: c.job(r_wait).get("job_state") == "RUNNING", timeout=60, what="root's second job running")
+    assert c.job(v_wait)["job_state"] == "PENDING"
+    sh.close()
+
+
+FAIR = OWNER_QUOTAS.split("[quota")[0].replace("fifo-quota", "fifo-fair") + """[fairshare]
+enabled = true
+half_life_s = 0
+"""
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_slurm_fair_share_starts_the_other_users_job_first(slurm, tmp_path, fair):
+    """root fills the cluster, then queues one more job; nobody queues one a second later.  When a GPU
+    node frees up, FIFO starts root's (it came first); fair share starts nobody's (no usage yet)."""
+    from nodesvc.bus.procs import wait_until
+
+    c = slurm
+    sh = make_shell(c, tmp_path, FAIR if fair else OWNER_QUOTAS.split("[quota")[0])
+
+    def sub(*args):
+        return c.sbatch("-p", c.partition, "-o", "/dev/null", "-J", "LM@20", "--gres=gpu:4", *args,
+                        "--wrap", "sleep 300")
+
+    full = [sub() for _ in range(3)]
+    drive(sh, lambda: all(c.job(j).get("job_state") == "RUNNING" for j in full), what="root's jobs filling the cluster")
+    late_root = sub()
+    t0 = c.job(late_root)["submit_time"]
+    wait_until(lambda: int(time.time()) > t0, 5, "the next second")  # FIFO would put root's job first
+    other = sub("--uid", "nobody")
+    assert c.job(other)["submit_time"] > t0
+    drive(sh, lambda: {late_root, other} <= set(sh.core.records), what="both waiting in the core")
+    c.run("scancel", full[0])
+    first = drive(sh, lambda: next((j for j in (late_root, other) if c.job(j).get("job_state") == "RUNNING"), None),
+                  what="one of the waiting jobs running")
+    assert first == (other if fair else late_root)
+    assert (sh.core.records[other].job.user, sh.core.records[late_root].job.user) == ("nobody", "root")
+    sh.close()
