@@ -214,14 +214,36 @@ class Cluster:
             self.broker_kind = "amqtt"
         self.broker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         wait_port(port, self.broker)
+        self.slab_bytes = slab_bytes
         for i in range(n_donors):
-            node = f"bench-donor{i}"
-            env = dict(os.environ, DLSHARE_NODE_LEND="1", DLSHARE_NODE_ENFORCE="0", DLSHARE_NODE_INTERVAL="1.0",
-                       DLSHARE_NODE_METRICS_LISTEN="127.0.0.1:-1", DLSHARE_NODE_STATE_DIR=str(tmp / node),
-                       DLSHARE_DONOR_SLAB_BYTES=str(slab_bytes), DLSHARE_DONOR_RECLAIM_DEADLINE_S="5")
+            self.start_donor(f"bench-donor{i}")
+
+    def start_donor(self, node: str) -> None:
+        env = dict(os.environ, DLSHARE_NODE_LEND="1", DLSHARE_NODE_ENFORCE="0", DLSHARE_NODE_INTERVAL="1.0",
+                   DLSHARE_NODE_METRICS_LISTEN="127.0.0.1:-1", DLSHARE_NODE_STATE_DIR=str(self.tmp / node),
+                   DLSHARE_DONOR_SLAB_BYTES=str(self.slab_bytes), DLSHARE_DONOR_RECLAIM_DEADLINE_S="5")
+        with open(self.tmp / f"{node}.log", "ab") as log:
             self.procs[node] = subprocess.Popen(
                 [sys.executable, "-m", "nodesvc.cli", "node", "--node-id", node, "--broker", self.url],
-                stdout=open(tmp / f"{node}.log", "ab"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the live donor processes have used so far."""
+        total = 0.0
+        for p in self.procs.values():
+            try:
+                t = psutil.Process(p.pid).cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def restart_dead(self) -> list[str]:
+        """Start again every donor that has exited (killed by a fault test); their names."""
+        dead = [n for n, p in self.procs.items() if p.poll() is not None]
+        for node in dead:
+            self.start_donor(node)
+        return dead
 
     def rss(self, node: str) -> int:
         return psutil.Process(self.procs[node].pid).memory_info().rss

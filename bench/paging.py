@@ -220,7 +220,7 @@ def run_program(workload: str, mode: str, share: float | None, ws: int, tmp: Pat
         if cg is not None:
             out["cgroup"] = cg.stats()
             cg.remove()
-    if "samples_per_s" not in out and "gbps" not in out and "fault" not in out and "lost_bytes" not in out:
+    if not any(k in out for k in ("samples_per_s", "gbps", "fault", "lost_bytes", "stream_gbps")):
         out["error"] = (f"exit {proc.returncode}"
                         + (" (OOM-killed)" if out.get("cgroup", {}).get("oom_kills") else "")
                         + ": " + "".join(err_lines[-5:]).strip()[-400:])
@@ -242,15 +242,56 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
 
 # --- the bench ----------------------------------------------------------------------------------------
 
+def vmstat() -> dict[str, int]:
+    """The kernel's swap counters (pages swapped in and out since boot)."""
+    out = {}
+    try:
+        for line in open("/proc/vmstat"):
+            k, _, v = line.partition(" ")
+            if k in ("pswpin", "pswpout"):
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def median_range(values: list[float]) -> tuple[float | None, float | None, float | None]:
+    v = [x for x in values if x is not None]
+    if not v:
+        return None, None, None
+    return float(np.median(v)), float(min(v)), float(max(v))
+
+
+VARIANTS = {  # name -> (mode, share, swap)
+    "local": ("local", None, False),
+    "region50": ("region", 0.5, False),
+    "region25": ("region", 0.25, False),
+    "memmap50": ("memmap", 0.5, False),
+    "swap50": ("local", 0.5, True),
+    "swap25": ("local", 0.25, True),
+}
+
+
 def run(args) -> dict[str, Any]:
+    """Rounds of every variant, interleaved (local, region, memmap, swap, then again), so that a cold
+    start or a neighbour's burst lands on one round of one variant, not on one variant; the metrics
+    are medians over the rounds, with their range."""
     quick = bool(getattr(args, "quick", False))
     ws = int(getattr(args, "working_set", 0) or (256 * MIB if quick else GIB))
+    rounds = 2 if quick else 3
     dlrm_args = ["--steps", "30" if quick else "80", "--warmup", "5", "--batch", "1024"]
     scan_args = ["--passes", "2" if quick else "4"]
     units = [4 << 10, 16 << 10, 64 << 10] if quick else [4 << 10, 16 << 10, 64 << 10, 256 << 10]
     policies = ["clock", "fifo"] if quick else ["clock", "fifo", "random"]
+    variants = ["local", "region50", "region25", "memmap50", "swap50"] + ([] if quick else ["swap25"])
     notes: list[str] = []
-    runs: dict[str, dict[str, Any]] = {}
+    load0 = os.getloadavg()[0]
+    if load0 >= 0.5:
+        msg = (f"load average {load0:.2f} at the start (>= 0.5): figures taken beside other work cannot tell a "
+               "change from noise; do not record them")
+        notes.append(msg)
+        print(f"WARNING: {msg}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {}
     budget = ["--max-seconds", "20" if quick else "60"]  # a slow baseline (memmap) ends its timed part early
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="dlshare-bench-paging-", dir="/var/tmp"))
@@ -260,136 +301,219 @@ def run(args) -> dict[str, Any]:
     echo = EchoBaseline()
     cluster = Cluster(3, 64 * MIB, tmp)
     region = ["--broker", cluster.url]
+    swap_reason: str | None = None
+    raw: list[np.ndarray] = []
     try:
-        def go(key: str, workload: str, mode: str, share: float | None, extra: list[str], **kw) -> None:
+        def go(key: str, workload: str, mode: str, share: float | None, extra: list[str], rnd: int = 0,
+               **kw) -> dict[str, Any]:
             t = time.perf_counter()
-            runs[key] = r = run_program(workload, mode, share, ws, tmp, extra + budget, **kw)
+            load = os.getloadavg()[0]
+            vm0 = vmstat()
+            dc0 = cluster.cpu_s()
+            r = run_program(workload, mode, share, ws, tmp, extra + budget, **kw)
             if r.get("error") and kw.get("swap") and r.get("cgroup", {}).get("oom_kills"):
                 # v1 charges swap-in readahead (the swap cache) to the group: a tight limit can OOM the
                 # swap baseline where it would only be slow; give it another margin, and say so
-                notes.append(f"{key}: OOM-killed at {r['limit_bytes'] >> 20} MiB during swap-in; rerun with "
-                             f"{MARGIN >> 20} MiB more")
-                runs[key] = r = run_program(workload, mode, share, ws, tmp, extra + budget, margin=2 * MARGIN, **kw)
-            r["wall_s"] = time.perf_counter() - t
-            print(f"  {key}: {_value(r) or r.get('error') or ''} ({r['wall_s']:.0f} s)", flush=True)
+                notes.append(f"{key} round {rnd}: OOM-killed at {r['limit_bytes'] >> 20} MiB during swap-in; "
+                             f"rerun with {MARGIN >> 20} MiB more")
+                vm0 = vmstat()
+                r = run_program(workload, mode, share, ws, tmp, extra + budget, margin=2 * MARGIN, **kw)
+            vm1 = vmstat()
+            r["donors_cpu_s"] = cluster.cpu_s() - dc0  # the donors serve on the same two cores here
+            r.update(round=rnd, wall_s=time.perf_counter() - t, load_start=load, load_end=os.getloadavg()[0],
+                     pswpin_pages=vm1.get("pswpin", 0) - vm0.get("pswpin", 0),
+                     pswpout_pages=vm1.get("pswpout", 0) - vm0.get("pswpout", 0))
+            runs.setdefault(key, []).append(r)
+            print(f"  round {rnd} {key}: {_value(r) or r.get('stream_gbps') or r.get('error') or ''} "
+                  f"({r['wall_s']:.0f} s, load {load:.2f})", flush=True)
+            return r
 
-        for wl, wargs in (("dlrm", dlrm_args), ("scan", scan_args)):
-            go(f"{wl}_local", wl, "local", None, wargs)
-            go(f"{wl}_region50", wl, "region", 0.5, wargs + region)
-            go(f"{wl}_region25", wl, "region", 0.25, wargs + region)
-            go(f"{wl}_memmap50", wl, "memmap", 0.5, wargs)
-        for wl, wargs in (("dlrm", dlrm_args), ("scan", scan_args)) if not quick else (("dlrm", dlrm_args),):
-            for u in units:
-                if u != DEFAULT_UNIT:
-                    go(f"{wl}_region50_unit{u >> 10}k", wl, "region", 0.5, wargs + region + ["--unit", str(u)])
-            for pol in policies:
-                if pol != "clock":
-                    go(f"{wl}_region50_{pol}", wl, "region", 0.5, wargs + region + ["--policy", pol])
-        raw = echo.measure(2000)
-        try:
-            disk = disk_read_latency(tmp)
-        except OSError as exc:
-            disk = {}
-            notes.append(f"disk read latency not measured: {exc}")
-        go("latency", "latency", "region", None, region + ["--units", "4096", str(64 << 10),
-                                                           "--samples", "400" if quick else "2000"])
-        raw = np.concatenate([raw, echo.measure(2000)])
+        def variant(wl: str, name: str, wargs: list[str], rnd: int) -> None:
+            mode, share, swap = VARIANTS[name]
+            extra = wargs + (region if mode == "region" else [])
+            if not swap:
+                go(f"{wl}_{name}", wl, mode, share, extra, rnd)
+                return
+            nonlocal swap_reason
+            if swap_reason is not None:
+                return
+            try:  # swap on for this variant only: the others must not page to disk behind our back
+                with Swapfile(tmp, int(ws * 1.5) + 256 * MIB):
+                    go(f"{wl}_{name}", wl, mode, share, extra, rnd, swap=True)
+            except RuntimeError as exc:
+                swap_reason = str(exc)
+                notes.append(f"disk swap baseline unavailable: {swap_reason}")
 
         def killer(ev, msg, proc) -> None:
             if ev == "running":
                 victim = next(iter(cluster.procs))
                 cluster.kill9(victim)
-                runs.setdefault("_kill", {})["victim"] = victim
                 proc.stdin.write("killed\n")
                 proc.stdin.flush()
 
+        for rnd in range(rounds):
+            for wl, wargs in (("dlrm", dlrm_args), ("scan", scan_args)):
+                for name in variants:
+                    variant(wl, name, wargs, rnd)
+            go("stream", "stream", "region", None, region + ["--passes", "2" if quick else "3"], rnd)
+            raw.append(echo.measure(1000))
+            go("latency", "latency", "region", None, region + ["--units", "4096", str(64 << 10),
+                                                               "--samples", "400" if quick else "2000"], rnd)
+            raw.append(echo.measure(1000))
+            # a donor kill -9 a third of the way into a DLRM run at 50% (its slowdown against this
+            # round's region50), then the donor comes back for the next round
+            go("dlrm_region50_kill", "dlrm", "region", 0.5, dlrm_args + region + ["--kill-mid-run"], rnd,
+               on_line=killer)
+            cluster.restart_dead()
         go("kill", "kill", "region", 0.25, region + ["--unit", str(DEFAULT_UNIT)], on_line=killer)
+        cluster.restart_dead()
+        if not quick:  # the sweeps, once each (the rounds above carry the headline figures)
+            for wl, wargs in (("dlrm", dlrm_args), ("scan", scan_args)):
+                for u in units:
+                    if u != DEFAULT_UNIT:
+                        go(f"{wl}_region50_unit{u >> 10}k", wl, "region", 0.5, wargs + region + ["--unit", str(u)])
+                for pol in policies:
+                    if pol != "clock":
+                        go(f"{wl}_region50_{pol}", wl, "region", 0.5, wargs + region + ["--policy", pol])
         try:
-            with Swapfile(tmp, int(ws * 1.5) + 256 * MIB):
-                for wl, wargs in (("dlrm", dlrm_args), ("scan", scan_args)):
-                    go(f"{wl}_swap50", wl, "local", 0.5, wargs, swap=True)
-                    if not quick:
-                        go(f"{wl}_swap25", wl, "local", 0.25, wargs, swap=True)
-            swap_reason = None
-        except RuntimeError as exc:
-            swap_reason = str(exc)
-            notes.append(f"disk swap baseline unavailable: {swap_reason}")
+            disk = disk_read_latency(tmp)
+        except OSError as exc:
+            disk = {}
+            notes.append(f"disk read latency not measured: {exc}")
     finally:
         cluster.close()
         echo.close()
         for s, h in restore.items():
             signal.signal(s, h)
         shutil.rmtree(tmp, ignore_errors=True)
+    return _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, policies, t_start,
+                    getattr(args, "json", None))
 
-    lat = runs["latency"].get("fault", {})
-    m: dict[str, Any] = {
-        "working_set_bytes": ws,
-        "dlrm_local50_vs_local": _ratio(runs["dlrm_region50"], runs["dlrm_local"]),
-        "dlrm_local50_vs_swap": _ratio(runs["dlrm_region50"], runs.get("dlrm_swap50")),
-        "dlrm_local25_vs_local": _ratio(runs["dlrm_region25"], runs["dlrm_local"]),
-        "scan_local50_vs_local": _ratio(runs["scan_region50"], runs["scan_local"]),
-        "scan_local50_vs_swap": _ratio(runs["scan_region50"], runs.get("scan_swap50")),
-        "dlrm_local50_vs_memmap": _ratio(runs["dlrm_region50"], runs["dlrm_memmap50"]),
-        "scan_local50_vs_memmap": _ratio(runs["scan_region50"], runs["scan_memmap50"]),
-        "scan_local25_vs_local": _ratio(runs["scan_region25"], runs["scan_local"]),
-        "fault_unit_p50_us": lat.get(str(DEFAULT_UNIT), {}).get("p50_us"),
-        "fault_unit_p99_us": lat.get(str(DEFAULT_UNIT), {}).get("p99_us"),
-        "fault_4k_p50_us": lat.get("4096", {}).get("p50_us"),
-        "fault_4k_p99_us": lat.get("4096", {}).get("p99_us"),
-        "fault_64k_p50_us": lat.get(str(64 << 10), {}).get("p50_us"),
-        "fault_64k_p99_us": lat.get(str(64 << 10), {}).get("p99_us"),
-        "donor_kill_lost_bytes": runs["kill"].get("lost_bytes"),
-        "swap_available": swap_reason is None,
-        "unit_bytes": DEFAULT_UNIT,
-    }
-    m["raw_socket_rtt_p50_us"], m["raw_socket_rtt_p99_us"] = _pcts(raw)
+
+def _per_round(runs: dict[str, list[dict[str, Any]]], key: str, base: str) -> list[float | None]:
+    """key/base of each round that has both."""
+    b = {r["round"]: _value(r) for r in runs.get(base, [])}
+    return [(_value(r) / b[r["round"]]) if _value(r) and b.get(r["round"]) else None for r in runs.get(key, [])]
+
+
+def _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, policies, t_start,
+             json_path) -> dict[str, Any]:
+    m: dict[str, Any] = {"working_set_bytes": ws, "rounds": rounds, "unit_bytes": DEFAULT_UNIT,
+                         "swap_available": swap_reason is None}
+    ranges: dict[str, list[float | None]] = {}
+
+    def ratio(name: str, key: str, base: str) -> None:
+        per = _per_round(runs, key, base)
+        ranges[name] = per
+        m[name] = median_range(per)[0]
+
+    for wl in ("dlrm", "scan"):
+        ratio(f"{wl}_local50_vs_local", f"{wl}_region50", f"{wl}_local")
+        ratio(f"{wl}_local25_vs_local", f"{wl}_region25", f"{wl}_local")
+        ratio(f"{wl}_local50_vs_memmap", f"{wl}_region50", f"{wl}_memmap50")
+        # swap: a baseline that did not page (pages swapped in during the run = 0) is no baseline
+        swaps = runs.get(f"{wl}_swap50", [])
+        m[f"{wl}_swap50_pswpin_pages"] = median_range([r.get("pswpin_pages") for r in swaps])[0]
+        paged = [r for r in swaps if r.get("pswpin_pages")]
+        if swaps and not paged:
+            notes.append(f"{wl}_swap50 swapped nothing in (pswpin = 0 in every round): it did not page, so its "
+                         "ratio is not reported")
+        ratio(f"{wl}_local50_vs_swap", f"{wl}_region50", f"{wl}_swap50")
+        if not paged:
+            m[f"{wl}_local50_vs_swap"] = None
+    m["swap50_pswpin_pages"] = m.get("dlrm_swap50_pswpin_pages")
+    streams = runs.get("stream", [])
+    m["stream_gbps"] = median_range([r.get("stream_gbps") for r in streams])[0]
+    m["dataplane_gbps"] = median_range([r.get("dataplane_gbps") for r in streams])[0]
+    ranges["stream_vs_dataplane"] = [r["stream_gbps"] / r["dataplane_gbps"] if r.get("dataplane_gbps") else None
+                                     for r in streams]
+    m["stream_vs_dataplane"] = median_range(ranges["stream_vs_dataplane"])[0]
+    lats = [r.get("fault", {}) for r in runs.get("latency", [])]
+    for size, name in ((4096, "4k"), (64 << 10, "64k")):
+        for q in ("p50", "p99"):
+            m[f"fault_{name}_{q}_us"] = median_range([f.get(str(size), {}).get(f"{q}_us") for f in lats])[0]
+    m["fault_unit_p50_us"], m["fault_unit_p99_us"] = m["fault_4k_p50_us"], m["fault_4k_p99_us"]
+    if raw:
+        m["raw_socket_rtt_p50_us"], m["raw_socket_rtt_p99_us"] = _pcts(np.concatenate(raw))
+        ranges["fault_4k_vs_rtt"] = [f.get("4096", {}).get("p50_us") / _pcts(r)[0] if f.get("4096") else None
+                                     for f, r in zip(lats, raw[1::2])]
+        m["fault_4k_vs_rtt"] = (m["fault_4k_p50_us"] / m["raw_socket_rtt_p50_us"]
+                                if m["fault_4k_p50_us"] and m["raw_socket_rtt_p50_us"] else None)
     m.update(disk)
-    for k, r in runs.items():
-        if not k.startswith("_") and _value(r) is not None:
-            m[f"{k}_{'samples_per_s' if 'samples_per_s' in r else 'gbps'}"] = _value(r)
-    sweep = {wl: {"unit": {str(u): _value(runs.get(f"{wl}_region50" if u == DEFAULT_UNIT else
-                                                      f"{wl}_region50_unit{u >> 10}k", {}) or {})
+    m["donor_kill_lost_bytes"] = (runs.get("kill") or [{}])[0].get("lost_bytes")
+    ranges["donor_kill_slowdown"] = [1 / x if x else None for x in _per_round(runs, "dlrm_region50_kill",
+                                                                                "dlrm_region50")]
+    m["donor_kill_slowdown"] = median_range(ranges["donor_kill_slowdown"])[0]
+    for k, rs in runs.items():
+        v = median_range([_value(r) for r in rs])
+        if v[0] is not None:
+            m[f"{k}_{'samples_per_s' if 'samples_per_s' in rs[0] else 'gbps'}"] = v[0]
+    sweep = {wl: {"unit": {str(u): median_range([_value(r) for r in runs.get(
+                      f"{wl}_region50" if u == DEFAULT_UNIT else f"{wl}_region50_unit{u >> 10}k", [])])[0]
                            for u in units},
-                  "policy": {p: _value(runs.get(f"{wl}_region50" if p == "clock" else f"{wl}_region50_{p}", {}) or {})
-                             for p in policies}}
+                  "policy": {p: median_range([_value(r) for r in runs.get(
+                      f"{wl}_region50" if p == "clock" else f"{wl}_region50_{p}", [])])[0] for p in policies}}
              for wl in ("dlrm", "scan")}
-    for k, r in runs.items():
-        if r.get("error"):
-            notes.append(f"{k}: {r['error']}")
+    for k, rs in runs.items():
+        for r in rs:
+            if r.get("error"):
+                notes.append(f"{k} round {r.get('round')}: {r['error']}")
     targets = report.target_rows([
-        ("dlrm_local50_vs_local >= 0.6", m["dlrm_local50_vs_local"], ">=", 0.6),
-        ("dlrm_local50_vs_swap >= 3", m["dlrm_local50_vs_swap"], ">=", 3.0),
-        ("dlrm_local25_vs_local >= 0.4", m["dlrm_local25_vs_local"], ">=", 0.4),
-        ("scan_local50_vs_local >= 0.5", m["scan_local50_vs_local"], ">=", 0.5),
+        ("stream_vs_dataplane >= 0.7", m["stream_vs_dataplane"], ">=", 0.7),
+        ("scan_local50_vs_local >= 0.4", m["scan_local50_vs_local"], ">=", 0.4),
+        ("scan_local50_vs_memmap >= 2", m["scan_local50_vs_memmap"], ">=", 2.0),
+        ("fault_4k_p50_us / raw_socket_rtt_p50_us <= 1.5", m.get("fault_4k_vs_rtt"), "<=", 1.5),
+        ("dlrm_local50_vs_local >= 0.8", m["dlrm_local50_vs_local"], ">=", 0.8),
+        ("dlrm_local25_vs_local >= 0.5", m["dlrm_local25_vs_local"], ">=", 0.5),
         ("donor_kill_lost_bytes == 0", m["donor_kill_lost_bytes"], "==", 0),
+        ("donor_kill_slowdown <= 1.1", m["donor_kill_slowdown"], "<=", 1.1),
     ])
     m["bench_s"] = time.perf_counter() - t_start
-    result = report.envelope("paging", m, targets=targets, sweep=sweep, runs=runs, notes=notes, quick=quick,
-                             swap_unavailable_reason=swap_reason)
+    result = report.envelope("paging", m, targets=targets, ranges=ranges, sweep=sweep, runs=runs, notes=notes,
+                             quick=quick, swap_unavailable_reason=swap_reason)
     _print(result)
-    _plot(result, getattr(args, "json", None))
+    _plot(result, json_path)
     return result
+
+
+def _fmt(med: float | None, lo: float | None, hi: float | None, digits: int = 3) -> str:
+    if med is None:
+        return "-"
+    if lo is None or hi is None or lo == hi:
+        return f"{med:.{digits}g}"
+    return f"{med:.{digits}g} [{lo:.{digits}g}-{hi:.{digits}g}]"
 
 
 def _print(result: dict[str, Any]) -> None:
     m, runs = result["metrics"], result["runs"]
     rows = []
-    for k, r in runs.items():
-        if k.startswith("_") or _value(r) is None:
+    for k, rs in runs.items():
+        vals = [_value(r) for r in rs]
+        if not any(v is not None for v in vals):
             continue
-        rows.append({"run": k, "value": round(_value(r), 3), "unit": "samples/s" if "samples_per_s" in r else "GB/s",
-                     "limit MiB": round(r["limit_bytes"] / MIB) if r.get("limit_bytes") else "-",
-                     "peak MiB": round(r.get("cgroup", {}).get("max_usage_bytes", 0) / MIB) or "-"})
-    print(f"\n## paging ({'quick' if result['quick'] else 'full'}, working set {m['working_set_bytes'] // MIB} MiB)\n")
-    print(report.markdown_table(rows, ["run", "value", "unit", "limit MiB", "peak MiB"]))
-    lat = [{"measure": k, "value": m.get(k)} for k in ("fault_4k_p50_us", "fault_4k_p99_us", "fault_64k_p50_us",
-                                                   "fault_64k_p99_us", "fault_unit_p50_us",
-                                                   "fault_unit_p99_us", "raw_socket_rtt_p50_us",
-                                                   "raw_socket_rtt_p99_us", "disk_read_4k_p50_us",
-                                                   "disk_read_4k_p99_us", "donor_kill_lost_bytes")]
+        r0 = rs[0]
+        rows.append({"run": k, "median [range]": _fmt(*median_range(vals)), "rounds": len(rs),
+                     "unit": "samples/s" if "samples_per_s" in r0 else "GB/s",
+                     "limit MiB": round(r0["limit_bytes"] / MIB) if r0.get("limit_bytes") else "-",
+                     "swapped in (pages)": ",".join(str(r.get("pswpin_pages", 0)) for r in rs) if r0.get("swap") else "-",
+                     "load at start": ",".join(f"{r.get('load_start', 0):.2f}" for r in rs)})
+    print(f"\n## paging ({'quick' if result['quick'] else 'full'}, working set {m['working_set_bytes'] // MIB} MiB, "
+          f"{m['rounds']} rounds interleaved)\n")
+    print(report.markdown_table(rows, ["run", "median [range]", "rounds", "unit", "limit MiB", "swapped in (pages)",
+                                       "load at start"]))
+    lat = [{"measure": k, "value": m.get(k)} for k in ("stream_gbps", "dataplane_gbps", "stream_vs_dataplane",
+                                                   "fault_4k_p50_us", "fault_4k_p99_us", "fault_64k_p50_us",
+                                                   "fault_64k_p99_us", "raw_socket_rtt_p50_us",
+                                                   "raw_socket_rtt_p99_us", "fault_4k_vs_rtt",
+                                                   "disk_read_4k_p50_us", "disk_read_4k_p99_us",
+                                                   "swap50_pswpin_pages", "donor_kill_lost_bytes",
+                                                   "donor_kill_slowdown")]
     print(report.markdown_table(lat, ["measure", "value"]))
-    for wl, s in result["sweep"].items():
-        print(f"sweep {wl}: units {s['unit']}, policies {s['policy']}")
+    rng = [{"ratio": k, "per round": ", ".join("-" if v is None else f"{v:.3g}" for v in vals)}
+           for k, vals in result.get("ranges", {}).items()]
+    print(report.markdown_table(rng, ["ratio", "per round"]))
+    for wl, sw in result["sweep"].items():
+        print(f"sweep {wl}: units {sw['unit']}, policies {sw['policy']}")
     print(report.markdown_table(result["targets"]))
     for n in result["notes"]:
         print(f"note: {n}")
@@ -402,21 +526,23 @@ def _plot(result: dict[str, Any], json_path: str | None) -> None:
     for ax, wl, unit in ((axes[0], "dlrm", "samples/s"), (axes[1], "scan", "GB/s")):
         names = [("local", "all local"), ("region50", "region 50%"), ("region25", "region 25%"),
                  ("swap50", "disk swap 50%"), ("memmap50", "memmap 50%")]
-        base = _value(runs.get(f"{wl}_local", {}) or {}) or 1.0
-        labels, vals = [], []
+        base = median_range([_value(r) for r in runs.get(f"{wl}_local", [])])[0] or 1.0
+        labels, vals, errs = [], [], [[], []]
         for key, label in names:
-            v = _value(runs.get(f"{wl}_{key}", {}) or {})
+            med, lo, hi = median_range([_value(r) for r in runs.get(f"{wl}_{key}", [])])
             labels.append(label)
-            vals.append(v / base if v else 0.0)
-        bars = ax.bar(labels, vals, color=["#888", "#1f77b4", "#6baed6", "#d62728", "#ff9896"])
+            vals.append(med / base if med else 0.0)
+            errs[0].append((med - lo) / base if med else 0.0)
+            errs[1].append((hi - med) / base if med else 0.0)
+        bars = ax.bar(labels, vals, yerr=errs, capsize=3, color=["#888", "#1f77b4", "#6baed6", "#d62728", "#ff9896"])
         for b, v in zip(bars, vals):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}" if v else "n/a", ha="center", va="bottom")
         ax.set_title(f"{wl}: throughput vs all local ({base:.3g} {unit})")
-        ax.set_ylabel("fraction of all-local throughput")
+        ax.set_ylabel("fraction of all-local throughput (median, range)")
         ax.tick_params(axis="x", rotation=20)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"dlshare paging, working set {result['metrics']['working_set_bytes'] // MIB} MiB, "
-                 "local memory capped by a cgroup limit")
+                 f"{result['metrics']['rounds']} rounds, local memory capped by a cgroup limit")
     out = report.out_dir(json_path) / "paging_throughput.png"
     fig.tight_layout()
     fig.savefig(out, dpi=120)

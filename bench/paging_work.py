@@ -18,6 +18,9 @@ Workloads:
   top MLPs; samples/s.
 - ``scan``: shuffle-and-scan: every 4 MiB chunk of a float32 array the size of the working set, in a
   new random order each pass, summed; GB/s.
+- ``stream``: region only: the scan's pattern on a region with almost nothing resident (every 4 MiB
+  chunk once, in a random order, each in order), against ``RemoteBuffer.read_pages`` of the same
+  chunks over the same donors (the data plane's batched read rate), passes interleaved; GB/s each.
 - ``latency``: region only: touches of units that are not resident, one at a time, timed, with
   sequential prefetch off, for the unit sizes asked.
 - ``kill``: region only: read-modify-write passes while the bench kills a donor; then every byte
@@ -101,10 +104,19 @@ class Place:
             self.mem.close()
 
 
+_CPU_AT_GO: list[float] = []
+
+
+def cpu_s() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
 def wait_go() -> int:
     line = sys.stdin.readline().split()
     if not line or line[0] != "go":
         raise SystemExit("no go from the bench")
+    _CPU_AT_GO.append(cpu_s())
     return int(line[1])
 
 
@@ -113,7 +125,7 @@ def wait_go() -> int:
 def dlrm(args, place: Place) -> dict:
     import torch
 
-    from rdma.torch import place_embeddings
+    from rdma.torch import place_embeddings, prefetch_lookups
 
     torch.set_num_threads(1)  # the same in every mode; the machine has 2 cores for the program, the engine and donors
     torch.manual_seed(0)
@@ -131,6 +143,7 @@ def dlrm(args, place: Place) -> dict:
             return self.top(torch.cat([self.bottom(dense), self.emb(idx)], dim=1)).squeeze(1)
 
     model = DLRM()
+    kill_at = args.warmup + args.steps // 3 if args.kill_mid_run else -1  # a donor dies a third of the way in
     rng = np.random.default_rng(1)
     steps = args.warmup + args.steps
     batches = [(torch.from_numpy(rng.standard_normal((args.batch, DENSE), dtype=np.float32)),
@@ -155,6 +168,11 @@ def dlrm(args, place: Place) -> dict:
     for k, (dense, idx, y) in enumerate(batches):
         if t_start is None and (k == args.warmup or time.perf_counter() - t_warm > args.max_seconds / 2):
             t_start = time.perf_counter()  # a slow variant ends its warm-up early
+            st0 = place.stats()
+        if k == kill_at:
+            say(event="running")  # the bench kills a donor now; the run goes on without waiting
+        if args.mode == "region" and args.lookahead and k + 1 < len(batches):
+            prefetch_lookups(model.emb, batches[k + 1][1])  # the next batch's rows, during this step
         opt.zero_grad()
         loss = loss_fn(model(dense, idx), y)
         loss.backward()
@@ -164,8 +182,10 @@ def dlrm(args, place: Place) -> dict:
             if timed >= 3 and time.perf_counter() - t_start > args.max_seconds:
                 break
     dt = time.perf_counter() - t_start
+    st = place.stats()
     return {"samples_per_s": timed * args.batch / dt, "step_ms": 1000 * dt / timed, "steps_timed": timed,
-            "init_s": init_s, "loss": float(loss.detach()), "rows": rows}
+            "init_s": init_s, "loss": float(loss.detach()), "rows": rows,
+            "timed_stats": {k: st[k] - st0.get(k, 0) for k in st}}
 
 
 def scan(args, place: Place) -> dict:
@@ -182,7 +202,10 @@ def scan(args, place: Place) -> dict:
     total = 0.0
     times = []
     done = 0
+    st0 = {}
     for p in range(args.scan_warmup + args.passes):
+        if p == args.scan_warmup:
+            st0 = place.stats()
         t = time.perf_counter()
         for c in rng.permutation(n_chunks):
             total += float(a[c * per:(c + 1) * per].sum(dtype=np.float64))
@@ -192,8 +215,49 @@ def scan(args, place: Place) -> dict:
             if sum(times) > args.max_seconds:
                 break
     want = float(sum(range(n_chunks))) * per * done
+    st = place.stats()
     return {"gbps": len(times) * n_chunks * CHUNK / sum(times) / 1e9, "pass_s": times, "init_s": init_s,
-            "checksum_ok": total == want}
+            "checksum_ok": total == want, "timed_stats": {k: st[k] - st0.get(k, 0) for k in st}}
+
+
+def stream(args, place: Place) -> dict:
+    say(event="ready", base_rss=rss())
+    wait_go()
+    ws = args.ws
+    local = max(4 * MIB, ws // 32)  # almost all of it on donors
+    region = place.map(ws, local)
+    a = region.array(np.uint8)
+    n_chunks = ws // CHUNK
+    for c in range(n_chunks):  # written once, so every chunk has data on the donors
+        a[c * CHUNK:(c + 1) * CHUNK] = c % 251
+    region.flush()
+    buf = place.mem.alloc(ws)
+    out = np.empty(CHUNK, np.uint8)
+    pages_per = CHUNK // buf.page
+    for c in range(n_chunks):
+        out[:] = c % 251
+        buf.write_pages(np.arange(c * pages_per, (c + 1) * pages_per), out)
+    rng = np.random.default_rng(5)
+    region_s, plane_s, wrong = [], [], 0
+    st0 = region.stats()
+    for _ in range(args.passes):
+        order = rng.permutation(n_chunks)
+        t = time.perf_counter()
+        for c in order:  # the region: each chunk in order, as a reader of a file would
+            wrong += int(int(a[c * CHUNK:(c + 1) * CHUNK].max()) != c % 251)
+        region_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for c in order:  # the data plane: the same chunk as one batched read
+            buf.read_pages(np.arange(c * pages_per, (c + 1) * pages_per), out)
+            wrong += int(int(out[-1]) != c % 251)
+        plane_s.append(time.perf_counter() - t)
+    st = region.stats()
+    buf.free()
+    region_gbps = [ws / s / 1e9 for s in region_s]
+    plane_gbps = [ws / s / 1e9 for s in plane_s]
+    return {"stream_gbps": float(np.median(region_gbps)), "dataplane_gbps": float(np.median(plane_gbps)),
+            "stream_passes_gbps": region_gbps, "dataplane_passes_gbps": plane_gbps, "wrong_chunks": wrong,
+            "local_bytes": local, "stream_stats": {k: st[k] - st0[k] for k in st}}
 
 
 def latency(args, place: Place) -> dict:
@@ -267,7 +331,7 @@ def kill(args, place: Place) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.paging_work")
-    p.add_argument("workload", choices=["dlrm", "scan", "latency", "kill"])
+    p.add_argument("workload", choices=["dlrm", "scan", "stream", "latency", "kill"])
     p.add_argument("--mode", choices=["local", "memmap", "region"], default="local")
     p.add_argument("--ws", type=int, default=256 * MIB, help="working set, bytes")
     p.add_argument("--broker", default="")
@@ -284,11 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scan-warmup", type=int, default=1)
     p.add_argument("--max-seconds", type=float, default=60.0, help="end the timed part after this (3 steps at least)")
     p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--kill-mid-run", action="store_true", help="dlrm: say 'running' a third of the way in")
+    p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
+                   help="dlrm on a region: do not ask for the next batch's rows during a step")
     args = p.parse_args(argv)
     place = Place(args)
     try:
-        res = {"dlrm": dlrm, "scan": scan, "latency": latency, "kill": kill}[args.workload](args, place)
+        res = {"dlrm": dlrm, "scan": scan, "stream": stream, "latency": latency,
+               "kill": kill}[args.workload](args, place)
         res["region_stats"] = place.stats()
+        if _CPU_AT_GO:  # CPU seconds of this program (every thread: the workload and the engine) since go
+            res["program_cpu_s"] = cpu_s() - _CPU_AT_GO[0]
         res["peak_rss"] = psutil.Process().memory_info().rss
         say(event="result", **res)
     finally:

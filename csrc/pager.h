@@ -99,6 +99,7 @@ typedef struct dls_pager_stats {
     uint64_t evict_ns;           /* evictors picking, writing back and dropping units */
     uint64_t demand_runs;        /* batched reads for faults and prefetch calls */
     uint64_t stream_runs;        /* batched reads for sequential streams */
+    uint64_t stream_cancelled;   /* units a stream asked for and gave up before a fetch (the reader left it) */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

@@ -72,6 +72,24 @@ static uint32_t prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t c
     return covered;
 }
 
+/* The thread left a stream for another part of the region: the units the old stream asked for that no
+ * worker has started on go back to ABSENT (their queue entries are skipped when popped), so a stream
+ * that ran past the end of what was read costs no transfers.  Under trend_mu. */
+static void cancel_stream(dls_pager *p, int64_t from, int64_t to, int64_t stride) {
+    uint64_t n = 0;
+    for (int64_t v = from; stride > 0 ? v < to : v > to; v += stride) {
+        if (v < 0 || (uint64_t)v >= p->nunits) break;
+        pg_lock(p, (uint64_t)v);
+        if (p->state[v] == U_FETCHING && !(p->flags[v] & (UF_CLAIMED | UF_QUEUED | UF_WAIT))) {
+            p->state[v] = U_ABSENT;
+            p->flags[v] &= (uint8_t)~UF_WRITE;
+            n++;
+        }
+        pg_unlock(p, (uint64_t)v);
+    }
+    if (n) PG_ADD(p, stream_cancelled, n);
+}
+
 enum { A_NONE, A_WAKE, A_UNPROTECT, A_FETCH };
 
 /* One fault message.  Returns 1 when the caller (a fault thread) has claimed unit *out and must fetch
@@ -137,7 +155,10 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
         uint32_t max_depth = (uint32_t)(p->cfg.prefetch_bytes / p->unit);
         pthread_mutex_lock(&p->trend_mu);
         dls_trend *t = trend_for(p, tid, ++p->trend_seq);
+        int64_t old_stride = t->stride, old_lo = t->lo, old_next = t->next;
+        int left = old_stride != 0 && !dls_trend_follows(t, (int64_t)u);
         uint32_t n = dls_trend_fault(t, (int64_t)u, max_depth, &first, &stride);
+        if (left) cancel_stream(p, old_lo + old_stride, old_next, old_stride);
         if (n) {
             uint32_t covered = prefetch(p, first, stride, n, write);
             if (covered < n) dls_trend_cut(t, first + stride * (int64_t)covered); /* the rest was not asked for */

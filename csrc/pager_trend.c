@@ -1,6 +1,7 @@
 /* Sequential-access detection; see pager_trend.h. */
 #include "pager_trend.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 void dls_trend_init(dls_trend *t) { memset(t, 0, sizeof *t); }
@@ -39,6 +40,8 @@ static int in_stream(const dls_trend *t, int64_t unit) {
     return unit <= t->lo && unit >= t->next + t->stride;
 }
 
+int dls_trend_follows(const dls_trend *t, int64_t unit) { return t->stride != 0 && in_stream(t, unit); }
+
 uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t *first, int64_t *stride) {
     t->hist[t->pos] = unit;
     t->pos = (t->pos + 1) % DLS_TREND_HIST;
@@ -73,7 +76,8 @@ uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t
         return 0;
     }
     t->stride = d;
-    t->depth = max_depth < 2 ? max_depth : 2;
+    uint32_t first_depth = getenv("DLS_TREND_FIRST") ? (uint32_t)atoi(getenv("DLS_TREND_FIRST")) : 2;
+    t->depth = max_depth < first_depth ? max_depth : first_depth;
     t->lo = unit;
     t->next = unit + d + d * (int64_t)t->depth;
     *first = unit + d;

@@ -26,6 +26,8 @@ typedef struct dls_trend {
 void dls_trend_init(dls_trend *t);
 /* Record a fault on `unit`; returns how many units to prefetch: *first, *first + *stride, ... */
 uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t *first, int64_t *stride);
+/* 1 when a fault on `unit` continues the running stream (it falls in or just past its window). */
+int dls_trend_follows(const dls_trend *t, int64_t unit);
 /* Only the units before `next` were asked for after all: the stream goes on from there. */
 void dls_trend_cut(dls_trend *t, int64_t next);
 /* The majority delta among the last `window` deltas, 0 when there is none. */

@@ -37,7 +37,7 @@ from rdma.native import crc32c
 
 __all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataLostError", "ReplicaState",
            "SpillCache", "RemoteRegion", "region_from_env", "spill_cache_from_env", "place_embeddings",
-           "place_tensors"]
+           "place_tensors", "prefetch_lookups"]
 
 # Imported on first use: the consumer pulls in the MQTT stack, which the donor side
 # and the C-only tools (aggregator kernels, crc32c) do not need.
@@ -53,6 +53,7 @@ _LAZY = {
     "spill_cache_from_env": "rdma.env",
     "place_embeddings": "rdma.torch",
     "place_tensors": "rdma.torch",
+    "prefetch_lookups": "rdma.torch",
 }
 
 

@@ -58,7 +58,8 @@ _STATS = ("faults_missing", "faults_wp", "faults_stale", "faults_inflight", "fet
           "prefetched_units", "evicted_clean", "evicted_dirty", "written_back_units", "writeback_failures",
           "failovers", "copy_failures", "units_lost", "bytes_fetched", "bytes_written", "resident_units",
           "local_units", "budget_waits", "over_budget", "events_dropped", "user_mode_only", "write_protect",
-          "fault_ns", "fetch_ns", "install_ns", "reserve_wait_ns", "evict_ns", "demand_runs", "stream_runs")
+          "fault_ns", "fetch_ns", "install_ns", "reserve_wait_ns", "evict_ns", "demand_runs", "stream_runs",
+          "stream_cancelled")
 
 
 def check_geometry(nbytes: int, local_bytes: int, unit: int, policy: str) -> None:

@@ -8,6 +8,7 @@ Embedding tables are where recommendation models outgrow host memory::
     model = DLRM(...)                     # tables on the meta device (never allocated here) or the CPU
     region = mem.map(24 << 30, local_bytes=6 << 30)
     place_embeddings(model, region)       # every Embedding/EmbeddingBag of 64 MiB or more
+    prefetch_lookups(model.emb, next_idx)  # optional: the next batch's rows, fetched during this step
     opt = torch.optim.SGD(model.parameters(), lr=0.05)  # sparse=True tables get sparse updates
     place_optimizer_state(opt, region)    # e.g. Adagrad's per-row sums of those tables
 
@@ -16,7 +17,8 @@ backward and the optimisers (SGD and Adagrad with sparse gradients, or dense
 ones) run unchanged.  Each placed embedding also gets a forward pre-hook that
 asks the region for the units of the rows a batch looks up, all at once and
 writable when the module trains, so a batch costs a few batched fetches instead
-of one fault per row.
+of one fault per row; :func:`prefetch_lookups` asks for the next batch's rows a
+step ahead, so that fetch overlaps the step before it.
 
 torch is imported inside the functions: importing rdma never imports it.
 """
@@ -87,24 +89,45 @@ def place_tensors(module, region: RemoteRegion, names: Iterable[str]) -> list[st
     return moved
 
 
-def _lookup_hook(region: RemoteRegion, weight):
-    """Prefetch the units of the rows a lookup reads (writable when the module trains)."""
+def _row_units(region: RemoteRegion, weight, indices) -> np.ndarray:
+    """The region's units that hold the rows ``indices`` of ``weight`` (a table in the region)."""
     import torch
 
     row_bytes = weight.stride(0) * weight.element_size()
     base = weight.data_ptr() - region.address
-    unit = region.unit
+    idx = indices.detach().reshape(-1) if isinstance(indices, torch.Tensor) else torch.as_tensor(indices).reshape(-1)
+    rows = torch.unique(idx).cpu().numpy().astype(np.int64)
+    rows = rows[(rows >= 0) & (rows < weight.shape[0])]
+    start = base + rows * row_bytes
+    return np.unique(np.concatenate([start // region.unit, (start + row_bytes - 1) // region.unit]))
+
+
+def _lookup_hook(region: RemoteRegion, weight):
+    """Prefetch the units of the rows a lookup reads (writable when the module trains)."""
+    import torch
 
     def pre_hook(mod, args):
         if not args or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0:
             return
-        rows = torch.unique(args[0].detach().reshape(-1)).cpu().numpy().astype(np.int64)
-        rows = rows[(rows >= 0) & (rows < weight.shape[0])]
-        start = base + rows * row_bytes
-        units = np.unique(np.concatenate([start // unit, (start + row_bytes - 1) // unit]))
-        region.prefetch_units(units, write=bool(mod.training and mod.weight.requires_grad), timeout=None)
+        region.prefetch_units(_row_units(region, weight, args[0]),
+                              write=bool(mod.training and mod.weight.requires_grad), timeout=None)
 
     return pre_hook
+
+
+def prefetch_lookups(module, indices) -> int:
+    """Ask for the rows a *coming* lookup of ``module`` (an Embedding or EmbeddingBag placed by
+    :func:`place_embeddings`) will read, and return at once: call it with the next batch's indices
+    before this batch's step, and the fetch overlaps the step (as TorchRec's pipelines prefetch the
+    next batch's embeddings).  Writable when the module trains.  Returns how many units were asked
+    for; 0 for a module whose table is not in a region."""
+    region = getattr(module, "_dlshare_region", None)
+    if region is None or indices is None:
+        return 0
+    units = _row_units(region, module.weight, indices)
+    if len(units):
+        region.prefetch_units(units, write=bool(module.training and module.weight.requires_grad), timeout=None)
+    return len(units)
 
 
 def _reset_in_slices(mod, region: RemoteRegion) -> None:
@@ -143,6 +166,7 @@ def place_embeddings(model, region: RemoteRegion, min_bytes: int = MIN_TABLE_BYT
             continue
         if was_meta:
             _reset_in_slices(mod, region)
+        mod._dlshare_region = region  # prefetch_lookups finds the region here
         if prefetch:
             mod.register_forward_pre_hook(_lookup_hook(region, mod.weight))
         moved.append(f"{name}.weight" if name else "weight")

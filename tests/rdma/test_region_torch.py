@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nodesvc.bus.procs import wait_until  # noqa: E402
-from rdma.torch import place_embeddings, place_optimizer_state, place_tensors  # noqa: E402
+from rdma.torch import place_embeddings, place_optimizer_state, place_tensors, prefetch_lookups  # noqa: E402
 from tests.rdma.regions import SLAB  # noqa: E402
 
 ROWS, DIM = 16384, 32  # a 2 MiB table (and Adagrad's 2 MiB of sums); the region keeps 1 MiB resident
@@ -122,6 +122,27 @@ def test_a_meta_table_is_built_in_the_region_and_lookups_prefetch(local_cluster)
     assert {region.unit_state(u) for u in units} == {"dirty"}
     assert after["fetched_units"] - before["fetched_units"] >= len(units)
     assert after["faults_wp"] == before["faults_wp"]
+
+
+def test_the_next_batchs_rows_are_fetched_ahead_and_its_lookup_takes_no_fault(local_cluster):
+    region, _ = local_cluster.region(8 * SLAB, local_bytes=512 << 10, unit=16 << 10)
+    model = Tiny(device="meta")
+    model.mlp = Tiny().mlp
+    place_embeddings(model, region, min_bytes=1 << 20)
+    region.array(np.uint8, 4 * SLAB)[:] = 1  # pushes the table out of local memory
+    rows = torch.tensor([[7, 8100, 14000, 321]])
+    units = sorted({int(r) * DIM * 4 // region.unit for r in rows.reshape(-1)})
+    assert {region.unit_state(u) for u in units} == {"absent"}
+    model.emb.train()
+    assert prefetch_lookups(model.emb, rows) == len(units)  # returns at once: the fetch runs meanwhile
+    wait_until(lambda: {region.unit_state(u) for u in units} == {"dirty"}, 10, "the rows asked for ahead")
+    before = region.stats()
+    out = model.emb(rows)
+    after = region.stats()
+    assert after["faults_missing"] == before["faults_missing"] and after["faults_wp"] == before["faults_wp"]
+    assert after["fetched_units"] == before["fetched_units"]  # nothing left to fetch at the lookup
+    assert torch.allclose(out, torch.nn.functional.embedding(rows, model.emb.weight.detach()).sum(dim=1))
+    assert prefetch_lookups(model.mlp[0], rows) == 0  # not a placed table: nothing to do
 
 
 def test_dataloader_workers_forked_over_a_region_fail_loudly(local_cluster):
