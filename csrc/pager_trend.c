@@ -1,7 +1,6 @@
 /* Sequential-access detection; see pager_trend.h. */
 #include "pager_trend.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 void dls_trend_init(dls_trend *t) { memset(t, 0, sizeof *t); }
@@ -76,8 +75,7 @@ uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t
         return 0;
     }
     t->stride = d;
-    uint32_t first_depth = getenv("DLS_TREND_FIRST") ? (uint32_t)atoi(getenv("DLS_TREND_FIRST")) : 2;
-    t->depth = max_depth < first_depth ? max_depth : first_depth;
+    t->depth = max_depth < 2 ? max_depth : 2;
     t->lo = unit;
     t->next = unit + d + d * (int64_t)t->depth;
     *first = unit + d;
