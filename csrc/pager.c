@@ -228,7 +228,8 @@ int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *
     return (int)n;
 }
 
-void dls_pager_set_install_delay(dls_pager *p, uint32_t us) {
+void dls_pager_set_install_delay(dls_pager *p, uint32_t us, int streams_only) {
+    __atomic_store_n(&p->delay_streams_only, streams_only != 0, __ATOMIC_RELAXED);
     __atomic_store_n(&p->install_delay_us, us, __ATOMIC_RELAXED);
 }
 

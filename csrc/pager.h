@@ -119,8 +119,9 @@ int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64
  * whether they failed.  The number of copies, or <0 for a bad extent. */
 int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *slabs, uint8_t *roles,
                             uint8_t *failed, uint32_t max);
-/* Testing only: pause this long between mapping fetched units in and settling their states. */
-void dls_pager_set_install_delay(dls_pager *p, uint32_t us);
+/* Testing only: pause this long between mapping fetched units in and settling their states (with
+ * streams_only, only in the fetch workers' stream runs). */
+void dls_pager_set_install_delay(dls_pager *p, uint32_t us, int streams_only);
 /* Start the fault thread, fetch workers and evictors (every extent must be defined). */
 int dls_pager_start(dls_pager *p, char *err, size_t err_len);
 /* Bring units in (write: installed writable and dirty, so the writes that follow take no fault).

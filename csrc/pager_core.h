@@ -165,6 +165,7 @@ struct dls_pager {
     int started, closed;
     volatile int closing;
     uint32_t install_delay_us; /* testing only (dls_pager_set_install_delay) */
+    int delay_streams_only;
     dls_pager_stats stats;
 };
 

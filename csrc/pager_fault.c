@@ -244,7 +244,7 @@ static int copy_in(dls_pager *p, uint8_t *dst, const uint8_t *src, uint64_t len,
  * the threads that faulted on them.  The wake comes last, so a thread that touched a unit in flight
  * finds it CLEAN or DIRTY when it runs again, never still FETCHING.  <0 when they could not be mapped
  * in (the range is gone). */
-static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
+static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, int stream) {
     uint8_t writable[256];
     for (uint32_t i = 0; i < n; i++) {
         pg_lock(p, units[i]);
@@ -260,7 +260,8 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
         i = j;
     }
     uint32_t delay = __atomic_load_n(&p->install_delay_us, __ATOMIC_RELAXED);
-    if (delay) usleep(delay); /* testing: widen the window */
+    if (delay && (stream || !__atomic_load_n(&p->delay_streams_only, __ATOMIC_RELAXED)))
+        usleep(delay); /* testing: widen the window */
     for (uint32_t i = 0; i < n; i++) {
         uint64_t v = units[i];
         pg_lock(p, v);
@@ -300,7 +301,7 @@ static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t
     PG_ADD(p, fetch_ns, t1 - t0);
     if (stream) PG_ADD(p, stream_runs, 1);
     else PG_ADD(p, demand_runs, 1);
-    if (rc == DLS_OK && install(p, io, units, n) < 0) rc = DLS_E_INTERNAL;
+    if (rc == DLS_OK && install(p, io, units, n, stream) < 0) rc = DLS_E_INTERNAL;
     PG_ADD(p, install_ns, pg_now_ns() - t1);
     if (rc == DLS_OK) return;
     pg_release(p, n);

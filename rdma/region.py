@@ -209,12 +209,13 @@ class _Engine:
         return [{"addr": self.addr_of(eps[i]), "slab": int(slabs[i]), "role": names[roles[i]],
                  "failed": bool(failed[i])} for i in range(min(got, n))]
 
-    def set_install_delay(self, us: int) -> None:
+    def set_install_delay(self, us: int, streams_only: bool = False) -> None:
         """Tests only: pause ``us`` between mapping fetched units in and settling their states (it
-        widens a window that must stay invisible to the threads that faulted on them)."""
+        widens a window that must stay invisible to the threads that faulted on them); with
+        ``streams_only``, only in the fetch workers' stream runs (it holds a stream's queue back)."""
         p = self._enter()
         try:
-            lib.dls_pager_set_install_delay(p, int(us))
+            lib.dls_pager_set_install_delay(p, int(us), int(streams_only))
         finally:
             self._leave()
 

@@ -123,6 +123,44 @@ def test_a_sequential_scan_is_detected_and_fetched_ahead(local_cluster):
     assert st["fetched_units"] - before["fetched_units"] >= 3 * SLAB // UNIT  # all but the resident part
 
 
+def test_a_stream_the_reader_leaves_gives_up_what_no_worker_started(local_cluster):
+    """One fetch worker, held 0.3 s in each install: a stream's first run is in its hands and the
+    rest of what the stream asked for waits in the queue.  The reader jumps elsewhere: the waiting
+    units go back to absent, nothing fetches them, and the data the reader touches is right."""
+    unit = 4096
+    region, _ = local_cluster.region(8 * SLAB, local_bytes=2 * SLAB, unit=unit, fetch_workers=1,
+                                     prefetch_bytes=SLAB // 2)
+    a = region.array(np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32) + 1
+    region.flush()
+    region.prefetch(6 * SLAB, 2 * SLAB)  # the first six extents go out of memory
+    per = unit // 4
+    start = SLAB // unit  # unit 256: the second extent, absent
+    assert region.unit_state(start + 40) == "absent"
+    region._engine.set_install_delay(300_000, streams_only=True)
+
+    def waiting() -> int:  # units asked for and not in yet: more than one run means some wait in the queue
+        return sum(region.unit_state(v) == "fetching" for v in range(start, start + 256))
+
+    u = start
+    while waiting() <= 40:  # a stream: its detector asks further ahead at each fault (runs of 32 units)
+        assert int(a[u * per]) == u * per + 1
+        u += 1
+        assert u < start + 200, "the stream never ran two runs ahead"
+    far = 4 * SLAB // unit + 100  # the reader leaves for another part of the region
+    for v in (far, far + 57, far + 13):
+        assert int(a[v * per]) == v * per + 1
+    st = region.stats()
+    assert st["stream_cancelled"] > 0, st
+    region._engine.set_install_delay(0)
+    wait_until(lambda: "fetching" not in {region.unit_state(u) for u in range(start, start + 256)}, 30,
+               "the stream's runs in flight to land")
+    states = [region.unit_state(u) for u in range(start, start + 256)]
+    assert "absent" in states[u - start:], states  # given up, not fetched
+    assert np.array_equal(a[start * per:(start + 256) * per],
+                          np.arange(start * per, (start + 256) * per, dtype=np.uint32) + 1)
+
+
 def test_concurrent_writers_racing_write_back_and_eviction_lose_nothing(local_cluster):
     """Writes land while their units are written back or evicted, faults hit units on their way out."""
     region, io = local_cluster.region(4 * SLAB, local_bytes=12 * UNIT, policy="clock", fetch_workers=3)
