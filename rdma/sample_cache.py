@@ -40,7 +40,6 @@ import asyncio
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -174,6 +173,7 @@ class SampleCache:
         self._keeper: threading.Thread | None = None
         self._manifest_version = 0
         self._published_sig: Any = None
+        self._sync_lock = threading.Lock()
         seg_bytes, rsegs = 0, 0
         try:
             if remote_bytes:
@@ -422,6 +422,15 @@ class SampleCache:
         rem = bool(rec["rseg"]) and self._remote_current(rec)
         return "both" if loc and rem else "local" if loc else "remote" if rem else None
 
+    def flush(self) -> None:
+        """A named cache's owner: make every entry stored so far visible to attached jobs now (the
+        owner's keeper does this every 50 ms anyway)."""
+        if self.read_only or self.name is None:
+            return
+        with self._sync_lock:
+            self._sync_index()
+            self._publish_manifest()
+
     def entries(self) -> int:
         """Entries the index points to in a live segment (those recycled or lost since not counted)."""
         st = self.state
@@ -642,8 +651,7 @@ class SampleCache:
             try:
                 self._tend()
                 if self.name is not None:
-                    self._sync_index()
-                    self._publish_manifest()
+                    self.flush()
             except Exception:  # noqa: BLE001 - the keeper must outlive any one failure
                 if not self._stop.is_set():
                     log.exception("cache keeper")

@@ -75,11 +75,10 @@ def _enc_array(a: np.ndarray, parts: list, tag: bytes) -> None:
         raise SampleFormatError(f"arrays of dtype {a.dtype} cannot be cached")
     if a.ndim > MAX_NDIM:
         raise SampleFormatError(f"arrays of {a.ndim} dimensions cannot be cached")
-    a = np.ascontiguousarray(a)
     dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-    a = a.astype(dt, copy=False)
+    a = a.astype(dt, order="C", copy=False)  # (np.ascontiguousarray would make a 0-d array 1-d)
     parts.append(tag + _short(dt.str) + bytes([a.ndim]) + struct.pack(f"<{a.ndim}Q", *a.shape))
-    parts.append(memoryview(a).cast("B") if a.size else b"")
+    parts.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
 
 
 def _enc(v: Any, parts: list, depth: int) -> None:

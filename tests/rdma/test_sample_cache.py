@@ -155,6 +155,7 @@ def test_a_named_cache_is_shared_read_only_with_the_secret(mosquitto, donor_fact
     with SampleCache(len(data), local_bytes=128 << 10, local_segment_bytes=64 << 10, remote_bytes=16 * SLAB,
                      broker=mosquitto.url, name="pipeline-24", secret=SECRET, discover_timeout_s=20) as owner:
         epoch(CachedDataset(data, owner), 2)
+        owner.flush()
         st = owner.stats()
         assert st["stores_remote"] == 80 and st["stores_local"] > 0  # every entry on donors, some local too
         with pytest.raises(ManifestError, match="secret"):
@@ -173,3 +174,26 @@ def test_a_named_cache_is_shared_read_only_with_the_secret(mosquitto, donor_fact
     # the owner closed: its manifest is withdrawn
     with pytest.raises(LookupError):
         SampleCache.attach("pipeline-24", SECRET, mosquitto.url, timeout_s=1)
+
+
+def test_one_line_from_the_node_daemons_budget(mosquitto, donor_factory, monkeypatch):
+    donor_factory(mosquitto.url, 2)
+    monkeypatch.setenv("DLSHARE_BROKER", mosquitto.url)
+    monkeypatch.setenv("DLSHARE_REMOTE_MEMORY_BYTES", str(8 * SLAB))
+    monkeypatch.setenv("DLSHARE_MEMORY_BYTES", str(1 << 20))
+    monkeypatch.setenv("DLSHARE_NODE_ID", "gpu-node-3")
+    data = Pipeline(30)
+    with CachedDataset(data) as private:  # no address, no size in the job's code
+        st = private.stats()
+        assert st["local_bytes"] == 256 << 10 and 0 < st["remote_bytes"] <= 4 * SLAB  # a quarter; budget / copies
+        assert private.cache.mem.consumer_id == "gpu-node-3"  # `dlshare status` counts it against the node
+    with pytest.raises(LookupError, match="DLSHARE_CACHE_SECRET"):
+        CachedDataset(data, "shared-30")
+    monkeypatch.setenv("DLSHARE_CACHE_SECRET", SECRET)
+    with CachedDataset(data, "shared-30") as first:
+        epoch(first, 0)
+        first.cache.flush()  # what it stored, on donors for others now (else within 50 ms)
+        with CachedDataset(data, "shared-30") as second:  # the same name again: attaches, borrows nothing
+            assert second.cache.read_only and second.cache.mem is None
+            epoch(second, 0)
+            assert second.stats()["hits_remote"] == 30 and second.computed == 0
