@@ -333,8 +333,9 @@ class SampleCache:
 
     # --- the mapping API -------------------------------------------------------------------------
 
-    def get(self, index: int) -> np.ndarray | None:
-        """The bytes stored for ``index`` (a new uint8 array the caller owns), or None."""
+    def get(self, index: int, tier: str | None = None) -> np.ndarray | None:
+        """The bytes stored for ``index`` (a new uint8 array the caller owns), or None.
+        ``tier``: "local" or "remote" reads only that tier's copy (to measure one)."""
         st = self.state
         self._check_index(index)
         rec = st.read_slot(index)
@@ -345,7 +346,7 @@ class SampleCache:
             st.count("misses")
             return None
         n, crc = int(rec["length"]), int(rec["crc"])
-        if rec["lseg"]:
+        if rec["lseg"] and tier != "remote":
             seg, gen, off = int(rec["lseg"]) - 1, int(rec["lgen"]), int(rec["loff"])
             if int(st.lgen[seg]) == gen:
                 out = st.local[off:off + n].copy()
@@ -353,7 +354,7 @@ class SampleCache:
                     st.count("hits_local")
                     return out
                 st.count("corrupt" if int(st.lgen[seg]) == gen else "stale")
-        if rec["rseg"]:
+        if rec["rseg"] and tier != "local":
             seg, gen = int(rec["rseg"]) - 1, int(rec["rgen"])
             if int(st.rgen[seg]) != gen or st.rstate[seg] in (UNMAPPED, LOST):
                 st.count("lost" if int(st.rlost[seg]) == gen + 1 else "stale")
