@@ -48,7 +48,7 @@ from bench.paging import MemoryLimit
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
-MARGIN = 192 * MIB  # every variant: own footprint + its local cache + this (workers, batches, some page cache)
+MARGIN = 320 * MIB  # every variant: own footprint + its local cache + this (2 workers, batches, some page cache)
 SECRET = "bench-cache-" + os.urandom(8).hex()
 LOCAL_SHARE = 0.25
 SLAB = 16 * MIB
@@ -85,6 +85,8 @@ def write_dataset(root: Path, n: int, seed: int = 0) -> dict[str, Any]:
 class Job:
     """One cache_work process under its own memory limit, driven over its stdin/stdout."""
 
+    running: list["Job"] = []  # killed and their groups removed if the bench stops early
+
     def __init__(self, variant: str, data: Path, local: int, extra: list[str], limit_local: int) -> None:
         self.variant = variant
         self.cg = MemoryLimit(f"cache-{variant}-{os.getpid()}-{time.monotonic_ns()}")
@@ -95,10 +97,14 @@ class Job:
         threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
         self.out: dict[str, Any] = {"variant": variant, "epochs": [], "load_start": list(os.getloadavg())}
         self.local, self.limit_local = local, limit_local
+        Job.running.append(self)
 
     def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died: finish() says how
 
     def until(self, stop_at: str | None = None, on=None) -> dict[str, Any]:
         """Read events until ``stop_at`` (or the end)."""
@@ -124,6 +130,8 @@ class Job:
         return self.finish()
 
     def finish(self) -> dict[str, Any]:
+        if self in Job.running:
+            Job.running.remove(self)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -202,8 +210,8 @@ def run(args) -> dict[str, Any]:
             rr["none"] = Job("none", data, 0, base + seed, local).until()
             rr["local"] = Job("local", data, local, base + seed, local).until()
             owner = Job("lent", data, local, lent + seed + ["--name", f"bench-{rnd}"], local)
-            owner.until("filled")
-            rr["attach"] = Job("attach", data, 0, lent + seed + ["--name", f"bench-{rnd}"], local).until()
+            if owner.until("filled").get("error") is None:
+                rr["attach"] = Job("attach", data, 0, lent + seed + ["--name", f"bench-{rnd}"], local).until()
             owner.send("done")
             rr["lent"] = owner.until()
             rr["all_local"] = Job("all_local", data, decoded + 16 * MIB, base + seed, decoded + 16 * MIB).until()
@@ -230,6 +238,9 @@ def run(args) -> dict[str, Any]:
             region_rate = None
             notes.append(f"region streaming rate not measured: {exc}")
     finally:
+        for job in list(Job.running):
+            job.proc.kill()
+            job.finish()
         cluster.close()
         for s, h in restore.items():
             signal.signal(s, h)
@@ -305,6 +316,10 @@ def _summarise(rounds_out, ds_info, sample_bytes, quick, notes, cluster, tmp, ki
     m["cache_lent_vs_local_only"] = ratio(med["lent"]["later"], med["local"]["later"])
     m["cache_shared_first_epoch_vs_all_local"] = ratio(med["attach"]["first"], med["all_local"]["later"])
     m["cache_local_only_vs_none"] = ratio(med["local"]["later"], med["none"]["later"])
+    if med["attach"]["later"] and med["all_local"]["later"]:
+        # what a remote hit costs over a local one, per sample, in this run: (e) reads every sample from
+        # the donors, (d) every sample locally; on one machine this includes the donors' CPU
+        m["remote_hit_extra_s"] = 1.0 / med["attach"]["later"] - 1.0 / med["all_local"]["later"]
     for v in variants:
         m[f"{v}_later_samples_per_s"] = med[v]["later"]
         m[f"{v}_first_samples_per_s"] = med[v]["first"]

@@ -110,8 +110,11 @@ class SharedState:
                named: bool = False, read_only: bool = False) -> "SharedState":
         if slots <= 0:
             raise ValueError("a sample cache needs at least one slot")
-        lseg_bytes = max(ALIGN, min(lseg_bytes, local_bytes)) if local_bytes > 0 else 0
-        lsegs = local_bytes // lseg_bytes if lseg_bytes else 0
+        lsegs, seg = 0, 0
+        if local_bytes >= ALIGN:  # segments of about lseg_bytes that use the whole local budget
+            lsegs = max(1, -(-local_bytes // max(ALIGN, lseg_bytes)))
+            seg = local_bytes // lsegs // ALIGN * ALIGN
+        lseg_bytes = seg
         lay = cls.layout(slots, lsegs, rsegs)
         fd = os.memfd_create("dlshare-cache-state", os.MFD_CLOEXEC)
         os.ftruncate(fd, lay["_end"][0])
