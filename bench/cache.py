@@ -57,7 +57,7 @@ SLAB = 16 * MIB
 def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
     if "--images" not in seen:
         parser.add_argument("--images", type=int, default=0, metavar="N",
-                            help="cache bench: JPEG images in the dataset (default 400 quick, 2000 full)")
+                            help="cache bench: JPEG images in the dataset (default 600 quick, 2000 full)")
         seen.add("--images")
     if "--rounds" not in seen:
         parser.add_argument("--rounds", type=int, default=0, help="cache bench: rounds of the interleaved variants")
@@ -175,7 +175,7 @@ def region_stream_rate(url: str, nbytes: int, local: int) -> float | None:
 
 def run(args) -> dict[str, Any]:
     quick = bool(getattr(args, "quick", False))
-    n = int(getattr(args, "images", 0) or (400 if quick else 2000))
+    n = int(getattr(args, "images", 0) or (600 if quick else 2000))
     rounds = int(getattr(args, "rounds", 0) or (2 if quick else 3))
     epochs = 3 if quick else 4
     t_start = time.perf_counter()

@@ -26,8 +26,9 @@ nor ``bench``; the donor side (nodesvc.daemon.donor) imports rdma, not the rever
 Inside, each module imports only modules listed before it: native, wire,
 placement and replica (none imports another); native_mem; buffer (which
 declares the ReplicaIO it needs); dataplane (which provides it); control;
-region (the mapping and its C engine); remote; spill; sample_codec, cache_manifest and
-cache_state (none imports another); sample_cache; env (region_from_env, sample_cache_from_env);
+region (the mapping and its C engine); remote; spill; sample_codec, cache_manifest,
+cache_state and cache_bus (none imports another); cache_remote; cache_keeper; sample_cache; env
+(region_from_env, sample_cache_from_env);
 dataset (CachedDataset); torch (the PyTorch helper, which imports torch only when called).
 ``lint-imports`` fails on a circle.
 

@@ -121,8 +121,8 @@ def test_entries_spill_to_donors_and_survive_a_donor_kill(mosquitto, donor_facto
         assert st["stores_remote"] > 100 and st["stores_local"] > 20 and st["entries"] == 160
         epoch(ds, workers, seed=1)
         assert cache.stats()["hits_remote"] >= st["stores_remote"]
-        used = {c.addr for b in cache._segbufs.values() for e in b.extents for c in e.replicas}
-        victim = next(d for d in donors if any(d.node == r.node for b in cache._segbufs.values()
+        used = {c.addr for b in cache.keeper.segbufs.values() for e in b.extents for c in e.replicas}
+        victim = next(d for d in donors if any(d.node == r.node for b in cache.keeper.segbufs.values()
                                                for r in b.extents[0].replicas))
         victim.kill9()  # mid-run: the next epoch reads the other copies
         epoch(ds, workers, seed=2)
@@ -139,10 +139,10 @@ def test_entries_whose_every_copy_is_gone_are_computed_again(mosquitto, donor_fa
                      discover_timeout_s=20) as cache:
         ds = CachedDataset(data, cache)
         epoch(ds, 0)
-        nodes = {r.node for b in cache._segbufs.values() for r in b.extents[0].replicas}
+        nodes = {r.node for b in cache.keeper.segbufs.values() for r in b.extents[0].replicas}
         victim = next(d for d in donors if d.node in nodes)
         victim.kill9()  # one copy a segment: its entries are gone
-        wait_until(lambda: not any(r.node == victim.node for b in cache._segbufs.values()
+        wait_until(lambda: not any(r.node == victim.node for b in cache.keeper.segbufs.values()
                                    for r in b.extents[0].replicas), 20, "the lost segments given up")
         epoch(ds, 2, seed=1)  # every sample still right: the lost ones computed again
         st = cache.stats()
