@@ -16,8 +16,8 @@ hit.  Reported per variant: samples/s per epoch and the hit rates (median and ra
 ratios of later-epoch medians; the load average at the start and end of each variant (a warning
 when it is above 0.5 at the start).  JSON is rewritten after every round.
 
-From (c) the bench measures what the remote tier delivers (one sample read's p50, the read rate of
-2 readers) and a region's streaming rate, writes them as the calibration of the scheduler's
+From (c) the bench measures what the remote tier delivers (a 4 KiB read's p50 at the slab server, one
+sample read's p50, the read rate of 2 readers) and a region's streaming rate, writes them as the calibration of the scheduler's
 :class:`~scheduler.remote_memory.RemoteLink` (``remote_link.json`` beside the JSON), predicts (c)'s
 speed from (b) and (d) with that link (:func:`scheduler.remote_memory.predicted_speed`), and runs the
 memory-short scheduling benchmark (bench/sched_memory.py) with the calibrated link.  A last run
@@ -272,7 +272,10 @@ def _calibrate(rounds_out: list[dict[str, Any]], region_rate: float | None, json
     rate = float(np.median([x["read_bytes_per_s"] for x in reads]))
     p50 = float(np.median([x["sample_read_p50_s"] for x in reads]))
     per = float(np.median([x["sample_bytes"] for x in reads]))
-    lat = max(0.0, p50 - per / rate)  # the fixed part of one read; the rest is the bytes at the rate
+    small = [x["read_4k_p50_s"] for x in reads if x.get("read_4k_p50_s")]
+    # the fixed cost of one read: a 4 KiB read's p50 (as `bench memory` measured it), else what a
+    # sample read takes beyond its bytes at the rate
+    lat = float(np.median(small)) if small else max(0.0, p50 - per / rate)
     link = RemoteLink(read_bytes_per_s=rate, read_latency_s=lat, donor_bytes_per_s=rate,
                       region_bytes_per_s=region_rate or RemoteLink().region_bytes_per_s,
                       source=f"dlshare bench cache, {report.now_iso()}")
