@@ -11,7 +11,7 @@ tag   body
 ====  ==========================================================================
 N     None
 B     bool: one byte, 0 or 1
-i     int: int64
+i     int: int64 (numpy integer scalars too: they come back as int, likewise floats and bools)
 f     float: float64
 s     str: u32 length, UTF-8 bytes
 y     bytes: u32 length, the bytes
@@ -39,6 +39,7 @@ MAGIC = b"DLS\x01"
 MAX_DEPTH = 32
 MAX_ITEMS = 1 << 20  # items of one container
 MAX_NDIM = 32
+MAX_DIM = 1 << 40  # one dimension (a zero-size array may name huge ones)
 
 # numpy dtypes a sample may hold (no object dtype: it would be pointers)
 _KINDS = set("biufc")
@@ -193,15 +194,20 @@ def _dec_array(r: _Reader) -> np.ndarray:
     if ndim > MAX_NDIM:
         raise SampleFormatError(f"{ndim} dimensions")
     shape = r.unpack(f"<{ndim}Q") if ndim else ()
+    if any(d > MAX_DIM for d in shape):
+        raise SampleFormatError(f"an array of shape {shape}")
     count = 1
     for d in shape:
         count *= d
-        if count * dt.itemsize > r.end:
-            raise SampleFormatError(f"an array of shape {shape} does not fit in the buffer")
+    if count * dt.itemsize > r.end - r.pos:
+        raise SampleFormatError(f"an array of shape {shape} does not fit in the buffer")
     raw = r.take(count * dt.itemsize)
-    if count and (np.frombuffer(raw, np.uint8).ctypes.data % dt.alignment == 0):
-        return np.frombuffer(raw, dtype=dt).reshape(shape)
-    return np.frombuffer(bytes(raw), dtype=dt).reshape(shape) if count else np.empty(shape, dt)
+    try:
+        if count and (np.frombuffer(raw, np.uint8).ctypes.data % dt.alignment == 0):
+            return np.frombuffer(raw, dtype=dt).reshape(shape)
+        return np.frombuffer(bytes(raw), dtype=dt).reshape(shape) if count else np.empty(shape, dt)
+    except ValueError as exc:  # a zero-size shape numpy will not make
+        raise SampleFormatError(f"an array of shape {shape}: {exc}") from None
 
 
 def _dec(r: _Reader, depth: int) -> Any:

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rdma.cache_manifest import ManifestError, check_manifest, open_sealed, seal
@@ -37,6 +37,8 @@ def same(a, b) -> bool:
 
 @settings(max_examples=150, deadline=None)
 @given(values)
+@example(np.zeros((4, 0)))  # found by this test: a zero-size array whose first dimension is not 0
+@example(np.array(216, dtype=np.uint8))  # and a 0-d array
 def test_samples_round_trip_exactly(v):
     assert same(v, decode(bytearray(encode(v))))
 
