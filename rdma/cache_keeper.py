@@ -196,7 +196,10 @@ class OwnerKeeper:
             return
         self._published = doc
         self._version += 1
-        body = seal({**doc, "version": self._version}, self.name, self._secret)
+        copies = self.mem.replicas
+        donor = (len(self.segbufs) * int(self.state.head[H["rseg_bytes"]]) + self.index_buf.nbytes) * copies
+        public = {"owner": self.mem.consumer_id, "slots": self.slots, "donor_bytes": donor, "copies": copies}
+        body = seal({**doc, "version": self._version}, self.name, self._secret, public=public)
         self.bus.publish(cache_topic(self.name, "manifest"), messages.encode(body), retain=True)
 
     def _on_report(self, topic: str, payload: bytes) -> None:

@@ -59,15 +59,18 @@ def _xor(data: bytes, key: bytes, nonce: bytes) -> bytes:
     return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(len(data), "little")
 
 
-def seal(doc: dict[str, Any], name: str, secret: str, nonce: bytes | None = None) -> dict[str, Any]:
-    """The outer message (a JSON object) carrying ``doc`` sealed for ``name`` with ``secret``."""
+def seal(doc: dict[str, Any], name: str, secret: str, nonce: bytes | None = None,
+         public: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The outer message (a JSON object) carrying ``doc`` sealed for ``name`` with ``secret``; ``public``:
+    what anyone may read (``dlshare status`` shows it: owner, slots, donor bytes), authenticated too."""
     enc, mac = _keys(name, secret)
     nonce = os.urandom(16) if nonce is None else nonce
     body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
     box = _xor(body, enc, nonce)
-    tag = hmac.new(mac, name.encode() + b"|" + nonce + box, hashlib.sha256).hexdigest()
+    pub = json.dumps(public or {}, separators=(",", ":"), sort_keys=True).encode()
+    tag = hmac.new(mac, name.encode() + b"|" + nonce + box + b"|" + pub, hashlib.sha256).hexdigest()
     return {"v": VERSION, "cache": name, "nonce": nonce.hex(), "box": base64.b64encode(box).decode(), "mac": tag,
-            "size": {"slots": doc.get("slots"), "segments": len(doc.get("segments", {}))}}
+            "public": public or {}}
 
 
 def open_sealed(msg: Any, name: str, secret: str) -> dict[str, Any]:
@@ -89,8 +92,12 @@ def open_sealed(msg: Any, name: str, secret: str) -> dict[str, Any]:
         box = base64.b64decode(box_b64, validate=True)
     except ValueError:
         raise ManifestError("manifest nonce or box is not hex / base64") from None
+    public = msg.get("public", {})
+    if not isinstance(public, dict):
+        raise ManifestError("manifest field public must be an object")
+    pub = json.dumps(public, separators=(",", ":"), sort_keys=True).encode()
     enc, mac = _keys(name, secret)
-    want = hmac.new(mac, name.encode() + b"|" + nonce + box, hashlib.sha256).hexdigest()
+    want = hmac.new(mac, name.encode() + b"|" + nonce + box + b"|" + pub, hashlib.sha256).hexdigest()
     if not hmac.compare_digest(want, tag):
         raise ManifestError(f"the secret does not open cache {name!r} (or its manifest was altered)")
     try:

@@ -3,16 +3,20 @@ shared by forked DataLoader workers and, by name and secret, by another job; fau
 
 from __future__ import annotations
 
-import numpy as np
+import asyncio
+import pickle
+
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
 
 from nodesvc.bus.procs import wait_until  # noqa: E402
+from nodesvc.cli import status  # noqa: E402
 from rdma.cache_manifest import ManifestError  # noqa: E402
 from rdma.dataset import CachedDataset  # noqa: E402
 from rdma.sample_cache import SampleCache  # noqa: E402
+from rdma.sample_codec import encode  # noqa: E402
 from tests.rdma.donors import SLAB  # noqa: E402
 
 SECRET = "s3cret-for-tests-0001"
@@ -70,7 +74,7 @@ def test_random_augmentation_runs_after_the_cache():
 
 def test_a_full_cache_keeps_or_evicts_and_never_fails():
     data = Pipeline(64)
-    entry = len(__import__("rdma.sample_codec", fromlist=["encode"]).encode(data[0]))
+    entry = len(encode(data[0]))
     for mode in ("keep", "evict"):
         with SampleCache(len(data), local_bytes=32 * 64 * -(-entry // 64), local_segment_bytes=4 * 64 * -(-entry // 64),
                          when_full=mode) as cache:
@@ -106,7 +110,7 @@ def test_bad_arguments_are_refused():
         with pytest.raises(IndexError):
             cache.get(10)
         with pytest.raises(TypeError, match="fork"):
-            __import__("pickle").dumps(cache)
+            pickle.dumps(cache)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -171,6 +175,9 @@ def test_a_named_cache_is_shared_read_only_with_the_secret(mosquitto, donor_fact
                 reader.put(0, b"x")
             wait_until(lambda: owner.stats()["readers"].get("job-b", {}).get("hits_remote") == 80, 10,
                        "the reader's hits reported to the owner")
+        doc = status.summarize(asyncio.run(status.gather(mosquitto.url)))
+        shown = next(c for c in doc["caches"] if c["cache"] == "pipeline-24")  # `dlshare status`, no secret needed
+        assert shown["slots"] == 80 and shown["donor_bytes"] >= 2 * SLAB and shown["owner"] == owner.mem.consumer_id
     # the owner closed: its manifest is withdrawn
     with pytest.raises(LookupError):
         SampleCache.attach("pipeline-24", SECRET, mosquitto.url, timeout_s=1)
