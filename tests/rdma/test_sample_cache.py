@@ -204,3 +204,25 @@ def test_one_line_from_the_node_daemons_budget(mosquitto, donor_factory, monkeyp
             assert second.cache.read_only and second.cache.mem is None
             epoch(second, 0)
             assert second.stats()["hits_remote"] == 30 and second.computed == 0
+
+
+def test_a_donor_reclaiming_mid_epoch_loses_nothing(mosquitto, donor_factory, control_factory):
+    donors = donor_factory(mosquitto.url, 2, deadline_s=10.0)
+    ctl = control_factory(mosquitto.url)
+    data = Pipeline(100)
+    with SampleCache(len(data), local_bytes=0, remote_bytes=8 * SLAB, broker=mosquitto.url, replicas=1,
+                     discover_timeout_s=20) as cache:
+        ds = CachedDataset(data, cache)
+        epoch(ds, 2)
+        misses = cache.stats()["misses"]
+        held = {d.node: sum(r.node == d.node for b in cache.keeper.segbufs.values() for r in b.extents[0].replicas)
+                for d in donors}
+        victim = max(held, key=held.get)
+        res = ctl.call(victim, "reclaim", {"bytes": held[victim] * SLAB, "pause_s": 60.0})
+        assert len(res["evicting"]) == held[victim]
+        epoch(ds, 2, seed=1)  # while the sole copies move to the other donor
+        wait_until(lambda: ctl.call(victim, "donor_status", {})["slabs"] == [], 20, "the evicted slabs back")
+        epoch(ds, 2, seed=2)
+        st = cache.stats()
+        assert st["misses"] == misses and st["lost"] == 0 and st["corrupt"] == 0, st  # nothing computed again
+        assert not any(r.node == victim for b in cache.keeper.segbufs.values() for r in b.extents[0].replicas)
