@@ -337,6 +337,11 @@ def _summarise(rounds_out, ds_info, sample_bytes, quick, notes, cluster, tmp, ki
         m.update(cache_model_efficiency=e, cache_model_demand_bytes_per_s=demand, cache_model_supply_bytes_per_s=supply,
                  cache_model_predicted_samples_per_s=pred,
                  cache_model_error=abs(pred - med["lent"]["later"]) / med["lent"]["later"],
+                 # not the scheduler's model: the same link with each remote read's time on the path of a
+                 # synchronous loader (2 workers, one sample in flight each), for which stage bounds (c)
+                 cache_model_read_time_predicted_samples_per_s=1.0 / (
+                     1.0 / med["all_local"]["later"]
+                     + (1.0 - hc_local) * (link.read_latency_s + sample_bytes / link.read_bytes_per_s) / 2),
                  calibration=calib["doc"]["link"], calibration_path=calib["path"])
     if kill is not None:
         k = kill.get("kill") or {}
@@ -372,7 +377,9 @@ def _print(result: dict[str, Any]) -> None:
     rows = [{"measure": k, "value": _r(m.get(k), 4) if isinstance(m.get(k), (int, float)) else m.get(k)}
             for k in ("cache_lent_vs_all_local", "cache_lent_vs_local_only", "cache_shared_first_epoch_vs_all_local",
                       "cache_local_only_vs_none", "cache_model_efficiency", "cache_model_predicted_samples_per_s",
-                      "lent_later_samples_per_s", "cache_model_error", "cache_donor_kill_wrong_samples",
+                      "lent_later_samples_per_s", "cache_model_error",
+                      "cache_model_read_time_predicted_samples_per_s", "remote_hit_extra_s",
+                      "cache_donor_kill_wrong_samples",
                       "cache_donor_kill_checked", "memshort_recovered", "memshort_lent_jct_h", "memshort_link")]
     print(report.markdown_table(rows, ["measure", "value"]))
     if m.get("calibration"):
