@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from rdma.native_mem import Endpoint, RemoteMemoryError
 log = logging.getLogger("dlshare.rdma.cache")
 
 _abandoned: list[Any] = []  # a parent's connections, inherited by a fork
+TABLE_WAIT_S = 0.5  # a read whose every copy failed waits this long for the owner to list new ones
 
 
 def _refs(raw: list) -> tuple[CopyRef, ...]:
@@ -95,20 +97,38 @@ class RemoteTier:
         st = self.state
         offs, lens = self._segments(off, n)
         out = np.empty(n, np.uint8)
-        for c in readable(self.table()[0].get(seg, ())):
-            try:
-                self.endpoint(c.addr).read(c.slab, c.token, offs, lens, out)
-            except (RemoteMemoryError, ConnectionError, OSError) as exc:
-                log.info("cache: reading segment %d from %s failed: %s", seg, c.addr, exc)
-                st.count("read_errors")
-                continue
-            if int(st.rgen[seg]) != gen:
-                st.count("stale")
+        for attempt in range(2):
+            version = st.table_version()
+            copies = readable(self.table()[0].get(seg, ()))
+            failed = 0
+            for c in copies:
+                try:
+                    self.endpoint(c.addr).read(c.slab, c.token, offs, lens, out)
+                except (RemoteMemoryError, ConnectionError, OSError) as exc:
+                    log.info("cache: reading segment %d from %s failed: %s", seg, c.addr, exc)
+                    st.count("read_errors")
+                    failed += 1
+                    continue
+                if int(st.rgen[seg]) != gen:
+                    st.count("stale")
+                    return None
+                if crc32c(out) == crc:
+                    return out
+                st.count("corrupt")
+            # Every listed copy failed to answer: the copies may have just moved (a donor reclaimed the
+            # slab, or died, and the owner placed the data elsewhere); its keeper lists the new ones
+            # within a tick, so wait for the table to change once before calling it a miss.
+            if attempt or not copies or failed < len(copies) or not self._table_changes(version, TABLE_WAIT_S):
                 return None
-            if crc32c(out) == crc:
-                return out
-            st.count("corrupt")
         return None
+
+    def _table_changes(self, version: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.state.table_version() != version:
+                return True
+            time.sleep(0.005)
+        return False
 
     def write(self, seg: int, off: int, buf: np.ndarray) -> bool:
         """The entry to every copy of the segment; True when a copy that holds data took it."""
