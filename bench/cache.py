@@ -255,6 +255,7 @@ def run(args) -> dict[str, Any]:
     result["metrics"]["bench_s"] = time.perf_counter() - t_start
     result["metrics"]["loadavg_start"], result["metrics"]["loadavg_end"] = list(load0), list(os.getloadavg())
     _print(result)
+    _plot(result, getattr(args, "json", None))
     return result
 
 
@@ -387,3 +388,32 @@ def _print(result: dict[str, Any]) -> None:
     print(report.markdown_table(result["targets"]))
     for n in result["notes"]:
         print(f"note: {n}")
+
+
+def _plot(result: dict[str, Any], json_path: str | None) -> None:
+    """samples/s per epoch of every variant (median over rounds, range as a band)."""
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = {"none": "(a) no cache", "local": "(b) 25% local", "lent": "(c) 25% local + donors",
+              "all_local": "(d) all local", "attach": "(e) second job, attached"}
+    for v, label in labels.items():
+        runs = [r[v]["epochs"] for r in result["rounds"] if r.get(v, {}).get("epochs")]
+        if not runs:
+            continue
+        n = min(len(e) for e in runs)
+        a = np.array([[e[i]["samples_per_s"] for i in range(n)] for e in runs])
+        x = np.arange(n)
+        ax.plot(x, np.median(a, axis=0), marker="o", label=label)
+        ax.fill_between(x, a.min(axis=0), a.max(axis=0), alpha=0.15)
+    ax.set_xticks(np.arange(max(len(r[v]["epochs"]) for r in result["rounds"] for v in labels if r.get(v, {}).get("epochs"))))
+    ax.set_xlabel("epoch (0 fills the cache)")
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"dlshare bench cache: {result['metrics']['images']} JPEGs, 2 workers, load "
+                 f"{result['metrics'].get('loadavg_start', [0])[0]:.1f} at the start")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    out = report.out_dir(json_path) / "cache_epochs.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    print(f"plot: {out}")

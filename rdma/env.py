@@ -116,7 +116,7 @@ def spill_cache_from_env(capacity_bytes: int | None = None, *, arena_bytes: int 
 
 def sample_cache_from_env(slots: int, name: str | None = None, *, secret: str | None = None,
                           local_bytes: int | None = None, when_full: str = "keep",
-                          discover_timeout_s: float = 15.0, attach_timeout_s: float = 3.0) -> SampleCache:
+                          discover_timeout_s: float = 15.0, attach_timeout_s: float = 1.0) -> SampleCache:
     """A :class:`~rdma.sample_cache.SampleCache` of ``slots`` entries sized by this job's budget:
     ``local_bytes`` in local memory (default: the resident share, see :func:`budget_from_env`) and
     the whole remote budget on donors (every copy counted).

@@ -165,7 +165,7 @@ def test_a_named_cache_is_shared_read_only_with_the_secret(mosquitto, donor_fact
         with pytest.raises(ManifestError, match="secret"):
             SampleCache.attach("pipeline-24", "wrong-secret-0001", mosquitto.url)
         with pytest.raises(LookupError, match="no cache"):
-            SampleCache.attach("nobody-fills-this", SECRET, mosquitto.url, timeout_s=1)
+            SampleCache.attach("nobody-fills-this", SECRET, mosquitto.url, timeout_s=0.5)
         with SampleCache.attach("pipeline-24", SECRET, mosquitto.url, reader_id="job-b") as reader:
             ds = CachedDataset(data, reader)
             epoch(ds, 2)  # the second job's first epoch: all from the donors
@@ -180,7 +180,7 @@ def test_a_named_cache_is_shared_read_only_with_the_secret(mosquitto, donor_fact
         assert shown["slots"] == 80 and shown["donor_bytes"] >= 2 * SLAB and shown["owner"] == owner.mem.consumer_id
     # the owner closed: its manifest is withdrawn
     with pytest.raises(LookupError):
-        SampleCache.attach("pipeline-24", SECRET, mosquitto.url, timeout_s=1)
+        SampleCache.attach("pipeline-24", SECRET, mosquitto.url, timeout_s=0.5)
 
 
 def test_one_line_from_the_node_daemons_budget(mosquitto, donor_factory, monkeypatch):
