@@ -61,6 +61,7 @@ class OwnerKeeper:
         self._sig: Any = None
         self._published: Any = None
         self._version = 0
+        self._too_big = False
 
     def plan(self, slots: int, remote_bytes: int) -> tuple[int, int]:
         """(segment bytes, segments) for ``remote_bytes`` of donor memory, every copy counted; a named
@@ -200,7 +201,14 @@ class OwnerKeeper:
         donor = (len(self.segbufs) * int(self.state.head[H["rseg_bytes"]]) + self.index_buf.nbytes) * copies
         public = {"owner": self.mem.consumer_id, "slots": self.slots, "donor_bytes": donor, "copies": copies}
         body = seal({**doc, "version": self._version}, self.name, self._secret, public=public)
-        self.bus.publish(cache_topic(self.name, "manifest"), messages.encode(body), retain=True)
+        payload = messages.encode(body)
+        if len(payload) > messages.MAX_PAYLOAD:  # readers would refuse it; the cache still serves this job
+            if not self._too_big:
+                log.error("cache %s: its manifest (%d segments) exceeds %d bytes: other jobs cannot attach; "
+                          "use donors with larger slabs", self.name, len(self.segbufs), messages.MAX_PAYLOAD)
+                self._too_big = True
+            return
+        self.bus.publish(cache_topic(self.name, "manifest"), payload, retain=True)
 
     def _on_report(self, topic: str, payload: bytes) -> None:
         try:

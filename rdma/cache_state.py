@@ -64,8 +64,7 @@ def _align(n: int) -> int:
 
 class SharedState:
     """The mapped state file (see the module docstring).  ``create`` makes one; a forked child uses
-    its parent's mapping as it is (call :meth:`after_fork`); another process on the host reopens it
-    with :meth:`reopen` from ``/proc/<pid>/fd``."""
+    its parent's mapping as it is (:meth:`after_fork` gives it locks of its own)."""
 
     def __init__(self, fd: int, local_fd: int | None) -> None:
         self.fd = fd
@@ -133,13 +132,6 @@ class SharedState:
         st = cls(fd, local_fd)
         st.lstate[:] = SPARE  # the local tier is all there from the start
         return st
-
-    @classmethod
-    def reopen(cls, pid: int, fd: int, local_fd: int | None) -> "SharedState":
-        """The state file of process ``pid`` (same host, same user), e.g. in a spawned worker."""
-        nfd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        nlocal = os.open(f"/proc/{pid}/fd/{local_fd}", os.O_RDWR | os.O_CLOEXEC) if local_fd is not None else None
-        return cls(nfd, nlocal)
 
     def _views(self, slots: int, lsegs: int, rsegs: int) -> None:
         lay = self.layout(slots, lsegs, rsegs)
