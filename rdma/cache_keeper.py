@@ -112,7 +112,7 @@ class OwnerKeeper:
             if not any(c.state in ("live", "evicting") for c in _copy_refs(buf.extents[0])):
                 with st.lock():
                     old = int(st.rgen[seg])
-                    st.rlost[seg] = old + 1
+                    st.rlost[seg] = int(st.rlost[seg]) | (1 << (old % 64))
                     st.rgen[seg] = (old + 1) & 0xFFFFFFFF
                     st.rstate[seg] = UNMAPPED
                     st.rfill[seg] = 0

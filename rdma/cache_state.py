@@ -9,7 +9,8 @@ Layout of the state file (all little-endian, offsets fixed at creation):
 
 - a header of 64 u64 (:data:`H`);
 - per tier (local, remote), per segment: generation (u32), state (u32), fill (u64), seal order (u64),
-  and for the remote tier the generation its copies were lost at (u32);
+  and for the remote tier which of its last 64 generations ended because every copy was lost (a u64
+  mask, bit ``gen % 64``; :func:`lost_at`), so a miss is counted as lost or as recycled;
 - counters: one row of u64 per process (:data:`COUNTERS`), claimed by pid, so no two processes
   ever add to the same word;
 - the slots (:data:`SLOT`, 64 bytes each, one per dataset index), written under the file lock
@@ -58,6 +59,11 @@ H = {name: i for i, name in enumerate((
 ALIGN = 64
 
 
+def lost_at(mask: int, gen: int, current: int) -> bool:
+    """Did generation ``gen`` of a segment now at ``current`` end because its copies were lost?"""
+    return 0 < current - gen <= 64 and bool(mask >> (gen % 64) & 1)
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -93,7 +99,7 @@ class SharedState:
         """name -> (offset, bytes) of every part of the file."""
         parts = [("head", 64 * 8), ("lgen", 4 * lsegs), ("lstate", 4 * lsegs), ("lfill", 8 * lsegs),
                  ("lorder", 8 * lsegs), ("rgen", 4 * rsegs), ("rstate", 4 * rsegs), ("rfill", 8 * rsegs),
-                 ("rorder", 8 * rsegs), ("rlost", 4 * rsegs), ("pids", 8 * MAX_PROCS),
+                 ("rorder", 8 * rsegs), ("rlost", 8 * rsegs), ("pids", 8 * MAX_PROCS),
                  ("counters", 8 * MAX_PROCS * len(COUNTERS)), ("slots", SLOT.itemsize * slots),
                  ("dirty", -(-slots // SLOTS_PER_PAGE)), ("table", TABLE_BYTES)]
         out, off = {}, 0
@@ -145,7 +151,7 @@ class SharedState:
         self.lgen, self.lstate = v("lgen", "<u4"), v("lstate", "<u4")
         self.lfill, self.lorder = v("lfill", "<u8"), v("lorder", "<u8")
         self.rgen, self.rstate = v("rgen", "<u4"), v("rstate", "<u4")
-        self.rfill, self.rorder, self.rlost = v("rfill", "<u8"), v("rorder", "<u8"), v("rlost", "<u4")
+        self.rfill, self.rorder, self.rlost = v("rfill", "<u8"), v("rorder", "<u8"), v("rlost", "<u8")
         self.pids = v("pids", "<i8")
         self.counters = v("counters", "<u8").reshape(MAX_PROCS, len(COUNTERS))
         self.slots = v("slots", SLOT)

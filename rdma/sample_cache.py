@@ -45,7 +45,7 @@ from nodesvc.bus import messages
 from rdma.cache_keeper import OwnerKeeper, ReaderKeeper
 from rdma.cache_manifest import check_secret
 from rdma.cache_remote import RemoteTier
-from rdma.cache_state import FILLING, FULL, H, LOST, SLOTS_PER_PAGE, SPARE, UNMAPPED, SharedState
+from rdma.cache_state import FILLING, FULL, H, LOST, SLOTS_PER_PAGE, SPARE, UNMAPPED, SharedState, lost_at
 from rdma.native import crc32c
 from rdma.remote import RemoteMemory
 
@@ -164,7 +164,7 @@ class SampleCache:
         if rec["rseg"] and tier != "local":
             seg, gen = int(rec["rseg"]) - 1, int(rec["rgen"])
             if int(st.rgen[seg]) != gen or st.rstate[seg] in (UNMAPPED, LOST):
-                st.count("lost" if int(st.rlost[seg]) == gen + 1 else "stale")
+                st.count("lost" if lost_at(int(st.rlost[seg]), gen, int(st.rgen[seg])) else "stale")
             else:
                 out = self.remote.read(seg, gen, int(rec["roff"]), n, crc)
                 if out is not None:
@@ -334,6 +334,8 @@ class SampleCache:
         elif self.when_full == "evict" and np.any(state == FULL):
             full = np.flatnonzero(state == FULL)
             nxt = int(full[np.argmin(order[full])])
+            if tier == "r":  # recycled, not lost
+                st.rlost[nxt] = int(st.rlost[nxt]) & ~(1 << (int(gen[nxt]) % 64)) & (2 ** 64 - 1)
             gen[nxt] = (int(gen[nxt]) + 1) & 0xFFFFFFFF
             st.count("evicted_segments")
         else:
