@@ -58,9 +58,10 @@ SAMPLE_BYTES = {
 DEFAULT_SAMPLE_BYTES = 108e3
 
 
-# Measured by `dlshare bench paging` (bench/RESULTS.md): a region's shuffle-and-scan fetched pages at about
-# 0.27 GB/s on the 2-vCPU VM; a region is not what a sample cache reads through (it cannot be shared by
-# forked workers), so this is recorded for region users, not used by the cache efficiency.
+# From `dlshare bench paging` (bench/RESULTS.md, paging: shuffle-and-scan at 50% local, 0.49 GB/s in all):
+# the bytes fetched from donors arrive at about 0.27 GB/s (issue 22's reading of that run), on the 2-vCPU VM.
+# A region is not what a sample cache reads through (forked workers cannot share it), so this is kept for
+# region users and the calibration file, not used by the cache efficiency.
 REGION_BYTES_PER_S = 0.27e9
 CALIBRATION_SCHEMA = 1
 MAX_CALIBRATION_BYTES = 1 << 20
