@@ -16,6 +16,7 @@ from bench import report
 BENCHES = {
     "memory": "bench.memory",
     "paging": "bench.paging",
+    "cache": "bench.cache",
     "agg": "bench.agg",
     "sched": "bench.sched",
     "sched-service": "bench.sched_service",

@@ -36,8 +36,9 @@ def _profile(allocate: str, **args: Any) -> Any:
     return replace(base, name=f"synergy+{allocate}", allocate=PluginSpec(allocate, dict(args)))
 
 
-def memshort(seed: int = 0, short_gb: float = SHORT_GB) -> dict[str, Any]:
-    """Run (a), (a'), (b), (b reclaim), (b slow link), (c); returns the metrics and the rows."""
+def memshort(seed: int = 0, short_gb: float = SHORT_GB, link: Any = None) -> dict[str, Any]:
+    """Run (a), (a'), (b), (b reclaim), (b slow link), (c); returns the metrics and the rows.
+    ``link``: the RemoteLink the lent runs use (default: the code's, the last recorded measurement)."""
     from scheduler import data
     from scheduler.model import Node
     from scheduler.remote_memory import RemoteLink
@@ -49,6 +50,7 @@ def memshort(seed: int = 0, short_gb: float = SHORT_GB) -> dict[str, Any]:
     full = Cluster.parse(f"{SERVERS}x{GPUS}:{CORES}:{FULL_GB:g}")
     donors = [Node(f"prep{i}", 0, CORES, LEND_GB * GB, lendable_bytes=LEND_GB * GB) for i in range(DONORS)]
     lent = _profile("lent")
+    link = link if link is not None else RemoteLink()
     rows: list[dict[str, Any]] = []
 
     def run(name: str, cluster: Any, profile: Any, **kw: Any) -> Any:
@@ -64,15 +66,14 @@ def memshort(seed: int = 0, short_gb: float = SHORT_GB) -> dict[str, Any]:
 
     a = run(f"(a) synergy, local {short_gb:g} GB", short, "synergy")
     a2 = run("(a') lent greedy, no donors", short, _profile("lent", levels_without_donors=True))
-    b = run("(b) lent, 2 donors x 500 GB", short, lent, donors=donors)
+    b = run("(b) lent, 2 donors x 500 GB", short, lent, donors=donors, remote_link=link)
     mid = b.makespan_s / 2.0
     reclaims = [(mid, d.id, d.lendable_bytes // 2) for d in donors]
-    b_rec = run("(b) lent, donors reclaim half", short, lent, donors=donors, reclaims=reclaims)
+    b_rec = run("(b) lent, donors reclaim half", short, lent, donors=donors, reclaims=reclaims, remote_link=link)
     early = b.makespan_s / 10.0  # while the queue is long and most lent memory is in use
     b_early = run("(b) lent, reclaim half early", short, lent, donors=donors,
-                  reclaims=[(early, d.id, d.lendable_bytes // 2) for d in donors])
-    slow = RemoteLink(read_bytes_per_s=RemoteLink().read_bytes_per_s / 10,
-                      donor_bytes_per_s=RemoteLink().donor_bytes_per_s / 10)
+                  reclaims=[(early, d.id, d.lendable_bytes // 2) for d in donors], remote_link=link)
+    slow = replace(link, read_bytes_per_s=link.read_bytes_per_s / 10, donor_bytes_per_s=link.donor_bytes_per_s / 10)
     b_slow = run("(b) lent, link 10x slower", short, lent, donors=donors, remote_link=slow)
     c = run(f"(c) synergy, local {FULL_GB:g} GB", full, "synergy")
     h = 3600.0
@@ -91,6 +92,7 @@ def memshort(seed: int = 0, short_gb: float = SHORT_GB) -> dict[str, Any]:
         "memshort_reclaim_taken_back_gb": b_rec.lent.get("reclaimed_bytes", 0) / GB,
         "memshort_reclaim_early_jct_h": av["early"], "memshort_reclaim_early_at_h": early / h,
         "memshort_reclaim_early_taken_back_gb": b_early.lent.get("reclaimed_bytes", 0) / GB,
+        "memshort_link": link.source,
     }
     return {"metrics": metrics, "rows": rows}
 

@@ -13,6 +13,7 @@
             emb = region.tensor(torch.float32, (rows, 64))      # or a CPU torch tensor
 
     region = region_from_env()  # in a job started by a node daemon with remote_memory_bytes
+    train = CachedDataset(dataset)  # its samples cached locally and on donors, shared by DataLoader workers
 
 Donors are node daemons started with ``lend = true`` (nodesvc/daemon/donor.py).
 
@@ -25,8 +26,10 @@ nor ``bench``; the donor side (nodesvc.daemon.donor) imports rdma, not the rever
 Inside, each module imports only modules listed before it: native, wire,
 placement and replica (none imports another); native_mem; buffer (which
 declares the ReplicaIO it needs); dataplane (which provides it); control;
-region (the mapping and its C engine); remote; spill; env (region_from_env);
-torch (the PyTorch helper, which imports torch only when called).
+region (the mapping and its C engine); remote; spill; sample_codec, cache_manifest,
+cache_state and cache_bus (none imports another); cache_remote; cache_keeper; sample_cache; env
+(region_from_env, sample_cache_from_env);
+dataset (CachedDataset); torch (the PyTorch helper, which imports torch only when called).
 ``lint-imports`` fails on a circle.
 
 The names below are the public surface, re-exported here on purpose; every other
@@ -37,7 +40,7 @@ from rdma.native import crc32c
 
 __all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataLostError", "ReplicaState",
            "SpillCache", "RemoteRegion", "region_from_env", "spill_cache_from_env", "place_embeddings",
-           "place_tensors", "prefetch_lookups"]
+           "place_tensors", "prefetch_lookups", "SampleCache", "CachedDataset", "sample_cache_from_env"]
 
 # Imported on first use: the consumer pulls in the MQTT stack, which the donor side
 # and the C-only tools (aggregator kernels, crc32c) do not need.
@@ -54,6 +57,9 @@ _LAZY = {
     "place_embeddings": "rdma.torch",
     "place_tensors": "rdma.torch",
     "prefetch_lookups": "rdma.torch",
+    "SampleCache": "rdma.sample_cache",
+    "CachedDataset": "rdma.dataset",
+    "sample_cache_from_env": "rdma.env",
 }
 
 

@@ -15,6 +15,7 @@ so a job maps its region, or a sample cache that spills to donors, with no addre
     region = rdma.region_from_env()          # budget / replicas bytes, on donors
     table = region.array(np.float32, (rows, dim))
     cache = rdma.spill_cache_from_env()      # key -> bytes, the resident share local, the rest on donors
+    samples = rdma.sample_cache_from_env(len(dataset))  # a dataset's samples, shared by its workers
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from rdma.region import DEFAULT_UNIT, RemoteRegion
 from rdma.remote import RemoteMemory
+from rdma.sample_cache import SampleCache
 from rdma.spill import SpillCache
 
 ENV_BROKER = "DLSHARE_BROKER"
@@ -31,6 +33,7 @@ ENV_BUDGET = "DLSHARE_REMOTE_MEMORY_BYTES"
 ENV_LOCAL_LIMIT = "DLSHARE_MEMORY_BYTES"
 ENV_REGION_LOCAL = "DLSHARE_REGION_LOCAL_BYTES"
 ENV_REPLICAS = "DLSHARE_REMOTE_REPLICAS"
+ENV_CACHE_SECRET = "DLSHARE_CACHE_SECRET"
 DEFAULT_LOCAL = 256 << 20  # resident share when nothing says otherwise
 
 
@@ -109,3 +112,31 @@ def spill_cache_from_env(capacity_bytes: int | None = None, *, arena_bytes: int 
     mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s)
     return SpillCache(local, remote=mem, arena_bytes=min(arena_bytes, grant["region_bytes"]),
                       remote_capacity_bytes=grant["region_bytes"], owns_remote=True)
+
+
+def sample_cache_from_env(slots: int, name: str | None = None, *, secret: str | None = None,
+                          local_bytes: int | None = None, when_full: str = "keep",
+                          discover_timeout_s: float = 15.0, attach_timeout_s: float = 1.0) -> SampleCache:
+    """A :class:`~rdma.sample_cache.SampleCache` of ``slots`` entries sized by this job's budget:
+    ``local_bytes`` in local memory (default: the resident share, see :func:`budget_from_env`) and
+    the whole remote budget on donors (every copy counted).
+
+    ``name``: a cache shared with other jobs; the secret comes from ``secret`` or
+    ``$DLSHARE_CACHE_SECRET``.  When a cache of that name is already published (another job filled
+    it) this job attaches to it read-only and borrows nothing; otherwise it creates it, and its
+    budget pays for it.  Two jobs that start at the same moment may both create one (the later
+    manifest wins): start the filling job first."""
+    grant = budget_from_env()
+    local = grant["local_bytes"] if local_bytes is None else int(local_bytes)
+    if local < 0:
+        raise ValueError(f"local_bytes must not be negative, got {local}")
+    if name is not None:
+        secret = secret if secret is not None else os.environ.get(ENV_CACHE_SECRET)
+        if not secret:
+            raise LookupError(f"cache {name!r} is shared: give its secret (${ENV_CACHE_SECRET} or secret=)")
+        try:
+            return SampleCache.attach(name, secret, grant["broker"], timeout_s=attach_timeout_s)
+        except LookupError:
+            pass  # nobody fills it yet: this job does
+    return SampleCache(slots, local, grant["budget_bytes"], broker=grant["broker"], name=name, secret=secret,
+                       replicas=grant["replicas"], when_full=when_full, discover_timeout_s=discover_timeout_s)

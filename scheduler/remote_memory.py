@@ -23,12 +23,21 @@ remote byte is worth a local byte times an **efficiency** ``e`` in [0, 1]:
 single 4 KiB read at 22.2 us p50.  Assumed: that a donor serves at most that rate to all its borrowers
 together (one slab server; a real NIC may carry more), and the sample sizes below.
 
-Pure: no clock, no I/O.
+**Calibrated** (``dlshare bench cache``): the bench runs a real input pipeline with its sample cache
+on donors and writes what the remote tier delivered (sample read rate and latency, and a region's
+streaming rate) to a calibration file; :meth:`RemoteLink.from_file` reads it, and the defaults below
+are the last recorded measurement.  The bench also checks the model: it predicts the cached
+pipeline's speed with lent memory from its speeds with a local-only cache and an all-local one
+(:func:`predicted_speed`) and reports the prediction beside the measurement.
+
+Pure: no clock, no I/O (except :meth:`RemoteLink.from_file`, which a shell calls once at start).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import dataclass, fields
 from typing import Any
 
 GB = 1e9
@@ -49,17 +58,79 @@ SAMPLE_BYTES = {
 DEFAULT_SAMPLE_BYTES = 108e3
 
 
+# From `dlshare bench paging` (bench/RESULTS.md, paging: shuffle-and-scan at 50% local, 0.49 GB/s in all):
+# the bytes fetched from donors arrive at about 0.27 GB/s (issue 22's reading of that run), on the 2-vCPU VM.
+# A region is not what a sample cache reads through (forked workers cannot share it), so this is kept for
+# region users and the calibration file, not used by the cache efficiency.
+REGION_BYTES_PER_S = 0.27e9
+CALIBRATION_SCHEMA = 1
+MAX_CALIBRATION_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class RemoteLink:
-    """The named inputs of the efficiency (see the module docstring)."""
+    """The named inputs of the efficiency (see the module docstring).  ``source``: where the numbers
+    come from (a measurement's date and bench, or "defaults")."""
 
     read_bytes_per_s: float = READ_BYTES_PER_S
     read_latency_s: float = READ_LATENCY_S
     donor_bytes_per_s: float = READ_BYTES_PER_S  # assumed: one donor serves what one consumer measured
+    region_bytes_per_s: float = REGION_BYTES_PER_S
+    source: str = "defaults: dlshare bench memory, 2026-11-21"
 
     def __post_init__(self) -> None:
-        if not (self.read_bytes_per_s > 0 and self.donor_bytes_per_s > 0 and self.read_latency_s >= 0):
-            raise ValueError("remote link: bandwidths must be > 0 and latency >= 0")
+        nums = (self.read_bytes_per_s, self.donor_bytes_per_s, self.read_latency_s, self.region_bytes_per_s)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in nums):
+            raise ValueError("remote link: every rate and latency must be a finite number")
+        if not (self.read_bytes_per_s > 0 and self.donor_bytes_per_s > 0 and self.region_bytes_per_s > 0
+                and 0 <= self.read_latency_s <= 10):
+            raise ValueError("remote link: bandwidths must be > 0 and latency in [0, 10] s")
+
+    @classmethod
+    def from_calibration(cls, doc: Any) -> "RemoteLink":
+        """The link a calibration document describes (``dlshare bench cache`` writes one):
+        ``{"schema": 1, "measured": ISO time, "bench": ..., "link": {read_bytes_per_s, read_latency_s,
+        donor_bytes_per_s?, region_bytes_per_s?}}``.  Anything else is a ValueError naming the field."""
+        if not isinstance(doc, dict) or doc.get("schema") != CALIBRATION_SCHEMA:
+            raise ValueError(f"a remote-link calibration is a JSON object with schema {CALIBRATION_SCHEMA}")
+        link = doc.get("link")
+        if not isinstance(link, dict):
+            raise ValueError("calibration: 'link' must be an object")
+        known = {f.name for f in fields(cls)} - {"source"}
+        extra = set(link) - known
+        if extra:
+            raise ValueError(f"calibration: unknown field(s) {sorted(extra)}")
+        for need in ("read_bytes_per_s", "read_latency_s"):
+            if need not in link:
+                raise ValueError(f"calibration: 'link.{need}' is missing")
+        vals = {}
+        for k, v in link.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > 1e15:
+                raise ValueError(f"calibration: 'link.{k}' must be a finite number, got {v!r}")
+            vals[k] = float(v)
+        vals.setdefault("donor_bytes_per_s", vals["read_bytes_per_s"])
+        when = doc.get("measured")
+        bench = doc.get("bench")
+        source = f"{bench if isinstance(bench, str) else 'calibration'}, {when if isinstance(when, str) else '?'}"
+        return cls(**vals, source=source[:200])
+
+    @classmethod
+    def from_file(cls, path: str) -> "RemoteLink":
+        """:meth:`from_calibration` of a JSON file (UTF-8, at most 1 MiB); errors name the file."""
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read(MAX_CALIBRATION_BYTES + 1)
+            if len(raw) > MAX_CALIBRATION_BYTES:
+                raise ValueError(f"larger than {MAX_CALIBRATION_BYTES} bytes")
+            return cls.from_calibration(json.loads(raw.decode("utf-8-sig")))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a remote-link calibration: {exc}") from None
+
+    def calibration(self, measured: str, bench: str, **extra: Any) -> dict[str, Any]:
+        """The document :meth:`from_calibration` reads back."""
+        return {"schema": CALIBRATION_SCHEMA, "measured": measured, "bench": bench, **extra,
+                "link": {"read_bytes_per_s": self.read_bytes_per_s, "read_latency_s": self.read_latency_s,
+                         "donor_bytes_per_s": self.donor_bytes_per_s, "region_bytes_per_s": self.region_bytes_per_s}}
 
     def stream_bytes_per_s(self, sample_bytes: float, streams: float) -> float:
         """What ``streams`` loader streams pull, one sample in flight each, at the measured latency."""
@@ -108,5 +179,19 @@ def effective_memory(local_bytes: float, remote_bytes: float, e: float) -> float
     return local_bytes + max(0.0, e) * remote_bytes
 
 
+def predicted_speed(speed_partial: float, hit_partial: float, speed_full: float, e: float) -> float:
+    """A cache-bound pipeline's speed with lent memory, from two measured points: ``speed_partial``
+    when a share ``hit_partial`` of its reads hit a local-only cache, ``speed_full`` when every read
+    hits.  The lent bytes hold the rest of the samples at efficiency ``e`` (effective memory, as
+    above), so the effective hit share is ``h = hit_partial + e (1 - hit_partial)``; the time per
+    sample is interpolated linearly in the hit share between the two points (a hit and a miss each
+    cost a fixed time)."""
+    if not (speed_partial > 0 and speed_full > 0 and 0 <= hit_partial < 1):
+        raise ValueError("predicted_speed: speeds must be > 0 and hit_partial in [0, 1)")
+    h = hit_partial + max(0.0, min(1.0, e)) * (1.0 - hit_partial)
+    t = 1.0 / speed_full + (1.0 - h) / (1.0 - hit_partial) * (1.0 / speed_partial - 1.0 / speed_full)
+    return 1.0 / t
+
+
 __all__ = ["RemoteLink", "input_rate", "remote_demand", "efficiency", "reserved_shares", "effective_memory",
-           "SAMPLE_BYTES", "READ_BYTES_PER_S", "READ_LATENCY_S"]
+           "predicted_speed", "SAMPLE_BYTES", "READ_BYTES_PER_S", "READ_LATENCY_S", "REGION_BYTES_PER_S"]

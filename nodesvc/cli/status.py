@@ -46,12 +46,19 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
     Anyone may publish a retained message, so every field is type-checked: a
     malformed one shows as missing, never as a crash.
     """
-    nodes, aggs, scheds = [], [], []
+    nodes, aggs, scheds, caches = [], [], [], []
     borrowed: dict[str, dict[str, int]] = {}  # consumer -> donor -> bytes
     for topic, st in states.items():
         try:
             kind, ident, leaf = messages.parse_topic(topic)
         except messages.PayloadError:
+            continue
+        if kind == "cache" and leaf == "manifest" and isinstance(st, dict):
+            # a named sample cache's manifest: its sealed part is for the jobs that know the secret;
+            # the public part says whose it is and what it holds on donors
+            pub = _d(st.get("public"))
+            caches.append({"cache": ident, "owner": _str(pub.get("owner")), "slots": _num(pub.get("slots")),
+                           "donor_bytes": _num(pub.get("donor_bytes")), "copies": _num(pub.get("copies"))})
             continue
         if leaf != "state" or not isinstance(st, dict):
             continue
@@ -97,7 +104,8 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
         n["borrowed_from"] = dict(sorted(borrowed.get(n["node"], {}).items()))
         n["borrowed_bytes"] = sum(n["borrowed_from"].values())
     key = lambda r: str(next(iter(r.values())))  # noqa: E731
-    return {"nodes": sorted(nodes, key=key), "aggregators": sorted(aggs, key=key), "schedulers": sorted(scheds, key=key)}
+    return {"nodes": sorted(nodes, key=key), "aggregators": sorted(aggs, key=key), "schedulers": sorted(scheds, key=key),
+            "caches": sorted(caches, key=key)}
 
 
 async def gather(broker: str, settle_s: float = 0.4, timeout_s: float = 3.0) -> dict[str, dict[str, Any]]:
@@ -107,6 +115,7 @@ async def gather(broker: str, settle_s: float = 0.4, timeout_s: float = 3.0) -> 
     async with aiomqtt.Client(addr.host, addr.port, username=addr.username, password=addr.password,
                               identifier=f"dlshare-status-{time.monotonic_ns()}", timeout=5) as client:
         await client.subscribe("dlshare/v1/+/+/state", qos=1)
+        await client.subscribe("dlshare/v1/cache/+/manifest", qos=1)
         deadline = time.monotonic() + timeout_s
         it = client.messages.__aiter__()
         while time.monotonic() < deadline:
@@ -165,6 +174,20 @@ def render(doc: dict[str, Any], console=None) -> None:
         for s in doc["schedulers"]:
             s_t.add_row(s["scheduler"], s["status"], str(s["url"] or "-"), json.dumps(s["jobs"]) if s["jobs"] else "-")
         console.print(s_t)
+    _render_caches(doc, console)
+
+
+def _render_caches(doc: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    if not doc.get("caches"):
+        return
+    t = Table(title="named sample caches (on donors, GiB, every copy)", title_justify="left")
+    for col in ("cache", "owner", "samples", "on donors"):
+        t.add_column(col)
+    for c in doc["caches"]:
+        t.add_row(c["cache"], c["owner"] or "-", "-" if c["slots"] is None else str(c["slots"]), _gib(c["donor_bytes"]))
+    console.print(t)
 
 
 def _run(args, cfg) -> int:

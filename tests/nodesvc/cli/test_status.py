@@ -15,6 +15,9 @@ def test_summarize_status_document():
         "dlshare/v1/agg/s1/state": {"status": "online", "summary": {"cores": 2, "min_cores": 1, "max_cores": 8,
                                                                    "busy": 0.5, "jobs": ["j1"]}},
         "garbage/topic": {"status": "online"},
+        "dlshare/v1/cache/imagenet-224/manifest": {"v": 1, "cache": "imagenet-224", "box": "...",
+                                                   "public": {"owner": "b", "slots": 1281167, "donor_bytes": 3 << 30}},
+        "dlshare/v1/cache/junk/manifest": {"public": "not an object"},
     }
     doc = status.summarize(states)
     assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
@@ -22,9 +25,13 @@ def test_summarize_status_document():
     assert a["lent_bytes"] == 2 << 30 and b["borrowed_bytes"] == 2 << 30 and a["borrowed_bytes"] == 0
     assert b["status"] == "offline" and b["reason"] == "connection lost"
     assert doc["aggregators"][0]["cores"] == 2
+    assert doc["caches"][0] == {"cache": "imagenet-224", "owner": "b", "slots": 1281167, "donor_bytes": 3 << 30,
+                                "copies": None}
+    assert doc["caches"][1]["owner"] is None  # malformed public part: shown as missing
     from rich.console import Console
 
     c = Console(record=True, width=160)
     status.render(doc, c)
     text = c.export_text()
     assert "online" in text and "offline" in text and "aggregation servers" in text
+    assert "imagenet-224" in text and "sample caches" in text
