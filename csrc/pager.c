@@ -100,6 +100,10 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
     p->hi = p->local_units - slack;
     p->lo = p->hi > step ? p->hi - step : 0;
     p->rng = 0x9E3779B97F4A7C15ull;
+    /* a stream's units stay young (not evicted as spent) for two prefetch windows, or an eighth of the
+     * budget when that is less: what the reader has not reached yet */
+    uint64_t window = cfg->prefetch_bytes ? 2 * cfg->prefetch_bytes / cfg->unit : 0;
+    p->young_max = window < p->local_units / 8 ? window : p->local_units / 8;
     PG_STAT(p, local_units) = p->local_units;
     p->state = calloc(p->nunits, 1);
     p->flags = calloc(p->nunits, 1);
@@ -123,7 +127,8 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
     pthread_cond_init(&p->ev_cv, NULL);
     if (!p->state || !p->flags || !p->ref || !p->crc || !p->evict_seq || !p->ext || !p->zeros ||
         pg_queue_init(&p->demand, p->nunits < 4096 ? p->nunits : 4096) ||
-        pg_queue_init(&p->pref, 4096) || pg_queue_init(&p->ring, p->nunits < 65536 ? p->nunits : 65536)) {
+        pg_queue_init(&p->pref, 4096) || pg_queue_init(&p->ring, p->nunits < 65536 ? p->nunits : 65536) ||
+        pg_queue_init(&p->young, 4096) || !(p->spent = malloc((p->spent_cap = 4096) * sizeof *p->spent))) {
         snprintf(err, err_len, "out of memory");
         dls_pager_free(p);
         return NULL;
@@ -439,6 +444,8 @@ void dls_pager_free(dls_pager *p) {
     pg_queue_free(&p->demand);
     pg_queue_free(&p->pref);
     pg_queue_free(&p->ring);
+    pg_queue_free(&p->young);
+    free(p->spent);
     free(p->state);
     free(p->flags);
     free(p->ref);

@@ -52,7 +52,8 @@ enum { U_ABSENT = DLS_UNIT_ABSENT, U_FETCHING = DLS_UNIT_FETCHING, U_CLEAN = DLS
 #define UF_WRITE 0x04    /* install it writable: a write is waiting, or a caller will write */
 #define UF_QUEUED 0x08   /* in the demand queue */
 #define UF_CLAIMED 0x10  /* a worker is fetching it */
-#define UF_INRING 0x20   /* in the eviction ring */
+#define UF_INRING 0x20   /* in the eviction ring (or the stream queues) */
+#define UF_STREAM 0x40   /* installed by a stream's prefetch: evicted first, most recently read first */
 
 #define PG_STRIPES 256
 #define PG_MAX_RUN_BYTES (1u << 20) /* one batched fetch or write-back */
@@ -143,6 +144,13 @@ struct dls_pager {
 
     pthread_mutex_t ring_mu; /* eviction candidates */
     pg_queue ring;
+    /* Units a stream brought in: the newest wait in `young` (the reader may not have reached them),
+     * then move to the top of the `spent` stack, which eviction takes from the top: most recently
+     * read first.  A reader that scans more than fits evicts what it has just read, not what an
+     * earlier pass left resident (LRU would evict exactly the units the scan needs next). */
+    pg_queue young;
+    uint32_t *spent;
+    uint64_t spent_len, spent_cap, young_max;
     uint32_t evict_clock;
     uint64_t rng;
 

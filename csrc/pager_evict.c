@@ -16,12 +16,30 @@
 void pg_ring_add(dls_pager *p, uint64_t u) {
     pg_lock(p, u);
     int add = !(p->flags[u] & UF_INRING);
+    int stream = (p->flags[u] & UF_STREAM) && p->young_max;
     p->flags[u] |= UF_INRING;
     pg_unlock(p, u);
     if (!add) return;
     pthread_mutex_lock(&p->ring_mu);
-    pg_queue_push(&p->ring, (uint32_t)u);
+    pg_queue_push(stream ? &p->young : &p->ring, (uint32_t)u);
     pthread_mutex_unlock(&p->ring_mu);
+}
+
+/* Under ring_mu: a stream's units older than its young window move to the top of the spent stack. */
+static void age_streams(dls_pager *p) {
+    uint32_t u;
+    while (p->young.len > p->young_max && pg_queue_pop(&p->young, &u) == 0) {
+        if (p->spent_len == p->spent_cap) {
+            uint32_t *grown = realloc(p->spent, 2 * p->spent_cap * sizeof *grown);
+            if (!grown) { /* keep it evictable the ordinary way */
+                pg_queue_push(&p->ring, u);
+                continue;
+            }
+            p->spent = grown;
+            p->spent_cap *= 2;
+        }
+        p->spent[p->spent_len++] = u;
+    }
 }
 
 static uint64_t next_rand(dls_pager *p) { /* xorshift64: the victim choice of RANDOM, under ring_mu */
@@ -36,6 +54,25 @@ static uint64_t next_rand(dls_pager *p) { /* xorshift64: the victim choice of RA
 static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) {
     uint32_t n = 0;
     pthread_mutex_lock(&p->ring_mu);
+    age_streams(p);
+    while (n < max && p->spent_len) { /* spent stream units first, the most recently read on top */
+        uint32_t u = p->spent[--p->spent_len];
+        pg_lock(p, u);
+        uint8_t s = p->state[u];
+        int keep = 0;
+        if (s == U_WRITEBACK) {
+            keep = 1; /* a flush is writing it back: still resident, evictable later */
+        } else if (s != U_CLEAN && s != U_DIRTY) {
+            p->flags[u] &= (uint8_t)~(UF_INRING | UF_STREAM);
+        } else {
+            p->flags[u] &= (uint8_t)~(UF_INRING | UF_STREAM);
+            p->state[u] = s == U_CLEAN ? U_EVICTING : U_WRITEBACK;
+            dirty[n] = s == U_DIRTY;
+            out[n++] = u;
+        }
+        pg_unlock(p, u);
+        if (keep) pg_queue_push(&p->ring, u);
+    }
     uint64_t budget = 2 * p->ring.len + 16; /* CLOCK may pass every unit once before taking one */
     while (n < max && p->ring.len && budget--) {
         if (p->cfg.policy == DLS_PAGER_RANDOM && p->ring.len > 1) {
@@ -111,6 +148,7 @@ static void settle_dropped(dls_pager *p, uint64_t u, int was_dirty) {
     pg_lock(p, u);
     uint32_t seq = __atomic_add_fetch(&p->evict_clock, 1, __ATOMIC_RELAXED);
     p->evict_seq[u] = seq ? seq : 1;
+    p->flags[u] &= (uint8_t)~UF_STREAM;
     if (p->flags[u] & UF_WAIT) { /* touched while it went: bring it back for the waiter */
         p->state[u] = U_FETCHING;
         p->flags[u] = (uint8_t)((p->flags[u] & ~UF_WAIT) | UF_QUEUED);

@@ -157,6 +157,11 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
         dls_trend *t = trend_for(p, tid, ++p->trend_seq);
         int64_t old_stride = t->stride, old_lo = t->lo, old_next = t->next;
         int left = old_stride != 0 && !dls_trend_follows(t, (int64_t)u);
+        if (old_stride != 0 && !left && action == A_FETCH) { /* the reader caught up with its stream */
+            pg_lock(p, u);
+            p->flags[u] |= UF_STREAM;
+            pg_unlock(p, u);
+        }
         uint32_t n = dls_trend_fault(t, (int64_t)u, max_depth, &first, &stride);
         if (left) cancel_stream(p, old_lo + old_stride, old_next, old_stride);
         if (n) {
@@ -272,6 +277,7 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, i
         }
         p->state[v] = st;
         p->flags[v] &= (uint8_t)~(UF_WAIT | UF_WRITE | UF_CLAIMED | UF_QUEUED);
+        if (stream) p->flags[v] |= UF_STREAM; /* (a fault at a stream's front marked its unit already) */
         pg_unlock(p, v);
         pg_ring_add(p, v);
     }

@@ -161,6 +161,26 @@ def test_a_stream_the_reader_leaves_gives_up_what_no_worker_started(local_cluste
                           np.arange(start * per, (start + 256) * per, dtype=np.uint32) + 1)
 
 
+def test_a_scan_larger_than_memory_keeps_what_was_resident_and_evicts_what_it_read(local_cluster):
+    """A stream's units are evicted as soon as the reader is past them, most recently read first,
+    before anything that was resident when the scan began: a sequential pass over four times the
+    budget that starts with the last quarter resident hits it when it gets there.  FIFO or LRU would
+    have evicted that quarter to make room for the first three, and fetched all four."""
+    unit = 4096
+    region, _ = local_cluster.region(4 * SLAB, local_bytes=SLAB, unit=unit, prefetch_bytes=64 << 10)
+    a = region.array(np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32)
+    region.flush()
+    region.prefetch(3 * SLAB, SLAB)  # the last quarter resident
+    units = 4 * SLAB // unit
+    before = region.stats()
+    assert int(a.sum(dtype=np.uint64)) == int(np.arange(len(a), dtype=np.uint64).sum())  # one pass, in order
+    fetched = region.stats()["fetched_units"] - before["fetched_units"]
+    assert fetched < units * 7 // 8, fetched  # most of the last quarter was a hit
+    last = range(3 * units // 4, units)
+    assert sum(region.unit_state(u) in ("clean", "dirty") for u in last) > len(last) // 2
+
+
 def test_concurrent_writers_racing_write_back_and_eviction_lose_nothing(local_cluster):
     """Writes land while their units are written back or evicted, faults hit units on their way out."""
     region, io = local_cluster.region(4 * SLAB, local_bytes=12 * UNIT, policy="clock", fetch_workers=3)
