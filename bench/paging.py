@@ -344,6 +344,13 @@ def run(args) -> dict[str, Any]:
                 swap_reason = str(exc)
                 notes.append(f"disk swap baseline unavailable: {swap_reason}")
 
+        def phases(ev, msg, proc) -> None:  # the donors' CPU over each phase of the stream workload
+            if ev == "phase":
+                mark = phases.marks
+                if mark:
+                    phases.out.setdefault(mark[0], []).append(cluster.cpu_s() - mark[1])
+                phases.marks = (msg.get("name"), cluster.cpu_s())
+
         def killer(ev, msg, proc) -> None:
             if ev == "running":
                 victim = next(iter(cluster.procs))
@@ -355,7 +362,10 @@ def run(args) -> dict[str, Any]:
             for wl, wargs in (("dlrm", dlrm_args), ("scan", scan_args)):
                 for name in variants:
                     variant(wl, name, wargs, rnd)
-            go("stream", "stream", "region", None, region + ["--passes", "2" if quick else "3"], rnd)
+            phases.marks, phases.out = None, {}
+            r = go("stream", "stream", "region", None, region + ["--passes", "2" if quick else "3"], rnd,
+                   on_line=phases)
+            r["donors_cpu_by_phase_s"] = phases.out
             raw.append(echo.measure(1000))
             go("latency", "latency", "region", None, region + ["--units", "4096", str(64 << 10),
                                                                "--samples", "400" if quick else "2000"], rnd)

@@ -240,24 +240,32 @@ def stream(args, place: Place) -> dict:
     rng = np.random.default_rng(5)
     region_s, plane_s, wrong = [], [], 0
     st0 = region.stats()
+    region_cpu, plane_cpu = [], []
     for _ in range(args.passes):
         order = rng.permutation(n_chunks)
-        t = time.perf_counter()
+        say(event="phase", name="region")  # the bench samples the donors' CPU at each phase
+        t, c0 = time.perf_counter(), cpu_s()
         for c in order:  # the region: each chunk in order, as a reader of a file would
             wrong += int(int(a[c * CHUNK:(c + 1) * CHUNK].max()) != c % 251)
         region_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        region_cpu.append(cpu_s() - c0)
+        say(event="phase", name="dataplane")
+        t, c0 = time.perf_counter(), cpu_s()
         for c in order:  # the data plane: the same chunk as one batched read
             buf.read_pages(np.arange(c * pages_per, (c + 1) * pages_per), out)
             wrong += int(int(out[-1]) != c % 251)
         plane_s.append(time.perf_counter() - t)
+        plane_cpu.append(cpu_s() - c0)
+    say(event="phase", name="end")
     st = region.stats()
     buf.free()
     region_gbps = [ws / s / 1e9 for s in region_s]
     plane_gbps = [ws / s / 1e9 for s in plane_s]
     return {"stream_gbps": float(np.median(region_gbps)), "dataplane_gbps": float(np.median(plane_gbps)),
             "stream_passes_gbps": region_gbps, "dataplane_passes_gbps": plane_gbps, "wrong_chunks": wrong,
-            "local_bytes": local, "stream_stats": {k: st[k] - st0[k] for k in st}}
+            "local_bytes": local, "stream_stats": {k: st[k] - st0[k] for k in st},
+            "stream_program_cpu_s": region_cpu, "dataplane_program_cpu_s": plane_cpu,
+            "stream_s": region_s, "dataplane_s": plane_s}
 
 
 def latency(args, place: Place) -> dict:

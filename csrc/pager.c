@@ -326,6 +326,7 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
     }
     int lost = 0, waiting;
     pthread_mutex_lock(&p->inst_mu);
+    __atomic_add_fetch(&p->inst_waiters, 1, __ATOMIC_SEQ_CST); /* before reading the states: pg_installed */
     while ((waiting = not_ready(p, units, n, &lost)) && !p->closing) {
         struct timespec now, step;
         clock_gettime(CLOCK_REALTIME, &now);
@@ -338,6 +339,7 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
         }
         pthread_cond_timedwait(&p->inst_cv, &p->inst_mu, &step);
     }
+    __atomic_sub_fetch(&p->inst_waiters, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&p->inst_mu);
     return p->closing ? -1 : waiting + lost;
 }

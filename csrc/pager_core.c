@@ -192,19 +192,31 @@ void pg_reserve(dls_pager *p, uint64_t n) {
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000L;
         }
+        p->slot_waiters++;
         pthread_cond_timedwait(&p->slot_cv, &p->slot_mu, &ts);
+        p->slot_waiters--;
     }
     if (t0) PG_ADD(p, reserve_wait_ns, pg_now_ns() - t0);
     p->resident += n;
-    if (p->resident > p->hi) pthread_cond_broadcast(&p->evict_cv);
+    if (p->resident > p->hi && p->evictors_asleep) pthread_cond_broadcast(&p->evict_cv);
     pthread_mutex_unlock(&p->slot_mu);
 }
 
 void pg_release(dls_pager *p, uint64_t n) {
     pthread_mutex_lock(&p->slot_mu);
     p->resident = p->resident >= n ? p->resident - n : 0;
-    pthread_cond_broadcast(&p->slot_cv);
+    if (p->slot_waiters) pthread_cond_broadcast(&p->slot_cv);
     pthread_mutex_unlock(&p->slot_mu);
+}
+
+void pg_installed(dls_pager *p) {
+    /* The states were stored before this (unit locks); a waiter counts itself before it reads them:
+     * the fence orders our stores before our read of the count, so one of us sees the other. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&p->inst_waiters, __ATOMIC_SEQ_CST)) return;
+    pthread_mutex_lock(&p->inst_mu);
+    pthread_cond_broadcast(&p->inst_cv);
+    pthread_mutex_unlock(&p->inst_mu);
 }
 
 /* --- userfaultfd calls -------------------------------------------------------------------------- */
@@ -250,7 +262,5 @@ void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code) {
     dls_pager_event ev = {.kind = DLS_EV_UNITS_LOST, .extent = idx, .endpoint = -1, .code = code, .unit = u,
                           .count = n};
     pg_event(p, &ev);
-    pthread_mutex_lock(&p->inst_mu);
-    pthread_cond_broadcast(&p->inst_cv);
-    pthread_mutex_unlock(&p->inst_mu);
+    pg_installed(p);
 }

@@ -156,6 +156,8 @@ struct dls_pager {
 
     pthread_mutex_t inst_mu; /* prefetch waiters */
     pthread_cond_t inst_cv;
+    int inst_waiters; /* wakes are sent only when someone waits: each one is a context switch */
+    int slot_waiters, evictors_asleep; /* under slot_mu */
 
     pthread_mutex_t ev_mu;
     pthread_cond_t ev_cv;
@@ -205,6 +207,9 @@ void pg_io_drop(pg_io *io, int32_t ep);
 /* Reserve n resident slots, waiting for eviction (and going over budget after a while). */
 void pg_reserve(dls_pager *p, uint64_t n);
 void pg_release(dls_pager *p, uint64_t n);
+
+/* Wake the threads waiting in dls_pager_prefetch for units to arrive, if there are any. */
+void pg_installed(dls_pager *p);
 
 /* uffd helpers: 0 or -errno */
 int pg_protect(dls_pager *p, uint64_t u, uint64_t n, int on);

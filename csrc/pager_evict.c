@@ -230,7 +230,11 @@ void *pg_evict_main(void *arg) {
     uint8_t dirty[256];
     for (;;) {
         pthread_mutex_lock(&p->slot_mu);
-        while (!p->closing && p->resident <= p->hi && !p->evict_now) pthread_cond_wait(&p->evict_cv, &p->slot_mu);
+        while (!p->closing && p->resident <= p->hi && !p->evict_now) {
+            p->evictors_asleep++;
+            pthread_cond_wait(&p->evict_cv, &p->slot_mu);
+            p->evictors_asleep--;
+        }
         int forced = p->evict_now;
         p->evict_now = 0;
         pthread_mutex_unlock(&p->slot_mu);

@@ -64,9 +64,12 @@ static uint32_t prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t c
         pg_unlock(p, (uint64_t)v);
     }
     if (!k) return covered;
+    /* wake as many workers as there are runs to fetch, not all of them for every few units */
+    uint32_t run = PG_STREAM_RUN_BYTES / p->unit ? (uint32_t)(PG_STREAM_RUN_BYTES / p->unit) : 1;
+    uint32_t wake = (k + run - 1) / run;
     pthread_mutex_lock(&p->q_mu);
     for (uint32_t i = 0; i < k; i++) pg_queue_push(&p->pref, picked[i]);
-    pthread_cond_broadcast(&p->q_cv);
+    for (uint32_t i = 0; i < wake && i < (uint32_t)p->nworkers; i++) pthread_cond_signal(&p->q_cv);
     pthread_mutex_unlock(&p->q_mu);
     PG_ADD(p, prefetched_units, k);
     return covered;
@@ -287,9 +290,7 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, i
         pg_wake(p, pg_addr(p, units[i]), (uint64_t)(j - i) * p->unit);
         i = j;
     }
-    pthread_mutex_lock(&p->inst_mu);
-    pthread_cond_broadcast(&p->inst_cv);
-    pthread_mutex_unlock(&p->inst_mu);
+    pg_installed(p);
     return 0;
 }
 

@@ -75,7 +75,11 @@ uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t
         return 0;
     }
     t->stride = d;
-    t->depth = max_depth < 2 ? max_depth : 2;
+    /* start an eighth of the way to the deepest (32 units, one 128 KiB run, at the default 1 MiB of
+     * 4 KiB units), at least 2: a reader that jumps to a new chunk gets a run's worth at its second
+     * fault instead of doubling up from 2, one stall per doubling */
+    uint32_t first_depth = max_depth / 8 > 2 ? max_depth / 8 : 2;
+    t->depth = max_depth < first_depth ? max_depth : first_depth;
     t->lo = unit;
     t->next = unit + d + d * (int64_t)t->depth;
     *first = unit + d;

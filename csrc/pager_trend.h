@@ -5,7 +5,8 @@
  * The idea is Leap's (Al Maruf and Chowdhury, "Effectively Prefetching Remote
  * Memory with Leap", USENIX ATC 2020): keep the recent faulting units, find
  * the majority stride among their deltas with a Boyer-Moore vote over a
- * window that doubles until a majority appears, and prefetch along it.  Units
+ * window that doubles until a majority appears, and prefetch along it, an
+ * eighth of the maximum depth at first.  Units
  * are only seen when they fault, so once a stream is running a fault inside
  * or just past the window it asked for means "keep going": the depth doubles
  * (up to the caller's maximum).  Any other fault falls back to the vote, and
