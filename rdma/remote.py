@@ -115,7 +115,8 @@ class RemoteMemory:
         move on reclaim the same way); the region's C engine moves the data.  ``unit``: bytes a
         fault fetches, a multiple of 4096 (at most 1 MiB) that divides the donors' slab size.
         ``policy``: ``clock``, ``fifo`` or ``random``.  ``engine``: ``fetch_workers``,
-        ``evict_threads``, ``prefetch_bytes`` (0: no sequential prefetch)."""
+        ``evict_threads``, ``prefetch_bytes`` (0: no sequential prefetch), ``fault_threads`` (2),
+        ``spin_us`` (50: how long a fault thread polls for a donor's answer before it sleeps)."""
         check_geometry(nbytes, local_bytes, unit, policy)
         size = -(-nbytes // unit) * unit
         extents = self._place(size)
