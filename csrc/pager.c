@@ -245,6 +245,19 @@ int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
         return DLS_E_ARG;
     }
     p->faulters = calloc((size_t)p->cfg.fault_threads, sizeof(pthread_t));
+    p->faulter_ctx = calloc((size_t)p->cfg.fault_threads, sizeof *p->faulter_ctx);
+    if (!p->faulter_ctx) {
+        snprintf(err, err_len, "out of memory");
+        return DLS_E_INTERNAL;
+    }
+    for (int i = 0; i < p->cfg.fault_threads; i++) p->faulter_ctx[i].ep = -1;
+    for (int i = 0; i < p->cfg.fault_threads; i++) {
+        int e = pg_faulter_init(p, &p->faulter_ctx[i]);
+        if (e) {
+            snprintf(err, err_len, "fault thread set-up (epoll on the userfaultfd): %s", strerror(-e));
+            return DLS_E_INTERNAL;
+        }
+    }
     p->workers = calloc((size_t)p->cfg.fetch_workers, sizeof(pthread_t));
     p->evictors = calloc((size_t)p->cfg.evict_threads, sizeof(pthread_t));
     if (!p->faulters || !p->workers || !p->evictors) {
@@ -254,7 +267,7 @@ int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
     p->started = 1;
     int rc = 0; /* count only the threads that started: close() joins those */
     for (int i = 0; !rc && i < p->cfg.fault_threads; i++)
-        if (!(rc = pthread_create(&p->faulters[i], NULL, pg_fault_main, p))) p->nfaulters++;
+        if (!(rc = pthread_create(&p->faulters[i], NULL, pg_fault_main, &p->faulter_ctx[i]))) p->nfaulters++;
     for (int i = 0; !rc && i < p->cfg.fetch_workers; i++)
         if (!(rc = pthread_create(&p->workers[i], NULL, pg_worker_main, p))) p->nworkers++;
     for (int i = 0; !rc && i < p->cfg.evict_threads; i++)
@@ -455,6 +468,9 @@ void dls_pager_free(dls_pager *p) {
     free(p->evict_seq);
     free(p->ext);
     free(p->zeros);
+    if (p->faulter_ctx)
+        for (int i = 0; i < p->cfg.fault_threads; i++) pg_faulter_free(&p->faulter_ctx[i]);
+    free(p->faulter_ctx);
     free(p->faulters);
     free(p->workers);
     free(p->evictors);

@@ -171,6 +171,7 @@ struct dls_pager {
 
     pthread_mutex_t trend_mu; /* the sequential detectors, shared by the fault threads */
     pthread_t *faulters, *workers, *evictors;
+    struct pg_faulter *faulter_ctx;
     int nfaulters, nworkers, nevictors;
     int started, closed;
     volatile int closing;
@@ -228,7 +229,16 @@ int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
 int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
 
 /* pager_fault.c */
-void *pg_fault_main(void *arg);
+/* A fault thread's own epoll set (the userfaultfd with EPOLLEXCLUSIVE, and the wake-up descriptor)
+ * and connections, made before the thread starts so that a failure fails dls_pager_start. */
+typedef struct pg_faulter {
+    dls_pager *p;
+    pg_io *io;
+    int ep;
+} pg_faulter;
+int pg_faulter_init(dls_pager *p, pg_faulter *f);
+void pg_faulter_free(pg_faulter *f);
+void *pg_fault_main(void *arg); /* arg: a pg_faulter */
 void *pg_worker_main(void *arg);
 /* Queue unit u for a fetch (it must be FETCHING, set by the caller under its lock). */
 void pg_queue_demand(dls_pager *p, uint64_t u);

@@ -185,19 +185,34 @@ static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n);
  * itself, one batched read per extent, with no hand-off to another thread on the way: a missing
  * fault costs the wake of this thread, the donor's round trip and the wake of the faulting thread.
  * While one fault thread waits on a donor, the others take the next faults. */
-void *pg_fault_main(void *arg) {
-    dls_pager *p = arg;
-    pg_io *io = pg_io_new(p);
-    int ep = epoll_create1(EPOLL_CLOEXEC);
+int pg_faulter_init(dls_pager *p, pg_faulter *f) {
+    f->p = p;
+    f->io = pg_io_new(p);
+    f->ep = epoll_create1(EPOLL_CLOEXEC);
     struct epoll_event uev = {.events = EPOLLIN | EPOLLEXCLUSIVE, .data.u32 = 0};
     struct epoll_event wev = {.events = EPOLLIN, .data.u32 = 1};
-    if (!io || ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, p->uffd, &uev) || epoll_ctl(ep, EPOLL_CTL_ADD, p->wakefd, &wev)) {
-        /* cannot serve faults from this thread: the others (or none, and close) carry on */
-        if (ep >= 0) close(ep);
-        pg_io_free(io);
-        return NULL;
+    if (!f->io || f->ep < 0 || epoll_ctl(f->ep, EPOLL_CTL_ADD, p->uffd, &uev) ||
+        epoll_ctl(f->ep, EPOLL_CTL_ADD, p->wakefd, &wev)) {
+        int e = errno ? errno : ENOMEM;
+        pg_faulter_free(f);
+        return -e;
     }
-    io->spin_us = p->cfg.spin_us;
+    f->io->spin_us = p->cfg.spin_us;
+    return 0;
+}
+
+void pg_faulter_free(pg_faulter *f) {
+    if (f->ep >= 0) close(f->ep);
+    f->ep = -1;
+    pg_io_free(f->io);
+    f->io = NULL;
+}
+
+void *pg_fault_main(void *arg) {
+    pg_faulter *f = arg;
+    dls_pager *p = f->p;
+    pg_io *io = f->io;
+    int ep = f->ep;
     struct uffd_msg msgs[64];
     uint64_t mine[64];
     while (!p->closing) {
@@ -223,8 +238,6 @@ void *pg_fault_main(void *arg) {
         PG_ADD(p, fault_ns, pg_now_ns() - t0);
         if (k) fetch_claimed(p, io, mine, k);
     }
-    close(ep);
-    pg_io_free(io);
     return NULL;
 }
 
