@@ -178,7 +178,7 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
     return 1;
 }
 
-static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n);
+static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n, int stream);
 
 /* A fault thread: it reads fault messages (each message goes to one of the fault threads: the
  * descriptor is in each thread's epoll set with EPOLLEXCLUSIVE) and fetches the units they ask for
@@ -236,7 +236,7 @@ void *pg_fault_main(void *arg) {
                                     msgs[i].arg.pagefault.feat.ptid, &mine[k]);
         }
         PG_ADD(p, fault_ns, pg_now_ns() - t0);
-        if (k) fetch_claimed(p, io, mine, k);
+        if (k) fetch_claimed(p, io, mine, k, 0);
     }
     return NULL;
 }
@@ -350,27 +350,19 @@ static void serve(dls_pager *p, pg_io *io, const uint32_t *units, uint32_t n, in
         }
         pg_unlock(p, v);
     }
-    qsort(mine, k, sizeof mine[0], cmp_u64);
-    for (uint32_t i = 0; i < k;) {
-        pg_extent *e = pg_extent_of(p, mine[i], NULL);
-        uint64_t end = e->first_unit + e->nunits;
-        uint32_t j = i + 1;
-        while (j < k && mine[j] < end && j - i < io->max_units) j++;
-        fetch_group(p, io, mine + i, j - i, stream);
-        i = j;
-    }
+    fetch_claimed(p, io, mine, k, stream);
 }
 
 /* Fetch units this thread claimed (in any order, possibly several extents), one batched read per
  * extent. */
-static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n) {
+static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n, int stream) {
     qsort(units, n, sizeof units[0], cmp_u64);
     for (uint32_t i = 0; i < n;) {
         pg_extent *e = pg_extent_of(p, units[i], NULL);
         uint64_t end = e->first_unit + e->nunits;
         uint32_t j = i + 1;
         while (j < n && units[j] < end && j - i < io->max_units) j++;
-        fetch_group(p, io, units + i, j - i, 0);
+        fetch_group(p, io, units + i, j - i, stream);
         i = j;
     }
 }
