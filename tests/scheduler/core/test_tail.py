@@ -82,9 +82,9 @@ def _jct(result, trace, jid):
 def test_a_stream_of_short_jobs_starves_a_long_one_without_the_bound_but_not_with_it():
     trace = _stream()
     cl = Cluster.parse("1x1")
-    plain = simulate(trace, cl, _profile())
-    boosted = simulate(trace, cl, _profile(boost=10.0))
-    fifo = simulate(trace, cl, "fifo")
+    plain = simulate(trace, cl, _profile(), restart_overhead_s=0.0)
+    boosted = simulate(trace, cl, _profile(boost=10.0), restart_overhead_s=0.0)
+    fifo = simulate(trace, cl, "fifo", restart_overhead_s=0.0)
     long_plain, long_boost = _jct(plain, trace, "long"), _jct(boosted, trace, "long")
     # plain Gittins runs the long job only in the stream's gaps: ~ 100 h / 17% of the GPU
     assert long_plain > 500 * 3600.0
