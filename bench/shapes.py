@@ -98,7 +98,7 @@ def make_trace(shape: Shape, seed: int = 0) -> list[TraceJob]:
 
     rng = np.random.default_rng(seed)
     cl = Cluster.parse(shape.cluster)
-    total = cl.nodes * cl.gpus
+    total = cl.total_gpus
     n = shape.jobs
     sizes = np.array(sorted(_GPUS))
     p = np.array([_GPUS[s] for s in sizes])

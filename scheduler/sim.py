@@ -33,8 +33,10 @@ number) only for jobs whose speed changed.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,47 +65,96 @@ _ARRIVE, _FINISH, _TICK, _REPORT, _FAIL, _RECLAIM = range(6)
 
 @dataclass(frozen=True)
 class Cluster:
-    """``nodes`` identical servers of ``gpus`` GPUs, ``cores`` cores and ``memory_gb`` GB."""
+    """``nodes`` identical servers of ``gpus`` GPUs of generation ``gpu_type`` ("" untyped),
+    ``cores`` cores and ``memory_gb`` GB; ``more``: further groups of servers (a cluster of
+    several GPU generations)."""
 
     nodes: int
     gpus: int
     cores: int
     memory_gb: float
+    gpu_type: str = ""
+    more: tuple["Cluster", ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "Cluster":
-        """``NxG`` or ``NxG:CORES:MEMGB``.  Without cores/memory, each GPU gets
+        """``NxG`` or ``NxG:CORES:MEMGB``, each optionally ``@TYPE`` (a GPU generation: ``v100``,
+        ``p100``, ``k80``, ...), several groups separated by commas:
+        ``6x4@v100,6x4@p100,6x4@k80``.  Without cores/memory, each GPU gets
         3 cores and 62.5 GB, the per-GPU share of Synergy's 8-GPU, 24-core,
         500 GB servers."""
+        groups = [g.strip() for g in str(text).split(",")]
+        if len(groups) > 64 or not all(groups):
+            raise ValueError(f"cluster {text!r}: at most 64 comma-separated groups NODESxGPUS[:CORES:MEMGB][@TYPE]")
+        first, *rest = (cls._group(g, text) for g in groups)
+        if sum(g.nodes for g in (first, *rest)) > 100_000:
+            raise ValueError(f"cluster {text!r}: at most 100000 nodes of 64 GPUs, 4096 cores and 65536 GB each")
+        return dataclasses.replace(first, more=tuple(rest)) if rest else first
+
+    @classmethod
+    def _group(cls, part: str, text: str) -> "Cluster":
+        body, _, gtype = part.partition("@")
+        gtype = gtype.strip().lower()
+        if len(gtype) > 64 or (gtype and not re.fullmatch(r"[a-z0-9_-]+", gtype)):
+            raise ValueError(f"cluster {text!r}: GPU type {gtype!r} must be letters and digits")
         try:
-            shape, *rest = text.lower().split(":")
+            shape, *rest = body.lower().split(":")
             n, g = (int(x) for x in shape.split("x"))
             cores = int(rest[0]) if rest else 3 * g
             mem = float(rest[1]) if len(rest) > 1 else 62.5 * g
         except (ValueError, IndexError):
-            raise ValueError(f"cluster {text!r}: expected NODESxGPUS or NODESxGPUS:CORES:MEMGB") from None
+            raise ValueError(f"cluster {text!r}: expected NODESxGPUS or NODESxGPUS:CORES:MEMGB (then @TYPE), "
+                             "comma-separated") from None
         if n < 1 or g < 1 or cores < 1 or mem <= 0 or len(rest) > 2:
             raise ValueError(f"cluster {text!r}: sizes must be positive")
         # Finite bounds: 1e400 GB or 10**8 nodes is a typo, not a cluster to build in memory.
         if n > 100_000 or g > 64 or cores > 4096 or not mem <= 65536:
             raise ValueError(f"cluster {text!r}: at most 100000 nodes of 64 GPUs, 4096 cores and 65536 GB each")
-        return cls(n, g, cores, mem)
+        return cls(n, g, cores, mem, gtype)
+
+    @property
+    def groups(self) -> tuple["Cluster", ...]:
+        return (dataclasses.replace(self, more=()), *self.more)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(c.nodes * c.gpus for c in self.groups)
+
+    @property
+    def total_cores(self) -> int:
+        return sum(c.nodes * c.cores for c in self.groups)
+
+    @property
+    def total_memory_gb(self) -> float:
+        return sum(c.nodes * c.memory_gb for c in self.groups)
 
     def make_nodes(self) -> list[Node]:
-        return [Node(f"n{i:05d}", self.gpus, self.cores, int(self.memory_gb * GB)) for i in range(self.nodes)]
+        out: list[Node] = []
+        for c in self.groups:
+            out += [Node(f"n{len(out) + i:05d}", c.gpus, c.cores, int(c.memory_gb * GB), gpu_type=c.gpu_type)
+                    for i in range(c.nodes)]
+        return out
 
     def __str__(self) -> str:
-        return f"{self.nodes}x{self.gpus}"
+        return ",".join(f"{c.nodes}x{c.gpus}" + (f"@{c.gpu_type}" if c.gpu_type else "") for c in self.groups)
 
 
 class GroundTruth:
-    """How fast jobs really run (see the module docstring)."""
+    """How fast jobs really run (see the module docstring).  ``by_type``: Gavel's table for every
+    GPU generation (``{"v100": ..., "k80": ...}``); a job on a typed node runs at its throughput
+    there over its throughput on ``reference`` (the generation the trace's durations are for), and
+    a pair sharing a GPU at that generation's pair throughputs.  Without it (or on an untyped node)
+    every GPU is ``reference``'s."""
 
-    def __init__(self, throughputs: dict[str, Any] | None, sensitivity: Any | None, solo: Any | None = None) -> None:
+    def __init__(self, throughputs: dict[str, Any] | None, sensitivity: Any | None, solo: Any | None = None,
+                 by_type: dict[str, Any] | None = None, reference: str = "v100") -> None:
         self.thr = throughputs or {}
         self.sens = sensitivity
         self.solo = solo  # GavelSoloProfiles: what a node reports for a job alone
-        self._pair: dict[tuple[str, str], tuple[float, float] | None] = {}
+        self.by_type = {k.lower(): v for k, v in (by_type or {}).items() if "unconsolidated" not in k}
+        self.reference = reference
+        self._pair: dict[tuple[str, str, str], tuple[float, float] | None] = {}
+        self._factor: dict[tuple[str, str], float] = {}
 
     def solo_telemetry(self, job: Job) -> Any:
         return self.solo.profile(job.model, job.batch_size) if self.solo is not None else None
@@ -111,12 +162,27 @@ class GroundTruth:
     def key(self, job: Job) -> str:
         return str((gavel_type(job.model, job.batch_size), job.gpus))
 
-    def pair(self, a: Job, b: Job) -> tuple[float, float] | None:
-        """Normalised speeds of ``a`` and ``b`` on one GPU; ``None`` when they do not fit together."""
+    def type_factor(self, job: Job, gpu_type: str) -> float:
+        """``job``'s speed alone on ``gpu_type`` over its speed on the reference (1 when either is
+        not measured, or the node is untyped)."""
+        if not gpu_type or gpu_type == self.reference or not self.by_type:
+            return 1.0
+        k = (self.key(job), gpu_type)
+        f = self._factor.get(k)
+        if f is None:
+            ref = self.by_type.get(self.reference, {}).get(k[0], {}).get("null")
+            here = self.by_type.get(gpu_type, {}).get(k[0], {}).get("null")
+            f = self._factor[k] = here / ref if ref and here else 1.0
+        return f
+
+    def pair(self, a: Job, b: Job, gpu_type: str = "") -> tuple[float, float] | None:
+        """Normalised speeds of ``a`` and ``b`` on one GPU (of ``gpu_type``: each against its own
+        speed alone there); ``None`` when they do not fit together."""
         ka, kb = self.key(a), self.key(b)
-        k = (ka, kb)
+        thr = self.by_type.get(gpu_type, self.thr) if gpu_type else self.thr
+        k = (ka, kb, gpu_type if gpu_type in self.by_type else "")
         if k not in self._pair:
-            ta, tb = self.thr.get(ka), self.thr.get(kb)
+            ta, tb = thr.get(ka), thr.get(kb)
             if ta is None or tb is None or kb not in ta:
                 self._pair[k] = (0.5, 0.5)  # never measured: plain time-slicing
             else:
@@ -227,10 +293,13 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
 
     t_wall = time.perf_counter()
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    typed = any(c.gpu_type for c in cluster.groups)
     if truth is None:
-        truth = GroundTruth(data.gavel_throughputs()["v100"], SensitivityModel.from_data(), _solo_profiles())
+        gavel = data.gavel_throughputs()
+        truth = GroundTruth(gavel["v100"], SensitivityModel.from_data(), _solo_profiles(), by_type=gavel if typed else None)
     if predictors is None:
-        predictors = Predictors(sensitivity=SensitivityModel.from_data(), colocation=_colocation())
+        predictors = Predictors(sensitivity=SensitivityModel.from_data(), colocation=_colocation(),
+                                type_speeds=_type_speeds() if typed else None)
     elif predictors == "oracle":
         predictors = oracle_predictors(truth)
     state = SchedulerState(prof, [*cluster.make_nodes(), *donors], predictors=predictors, rng=random.Random(seed))
@@ -250,9 +319,9 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         push(tj.arrival_s, _ARRIVE, tj)
     for at, donor, nbytes in reclaims:
         push(at, _RECLAIM, (donor, int(nbytes)))
-    total_gpus = cluster.nodes * cluster.gpus
-    total_cores = cluster.nodes * cluster.cores
-    total_mem = cluster.nodes * cluster.memory_gb * GB
+    total_gpus = cluster.total_gpus
+    total_cores = cluster.total_cores
+    total_mem = cluster.total_memory_gb * GB
     busy_area = cpu_area = mem_area = 0.0
     alloc_cpus = alloc_mem = 0.0
     first = trace[0].arrival_s if trace else 0.0
@@ -266,20 +335,24 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
 
     def speed_of(sj: _SimJob) -> float | None:
         rec = state.records[sj.job.id]
-        s = 1.0
-        for sh in rec.shards:
+        s = None
+        for sh in rec.shards:  # a gang runs at its slowest part
             ns = state.nodes[sh.node]
+            gtype = ns.node.gpu_type
+            here = truth.type_factor(sj.job, gtype)
             for g in sh.gpus:
                 res = ns.residents[g]
                 if len(res) > 1:
                     others = [jobs[o].job for o in res if o != sj.job.id]
                     if len(others) == 1:
-                        p = truth.pair(sj.job, others[0])
+                        p = truth.pair(sj.job, others[0], gtype)
                         if p is None:
                             return None
-                        s = min(s, p[0])
+                        here = min(here, truth.type_factor(sj.job, gtype) * p[0])
                     else:
-                        s = min(s, 1.0 / len(res))
+                        here = min(here, truth.type_factor(sj.job, gtype) / len(res))
+            s = here if s is None else min(s, here)
+        s = 1.0 if s is None else s
         if sj.remote > 0 and rec.shards:
             holder = (sj.job.id, rec.shards[0].node)
             return s * truth.resource_factor(sj.job, sj.cpus, sj.memory, sj.remote, _supply(holder, sj))
@@ -467,6 +540,12 @@ def _solo_profiles() -> Any:
         return None
 
 
+def _type_speeds() -> Any:
+    from scheduler.predictors import gavel_type_speeds
+
+    return gavel_type_speeds()
+
+
 def _colocation() -> Any:
     from scheduler import data
     from scheduler.predictors import LazyCoLocation
@@ -491,7 +570,7 @@ def oracle_predictors(truth: GroundTruth) -> Any:
                 return [0.0, 0.0] if p is None else [p[0], p[1]]
             return super().colocated_speeds(new_type, resident_types, new_job, residents)
 
-    return Oracle(sensitivity=SensitivityModel.from_data())
+    return Oracle(sensitivity=SensitivityModel.from_data(), type_speeds=_type_speeds() if truth.by_type else None)
 
 
 def _progress(total: int) -> tuple[Any, Any] | None:

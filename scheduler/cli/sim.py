@@ -19,7 +19,7 @@ def _sim(args, cfg) -> int:
     try:
         cluster = Cluster.parse(args.cluster)
         if args.synthetic:
-            trace = synthetic_trace(args.synthetic, cluster.nodes * cluster.gpus, seed=args.seed)
+            trace = synthetic_trace(args.synthetic, cluster.total_gpus, seed=args.seed)
             name = f"synthetic-{args.synthetic}"
         else:
             path = data.resolve_trace(args.trace)
@@ -189,7 +189,9 @@ def register(sub) -> None:
     p.add_argument("action", nargs="?", choices=["run", "predictor", "replay"], default="run")
     p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")
-    p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB]")
+    p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB][@TYPE], comma-separated groups "
+                   "(e.g. 6x4@v100,6x4@p100,6x4@k80: GPU generations, with each job's speed there from Gavel's "
+                   "throughputs)")
     p.add_argument("--profile", default="dlshare", help="profile name(s), comma-separated, or a TOML path")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restart-overhead", "--restart-cost", dest="restart_overhead", type=_overhead_s,

@@ -14,6 +14,8 @@ Scores are raw (higher is better); the core normalises each plugin's scores to
 * ``colocation_gain`` filter + ``throughput`` score (dlshare): share a GPU only
   when the predicted combined normalised throughput beats running alone by a
   margin and the resident job keeps most of its speed.
+* ``gpu_type`` score (dlshare): on a cluster of several GPU generations, put a job where it gains
+  most against the other jobs (comparative advantage).
 """
 
 from __future__ import annotations
@@ -127,3 +129,83 @@ class Throughput:
         speeds = ctx.predictors.colocated_speeds(rec.job.job_type, _types(cand, ctx), rec.job,
                                                  [ctx.records[o].job for o in cand.residents])
         return sum(speeds) - len(speeds) + 1.0
+
+
+@register("score", "gpu_type")
+class GpuType:
+    """Several GPU generations (issue 23): prefer the generation where the job's speed, against the
+    mean speed there of the jobs in the system, is highest: comparative advantage, the greedy
+    form of Gavel's heterogeneity-aware allocation (Narayanan et al., OSDI'20), which gives the
+    fast GPUs to the jobs that gain most from them.  A job that runs 10x faster on a V100 than on a
+    K80 takes the V100; one that gains 1.2x leaves it to others and takes the K80, where the
+    others crawl.  Speeds come from ``ctx.predictors.type_speed`` (Gavel's measured throughputs);
+    an untyped node, or a job type never measured, scores 1 (as fast as the reference)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple = ()
+        self._mean: dict[str, float] = {}
+
+    def _means(self, ctx: Context) -> dict[str, float]:
+        key = (ctx.now, len(ctx.running or ()), len(ctx.waiting or ()), len(ctx.nodes))
+        if key != self._seen:
+            types = {ns.node.gpu_type for ns in ctx.nodes.values() if ns.node.gpu_type}
+            sums = dict.fromkeys(types, 0.0)
+            counts = dict.fromkeys(types, 0)
+            for rec in (*(ctx.running or {}).values(), *(ctx.waiting or {}).values()):
+                if rec.job.cpu_only:
+                    continue
+                for t in types:
+                    v = ctx.predictors.type_speed(rec.job, t)
+                    if v is not None:
+                        sums[t] += v
+                        counts[t] += 1
+            self._mean = {t: sums[t] / counts[t] for t in types if counts[t]}
+            self._seen = key
+        return self._mean
+
+    def score(self, rec: JobRecord, cand: Candidate, ctx: Context) -> float:
+        t = cand.node.node.gpu_type
+        v = ctx.predictors.type_speed(rec.job, t) if t else None
+        if v is None:
+            return 1.0
+        mean = self._means(ctx).get(t)
+        return v / mean if mean else v
+
+
+@register("filter", "gpu_type")
+class GpuTypeFloor:
+    """Several GPU generations: do not start a job where it would run so much slower than on its
+    best generation in the cluster that waiting for that one is quicker.  Running now at ``v`` of
+    its best speed takes d / v; waiting takes W + d; so it starts where ``v >= 1 / (1 + W / d)``.
+    The backlog estimates W / d: the GPUs the waiting jobs ask for over the cluster's GPUs (the
+    waves of work ahead of a newcomer).  An idle cluster (no backlog) waits for the best type; a
+    deep backlog takes any GPU.  ``min_speed`` fixes the floor instead (0: the backlog's)."""
+
+    def __init__(self, min_speed: float = 0.0) -> None:
+        if not 0 <= min_speed <= 1:
+            raise ValueError("min_speed must be in [0, 1]")
+        self.min_speed = float(min_speed)
+        self._types: tuple = ()
+        self._seen: tuple = ()
+        self._floor = 1.0
+
+    def _floor_now(self, ctx: Context) -> float:
+        key = (ctx.now, len(ctx.waiting or ()), len(ctx.nodes))
+        if key != self._seen:
+            self._types = tuple(sorted({ns.node.gpu_type for ns in ctx.nodes.values() if ns.node.gpu_type}))
+            backlog = sum(r.job.gpus for r in (ctx.waiting or {}).values()) / max(1, ctx.total_gpus)
+            self._floor = self.min_speed or 1.0 / (1.0 + backlog)
+            self._seen = key
+        return self._floor
+
+    def filter(self, rec: JobRecord, cand: Candidate, ctx: Context) -> str | None:
+        t = cand.node.node.gpu_type
+        v = ctx.predictors.type_speed(rec.job, t) if t else None
+        if v is None:
+            return None
+        floor = self._floor_now(ctx)
+        best = max((x for x in (ctx.predictors.type_speed(rec.job, u) for u in self._types) if x is not None),
+                   default=v)
+        if v < floor * best:
+            return f"runs at {v / best:.2f} of its speed on its best GPU type here; waiting is quicker (< {floor:.2f})"
+        return None

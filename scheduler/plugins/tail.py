@@ -1,4 +1,21 @@
-"""Tail bound for the duration-agnostic orders: boosted arrival times.
+"""Tail bounds for the duration-agnostic orders: a slowdown bound against an equal share
+(:class:`ShareBound`, the ``dlshare`` profile's), and boosted arrival times (:class:`BoostedArrival`).
+
+:class:`ShareBound` (issue 23).  Every active job has an *equal-share clock*: the progress (seconds of
+its run time) it would have made had the cluster been split evenly between the active jobs since it
+arrived, each running the same fraction of the time, min(1, GPUs / GPUs asked by the active jobs)
+(Gavel's max-min fairness with time-slicing, and the "independent" share of Themis's finish-time
+fairness).  The core keeps that clock (``Context.share_clock`` now, ``JobRecord.share_start`` at
+arrival).  A job whose clock has passed ``factor`` x the run time it is expected to reach
+(E[D | D > attained], from the order's learned distribution) is *owed*: however it finishes now,
+it will have had less than 1/``factor`` of an equal share.  Owed jobs go before the others, oldest
+first, and are never preempted for a job that is not owed.  So a job can be passed over only until
+an equal share would have finished a job of its expected size ``factor`` times over, whatever the
+stream of newcomers; the rest is the Gittins order that minimises the mean.  The clock slows when
+the cluster is crowded (an equal share is small then), so the bound costs little in a backlog, and
+needs no time scale: it is in the job's own run time.
+
+Boosted arrival times (the fixed ``boost = 10`` of issue 13, kept for reference):
 
 Size-based orders (LAS, 2D-LAS, Gittins) win the mean by running what looks
 short first.  Long jobs pay: every newcomer overtakes them, for as long as
@@ -31,6 +48,7 @@ workload's time scale and needs no unit.  Lower ranks run first.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from scheduler.model import JobRecord
 
@@ -66,3 +84,19 @@ class BoostedArrival:
 
     def rank(self, rec: JobRecord, rate: float) -> float:
         return rec.job.arrival - self.boost(rate)
+
+
+class ShareBound:
+    """Owed jobs: their equal-share clock passed ``factor`` x their expected run time (see the
+    module docstring)."""
+
+    def __init__(self, factor: float) -> None:
+        if not factor > 0:
+            raise ValueError("share_bound must be > 0")
+        self.factor = float(factor)
+
+    def owed(self, rec: JobRecord, ctx: Any, expected_s: float) -> bool:
+        """Whether ``rec``, expected to run ``expected_s`` seconds in all, is owed at ``ctx.now``."""
+        if rec.share_start is None:  # not counted by the core (a bound pod): never owed
+            return False
+        return ctx.share_clock - rec.share_start > self.factor * expected_s
