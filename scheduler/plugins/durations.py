@@ -119,13 +119,17 @@ def kaplan_meier(events: np.ndarray, censored: np.ndarray) -> np.ndarray:
     """Probability mass per bin of a duration from per-bin weights of finished (``events``) and
     censored observations (still running when seen): the Kaplan-Meier estimate.  A censored
     observation in bin i counts as at risk in bin i (it may still end there) and after it is gone.
-    What survives the last bin is put in it."""
+    What survives the last observation is put in its bin (Efron's tail correction: the longest job
+    seen ends where it was seen), not at the grid's end, which would make every job that outlived
+    the others look endless."""
     ev = np.asarray(events, dtype=float)
-    at_risk = np.cumsum((ev + np.asarray(censored, dtype=float))[::-1])[::-1]
+    seen = ev + np.asarray(censored, dtype=float)
+    at_risk = np.cumsum(seen[::-1])[::-1]
     hazard = np.where(at_risk > 0, ev / np.where(at_risk > 0, at_risk, 1.0), 0.0)
     surv = np.cumprod(1.0 - np.clip(hazard, 0.0, 1.0))
     mass = -np.diff(np.concatenate([[1.0], surv]))
-    mass[-1] += surv[-1]
+    last = int(np.nonzero(seen > 0)[0][-1]) if seen.any() else len(mass) - 1
+    mass[last] += surv[-1]
     return np.maximum(mass, 0.0)
 
 

@@ -154,8 +154,8 @@ class Gittins(_Preemptive):
     restart, and the index is an estimate (issue 23: the ``dlshare`` profile preempted 8.4 times
     a job on vc_0e4a51 without one).
     ``share_bound`` (> 0): bound every job's slowdown against an equal share of the cluster
-    (:class:`~scheduler.plugins.tail.ShareBound`): a job whose equal-share progress passes
-    ``share_bound`` x its expected run time goes first, oldest first.
+    (:class:`~scheduler.plugins.tail.ShareBound`): a job that has had less than 1/``share_bound``
+    of an equal share goes first, oldest first, until it has its whole share.
     """
 
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
@@ -175,6 +175,7 @@ class Gittins(_Preemptive):
         self.table = self.learned.table if self.learned is not None else GittinsTable(samples)
         self.boost = BoostedArrival(boost, float(np.mean(samples))) if boost else None
         self.bound = ShareBound(share_bound) if share_bound else None
+        self._promoted: set[str] = set()  # jobs owed when last looked at (ShareBound)
         self.learn = learn
         self.learn_weight = float(learn_weight)
         self.per_type = per_type
@@ -190,6 +191,7 @@ class Gittins(_Preemptive):
         return (rec.job.job_type, rec.job.gpus)
 
     def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        self._promoted.discard(rec.job.id)
         run_time = rec.job.attained_service / _gpus(rec)
         if self.boost is not None:
             self.boost.observe(run_time)
@@ -212,6 +214,23 @@ class Gittins(_Preemptive):
             self.table.add(np.asarray(self._pending), self.learn_weight)
             self._pending.clear()
 
+    def _owed(self, rec: JobRecord, ctx: Context, t: float, tab: GittinsTable) -> bool:
+        """The tail bound (:class:`~scheduler.plugins.tail.ShareBound`): owed when short of
+        1/``share_bound`` of an equal share; a job promoted for it keeps the GPUs until it has its
+        whole equal share (hysteresis: it is not swapped out again as soon as it is back at the bound)."""
+        jid = rec.job.id
+        if rec.run_since is not None and jid in self._promoted:
+            if self.bound.caught_up(rec, ctx, t):
+                self._promoted.discard(jid)
+                return False
+            return True
+        owed = self.bound.owed(rec, ctx, max(t, tab.expected_total(0.0)))
+        if owed:
+            self._promoted.add(jid)
+        else:
+            self._promoted.discard(jid)
+        return owed
+
     def _table(self, rec: JobRecord) -> GittinsTable:
         if not self.per_type:
             return self.table
@@ -231,7 +250,7 @@ class Gittins(_Preemptive):
         if self.preempt_margin and rec.run_since is not None:
             rate *= self.preempt_margin  # hysteresis: see the class docstring
         if self.bound is not None:
-            if self.bound.owed(rec, ctx, tab.expected_total(t)):
+            if self._owed(rec, ctx, t, tab):
                 return (-rec.job.priority, 0, rec.job.arrival, rec.job.id)
             return (-rec.job.priority, 1, -rate, rec.job.id)
         if self.boost is not None:

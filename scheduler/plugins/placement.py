@@ -177,35 +177,45 @@ class GpuTypeFloor:
     """Several GPU generations: do not start a job where it would run so much slower than on its
     best generation in the cluster that waiting for that one is quicker.  Running now at ``v`` of
     its best speed takes d / v; waiting takes W + d; so it starts where ``v >= 1 / (1 + W / d)``.
-    The backlog estimates W / d: the GPUs the waiting jobs ask for over the cluster's GPUs (the
-    waves of work ahead of a newcomer).  An idle cluster (no backlog) waits for the best type; a
-    deep backlog takes any GPU.  ``min_speed`` fixes the floor instead (0: the backlog's)."""
+    W / d is estimated, in units of a job's run time, as the backlog (the GPUs the waiting jobs ask
+    for over the cluster's GPUs: the waves of work ahead of a newcomer), plus one when its best
+    generation has no free GPU for it (it waits for a running job to end).  So a job that runs 4x
+    slower on a K80 waits for a busy V100 (floor 1/2) unless the backlog is deep; one that loses 20%
+    takes the K80; with a V100 free the K80 is refused (floor 1).  ``min_speed`` fixes the floor
+    instead (0: the estimate's)."""
 
     def __init__(self, min_speed: float = 0.0) -> None:
         if not 0 <= min_speed <= 1:
             raise ValueError("min_speed must be in [0, 1]")
         self.min_speed = float(min_speed)
-        self._types: tuple = ()
         self._seen: tuple = ()
-        self._floor = 1.0
+        self._backlog = 0.0
+        self._free: dict[str, int] = {}
 
-    def _floor_now(self, ctx: Context) -> float:
-        key = (ctx.now, len(ctx.waiting or ()), len(ctx.nodes))
+    def _look(self, ctx: Context) -> None:
+        key = (ctx.now, len(ctx.waiting or ()), len(ctx.running or ()), ctx.free_gpus, len(ctx.nodes))
         if key != self._seen:
-            self._types = tuple(sorted({ns.node.gpu_type for ns in ctx.nodes.values() if ns.node.gpu_type}))
-            backlog = sum(r.job.gpus for r in (ctx.waiting or {}).values()) / max(1, ctx.total_gpus)
-            self._floor = self.min_speed or 1.0 / (1.0 + backlog)
+            self._free = {}
+            for ns in ctx.nodes.values():
+                if ns.alive and ns.node.gpu_type:
+                    self._free[ns.node.gpu_type] = max(self._free.get(ns.node.gpu_type, 0), ns.free_gpus)
+            self._backlog = sum(r.job.gpus for r in (ctx.waiting or {}).values()) / max(1, ctx.total_gpus)
             self._seen = key
-        return self._floor
 
     def filter(self, rec: JobRecord, cand: Candidate, ctx: Context) -> str | None:
         t = cand.node.node.gpu_type
         v = ctx.predictors.type_speed(rec.job, t) if t else None
         if v is None:
             return None
-        floor = self._floor_now(ctx)
-        best = max((x for x in (ctx.predictors.type_speed(rec.job, u) for u in self._types) if x is not None),
-                   default=v)
-        if v < floor * best:
+        self._look(ctx)
+        speeds = {u: x for u in self._free if (x := ctx.predictors.type_speed(rec.job, u)) is not None}
+        best_type = max(speeds, key=lambda u: (speeds[u], u), default=t)
+        best = speeds.get(best_type, v)
+        if self.min_speed:
+            floor = self.min_speed
+        else:  # a node of its best type with room for it (or the gang spans several: assume none)
+            busy = self._free.get(best_type, 0) < rec.job.gpus
+            floor = 1.0 / (1.0 + self._backlog + (1.0 if busy else 0.0))
+        if v < floor * best - 1e-12:
             return f"runs at {v / best:.2f} of its speed on its best GPU type here; waiting is quicker (< {floor:.2f})"
         return None
