@@ -54,7 +54,7 @@ def register(sub) -> None:
     from nodesvc.cli import add_command
 
     mods = _available()
-    p = add_command(sub, "bench", _run, "run operator benchmarks against their baselines, side by side")
+    p = add_command(sub, "bench", _run, "run operator benchmarks against their baselines, side by side", quiet=True)
     p.add_argument("bench", choices=[*mods, "all"], help="which benchmark")
     p.add_argument("--quick", action="store_true", help="small sizes, for a fast check")
     p.add_argument("--json", metavar="PATH", help="write the result JSON here")

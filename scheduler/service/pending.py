@@ -1,0 +1,181 @@
+"""The waiting jobs as launchers see them: why each waits, where it stands, when it should start.
+
+:class:`PendingJobs` asks the core (on the loop's thread, never more often than ``reasons_s``):
+
+* the queue in the profile's order and each job's :class:`~scheduler.waiting.WaitReason`
+  (:func:`scheduler.waiting.explain_queue`, the first ``explain_limit`` jobs explained, those
+  further back ``Priority``);
+* every ``forecast_s`` (sooner when the queue changed), the start estimates:
+  :func:`scheduler.forecast.forecast` replays the queue forward through a copy of the core, with
+  running jobs ending when :class:`~scheduler.forecast.DurationPrior` expects them to (the Philly
+  runtimes the Gittins order uses, plus the run times of the jobs that finished here).
+
+A job's reason goes into its row (so ``GET /v1/jobs`` and ``dlshare job list`` show it) and, when
+its code changes, or its words change and ``event_gap_s`` passed since its last one, into a
+``waiting`` event (``kubectl describe``'s events: one line per change, not one per refresh).
+Position and estimate are kept in memory only: they move with every pass.  The maps the API reads
+are replaced whole, never changed in place, so the API's thread reads them without a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from scheduler import SchedulerState
+from scheduler.forecast import DurationPrior, elapsed_of, forecast
+from scheduler.waiting import explain_queue
+from scheduler.service.store import JobStore
+
+log = logging.getLogger("dlshare.sched.pending")
+
+
+def philly_prior() -> DurationPrior:
+    """The Philly runtimes (the Gittins order's prior), or an empty prior without the shared data."""
+    from scheduler import data
+
+    try:
+        return DurationPrior(data.philly_runtimes())
+    except (OSError, ValueError) as exc:
+        log.warning("start estimates: no duration prior (%s); a running job is expected to run as long again", exc)
+        return DurationPrior([])
+
+
+class PendingJobs:
+    """See the module docstring.  ``prior``: makes the :class:`DurationPrior` (called once, on a
+    thread of its own); ``explain_limit``: jobs explained one
+    by one per refresh; ``horizon_s``/``max_batches``: how far a forecast replays."""
+
+    def __init__(self, store: JobStore, reasons_s: float = 1.0, forecast_s: float = 10.0, explain_limit: int = 200,
+                 event_gap_s: float = 60.0, prior: Callable[[], DurationPrior] = philly_prior,
+                 horizon_s: float = 7 * 86400.0, max_batches: int = 3000) -> None:
+        self.store = store
+        self.reasons_s = reasons_s
+        self.forecast_s = forecast_s
+        self.explain_limit = explain_limit
+        self.event_gap_s = event_gap_s
+        self.horizon_s = horizon_s
+        self.max_batches = max_batches
+        self.board: dict[str, dict[str, Any]] = {}  # job -> code, reason, nodes, position, since
+        self.estimates: dict[str, float] = {}  # job -> estimated start (the service's clock)
+        self.estimated_at: float | None = None
+        self.queue_length = 0
+        self.forecast_seconds: float | None = None  # what the last forecast cost
+        self.explain_seconds: float | None = None
+        self._last_reasons = -math.inf
+        self._last_forecast = -math.inf
+        self._forecast_queue: frozenset[str] = frozenset()
+        self._event_at: dict[str, float] = {}
+        self._prior: DurationPrior | None = None
+        self._finished: list[float] = []  # run times seen before the prior was ready
+        # Loaded on a thread of its own the first time a job waits (reading the runtimes takes a while).
+        self._prior_thread = threading.Thread(target=self._load_prior, args=(prior,), name="sched-prior", daemon=True)
+        self._prior_lock = threading.Lock()
+
+    def _start_prior(self) -> None:
+        with self._prior_lock:
+            if self._prior_thread.ident is None:
+                self._prior_thread.start()
+
+    def _load_prior(self, make: Callable[[], DurationPrior]) -> None:
+        p = make()
+        for d in self._finished:
+            p.add(d)
+        self._prior = p
+
+    # --- fed by the live loop (its thread) ----------------------------------------------------
+
+    def finished(self, rec: Any) -> None:
+        """A job ended done: its run time teaches the prior."""
+        d = elapsed_of(rec, rec.finished_at if rec.finished_at is not None else rec.job.arrival)
+        if self._prior is not None:
+            self._prior.add(d)
+        else:
+            self._finished.append(d)
+
+    def refresh(self, core: SchedulerState, now: float, force: bool = False) -> None:
+        """Reasons and positions (every ``reasons_s``), estimates (every ``forecast_s``, or when the
+        queue changed); rows and events for the reasons that changed."""
+        if not force and now - self._last_reasons < self.reasons_s:
+            return
+        self._last_reasons = now
+        t0 = time.perf_counter()
+        order, reasons = explain_queue(core, self.explain_limit)
+        self.explain_seconds = time.perf_counter() - t0
+        old = self.board
+        board: dict[str, dict[str, Any]] = {}
+        changes: list[tuple[str, str, dict[str, Any] | None]] = []
+        for pos, jid in enumerate(order, 1):
+            why = reasons[jid]
+            prev = old.get(jid)
+            since = prev["since"] if prev is not None and prev["code"] == why.code else now
+            board[jid] = {"code": why.code, "reason": why.message, "nodes": why.nodes, "position": pos,
+                          "since": since}
+            if prev is None or prev["reason"] != why.message:
+                event = prev is None or prev["code"] != why.code or now - self._event_at.get(jid, -math.inf) \
+                    >= self.event_gap_s
+                data = None
+                if event:
+                    self._event_at[jid] = now
+                    data = {"code": why.code, "reason": why.message, "position": pos}
+                    if why.nodes:
+                        data["nodes"] = why.nodes
+                changes.append((jid, why.message, data))
+        for jid in old.keys() - board.keys():
+            self._event_at.pop(jid, None)
+        try:
+            self.store.set_reasons(changes)
+        except Exception:  # noqa: BLE001 - a reason is a courtesy: never fail the loop for it
+            log.exception("writing the waiting jobs' reasons failed")
+        self.board = board
+        self.queue_length = len(order)
+        queue = frozenset(order)
+        due = now - self._last_forecast >= self.forecast_s or queue != self._forecast_queue
+        if not queue:
+            self.estimates, self._forecast_queue = {}, queue
+        elif self._prior is None:
+            self._start_prior()
+        elif due and self._prior is not None:
+            self._last_forecast = now
+            self._forecast_queue = queue
+            t1 = time.perf_counter()
+            try:
+                f = forecast(core, self._prior, horizon_s=self.horizon_s, max_batches=self.max_batches)
+            except Exception:  # noqa: BLE001 - an estimate is a courtesy too
+                log.exception("start estimates failed")
+                return
+            self.forecast_seconds = time.perf_counter() - t1
+            # The replay starts at the core's time; a start it puts there is "now".
+            self.estimates = {j: max(t, now) for j, t in f.starts.items()}
+            self.estimated_at = now
+
+    # --- read by the API (any thread) ---------------------------------------------------------
+
+    def info(self, job_id: str) -> dict[str, Any] | None:
+        """The job's ``waiting`` block for the API (None when it does not wait)."""
+        b = self.board.get(job_id)
+        if b is None:
+            return None
+        est = self.estimates
+        return {**b, "queue_length": self.queue_length, "estimated_start": est.get(job_id),
+                "estimated_at": self.estimated_at if job_id in est else None}
+
+    def by_code(self) -> dict[str, int]:
+        """Waiting jobs per reason code."""
+        out: dict[str, int] = {}
+        for b in self.board.values():
+            out[b["code"]] = out.get(b["code"], 0) + 1
+        return out
+
+    def wait_prior_ready(self, timeout: float) -> bool:
+        """Load the duration prior now if nobody asked yet, and wait until it is ready."""
+        self._start_prior()
+        self._prior_thread.join(timeout)
+        return self._prior is not None
+
+
+__all__ = ["PendingJobs", "philly_prior"]
