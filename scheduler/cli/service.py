@@ -67,6 +67,7 @@ config.register_section("sched", {
     # core) every forecast_s or when the queue changes (README, "Operating dlshare").
     "reasons_s": 1.0,
     "forecast_s": 10.0,
+    "reason_event_gap_s": 30.0,  # a waiting job's events: a changed code at once, changed words at most this often
     # The cluster over time: one point every history_step_s, kept history_keep_s (in the database too).
     "history_step_s": 10.0,
     "history_keep_s": 86400.0,
@@ -128,6 +129,7 @@ def _service(cfg: dict[str, dict[str, Any]], store):
     if int(s["snapshot_events"]) < 1 or float(s["snapshot_s"]) <= 0:
         raise config.ConfigError("sched.snapshot_events must be >= 1 and sched.snapshot_s > 0")
     for key, lo, hi in (("reasons_s", 0.05, 3600.0), ("forecast_s", 0.05, 86400.0), ("history_step_s", 0.05, 3600.0),
+                        ("reason_event_gap_s", 0.0, 86400.0),
                         ("history_keep_s", 1.0, 366 * 86400.0)):
         if not lo <= float(s[key]) <= hi:
             raise config.ConfigError(f"sched.{key} must be between {lo:g} and {hi:g}, got {s[key]!r}")
@@ -142,6 +144,7 @@ def _service(cfg: dict[str, dict[str, Any]], store):
                                 limits=WaitingLimits(int(s["max_waiting_per_user"]), int(s["max_waiting_per_account"])),
                                 default_user=token_user(cfg), reasons_s=float(s["reasons_s"]),
                                 forecast_s=float(s["forecast_s"]), history_step_s=float(s["history_step_s"]),
+                                reason_event_gap_s=float(s["reason_event_gap_s"]),
                                 history_keep_s=float(s["history_keep_s"]))
     except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None

@@ -349,10 +349,15 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
                             headers=_page_headers())
 
     def _same_origin(request: Request) -> bool:
-        """A form posted from this page's own origin (or by a client that names none, as curl)."""
+        """A form posted from this page itself: a browser says so in Sec-Fetch-Site (the page's
+        no-referrer policy makes its Origin "null"); an older one in Origin; a client that names
+        neither (curl, a script) is not a browser another site could drive."""
+        site = request.headers.get("sec-fetch-site")
+        if site is not None:
+            return site in ("same-origin", "none")
         origin = request.headers.get("origin")
         if origin is None:
-            return request.headers.get("sec-fetch-site", "same-origin") in ("same-origin", "none")
+            return True
         return origin != "null" and origin.split("://", 1)[-1] == request.headers.get("host", "")
 
     @app.post("/login", include_in_schema=False)

@@ -87,8 +87,9 @@ class SchedulerService:
     long between snapshots while events come; ``limits``: the admission limits per user and account;
     ``default_user``: the user a job without an owner runs as (jobs from before owners were kept,
     and in-process submissions without one): the bootstrap token's user.  ``reasons_s``,
-    ``forecast_s``, ``prior``: how often waiting jobs are explained and their starts estimated, and
-    the duration prior's maker (:mod:`scheduler.service.pending`); ``history_step_s``,
+    ``forecast_s``, ``prior``, ``reason_event_gap_s``: how often waiting jobs are explained and their
+    starts estimated, the duration prior's maker, and the least time between two events of a job whose
+    reason changed words only (:mod:`scheduler.service.pending`); ``history_step_s``,
     ``history_keep_s``: the cluster's history (:mod:`scheduler.service.history`)."""
 
     def __init__(self, store: JobStore, profile: str | Path | Profile = "dlshare", broker_url: str | None = None,
@@ -98,6 +99,7 @@ class SchedulerService:
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
                  snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
                  reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
+                 reason_event_gap_s: float = 30.0,
                  history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
         self.store = store
         self.journal = Journal(store)
@@ -153,7 +155,8 @@ class SchedulerService:
         self.translator = Translator(self, self.post)
         self.recovery.reconcile()
         self.stats.restore = self.recovery.report
-        self.pending = PendingJobs(store, reasons_s=reasons_s, forecast_s=forecast_s, prior=prior)
+        self.pending = PendingJobs(store, reasons_s=reasons_s, forecast_s=forecast_s, prior=prior,
+                                   event_gap_s=reason_event_gap_s)
         self.history = ClusterHistory(store, history_step_s, history_keep_s)
         self.metrics = SchedulerMetrics(self.profile, _version())
         self._last_batch_s = 0.0

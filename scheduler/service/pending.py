@@ -10,9 +10,11 @@
   running jobs ending when :class:`~scheduler.forecast.DurationPrior` expects them to (the Philly
   runtimes the Gittins order uses, plus the run times of the jobs that finished here).
 
-A job's reason goes into its row (so ``GET /v1/jobs`` and ``dlshare job list`` show it) and, when
-its code changes, or its words change and ``event_gap_s`` passed since its last one, into a
-``waiting`` event (``kubectl describe``'s events: one line per change, not one per refresh).
+A job's reason goes into its row (so ``GET /v1/jobs`` and ``dlshare job list`` show it) and into a
+``waiting`` event when its code changes, or when its words changed and ``event_gap_s`` passed since
+its last one (``kubectl describe``'s events: a line per change, not one per refresh; the numbers of
+a busy cluster's reasons move at every pass, so their events are spaced out, the latest words
+always logged in the end).
 Position and estimate are kept in memory only: they move with every pass.  The maps the API reads
 are replaced whole, never changed in place, so the API's thread reads them without a lock.
 """
@@ -51,7 +53,7 @@ class PendingJobs:
     by one per refresh; ``horizon_s``/``max_batches``: how far a forecast replays."""
 
     def __init__(self, store: JobStore, reasons_s: float = 1.0, forecast_s: float = 10.0, explain_limit: int = 200,
-                 event_gap_s: float = 60.0, prior: Callable[[], DurationPrior] = philly_prior,
+                 event_gap_s: float = 30.0, prior: Callable[[], DurationPrior] = philly_prior,
                  horizon_s: float = 7 * 86400.0, max_batches: int = 3000) -> None:
         self.store = store
         self.reasons_s = reasons_s
@@ -69,7 +71,7 @@ class PendingJobs:
         self._last_reasons = -math.inf
         self._last_forecast = -math.inf
         self._forecast_queue: frozenset[str] = frozenset()
-        self._event_at: dict[str, float] = {}
+        self._logged: dict[str, tuple[str, str, float]] = {}
         self._prior: DurationPrior | None = None
         self._finished: list[float] = []  # run times seen before the prior was ready
         # Loaded on a thread of its own the first time a job waits (reading the runtimes takes a while).
@@ -115,18 +117,19 @@ class PendingJobs:
             since = prev["since"] if prev is not None and prev["code"] == why.code else now
             board[jid] = {"code": why.code, "reason": why.message, "nodes": why.nodes, "position": pos,
                           "since": since}
-            if prev is None or prev["reason"] != why.message:
-                event = prev is None or prev["code"] != why.code or now - self._event_at.get(jid, -math.inf) \
-                    >= self.event_gap_s
+            logged = self._logged.get(jid)  # (code, reason, when) of its last waiting event
+            event = logged is None or (logged[:2] != (why.code, why.message) and (
+                logged[0] != why.code or now - logged[2] >= self.event_gap_s))
+            if event or prev is None or prev["reason"] != why.message:
                 data = None
                 if event:
-                    self._event_at[jid] = now
+                    self._logged[jid] = (why.code, why.message, now)
                     data = {"code": why.code, "reason": why.message, "position": pos}
                     if why.nodes:
                         data["nodes"] = why.nodes
                 changes.append((jid, why.message, data))
         for jid in old.keys() - board.keys():
-            self._event_at.pop(jid, None)
+            self._logged.pop(jid, None)
         try:
             self.store.set_reasons(changes)
         except Exception:  # noqa: BLE001 - a reason is a courtesy: never fail the loop for it

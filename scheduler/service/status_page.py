@@ -44,7 +44,7 @@ th{background:#eee}.online{color:#060}.offline{color:#a00}.failed{color:#a00}.ru
 svg.chart text{font-size:11px;fill:#444}svg.chart .title{font-weight:600;fill:#222}
 svg.chart .grid{stroke:#e4e4e4}.windows{font-size:.8em;font-weight:normal;margin-left:1em}
 .windows a{margin-right:.5em}.windows a.current{font-weight:bold;text-decoration:none}
-form.inline{display:inline}.code{font-weight:600;color:#a60}
+form.inline{display:inline;margin-left:.6em}.code{font-weight:600;color:#a60}.head{margin-bottom:.6em}
 """
 
 
@@ -76,6 +76,9 @@ def _charts(history: dict[str, Any] | None, now: float, window: str, refresh_s: 
     if not history or not history.get("ts"):
         return f"<h2>Over time</h2><p class='muted' id='no-history'>no history yet (one point every few seconds)</p>"
     ts = history["ts"]
+    # A history younger than the window is drawn over its own span (at least a minute), not squeezed
+    # into the window's right edge.
+    span = max(60.0, min(span, now - ts[0]))
 
     def col(k: str) -> list:
         return history.get(k) or [None] * len(ts)
@@ -121,11 +124,11 @@ def render(cluster: dict[str, Any], jobs: list[dict[str, Any]], refresh_s: int =
         "<title>dlshare scheduler</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>dlshare scheduler</h1>",
-        f"<p class='muted'>profile <b id='profile'>{_e(cluster.get('profile'))}</b> &middot; "
+        f"<div class='muted head'><span>profile <b id='profile'>{_e(cluster.get('profile'))}</b> &middot; "
         f"updated {_e(time.strftime('%H:%M:%S', time.localtime(cluster.get('ts', time.time()))))} "
         f"&middot; refreshes every {int(refresh_s)} s"
-        + (f" &middot; {_e(user)} <form class='inline' method='post' action='/logout'><button>log out</button>"
-           f"</form>" if user else "") + "</p>",
+        + (f" &middot; {_e(user)}</span> <form class='inline' method='post' action='/logout'><button>log out"
+           f"</button></form>" if user else "</span>") + "</div>",
         "<p class='summary' id='summary'>",
         f"<span>nodes online <b id='nodes-online'>{sum(1 for n in cluster['nodes'] if n['status'] == 'online')}"
         f"</b>/{len(cluster['nodes'])}</span>",

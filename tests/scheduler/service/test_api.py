@@ -42,8 +42,10 @@ def test_the_page_keeps_the_token_in_an_httponly_strict_cookie_never_in_a_url(ap
     assert TOKEN not in r.text
     r = c.post("/login", data={"token": "nope"})
     assert r.status_code == 401 and "not accepted: wrong bearer token" in r.text and "set-cookie" not in r.headers
-    r = c.post("/login", data={"token": TOKEN}, headers={"Origin": "http://evil.example"}, follow_redirects=False)
-    assert r.status_code == 403 and "set-cookie" not in r.headers
+    for other_site in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site", "Origin": "null"},
+                       {"Sec-Fetch-Site": "same-site"}):
+        r = c.post("/login", data={"token": TOKEN}, headers=other_site, follow_redirects=False)
+        assert r.status_code == 403 and "set-cookie" not in r.headers
     r = c.post("/login", data={"token": TOKEN}, headers={"Origin": "http://testserver"}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/"
     cookie = r.headers["set-cookie"]
