@@ -45,6 +45,13 @@ def clock(t: float | None) -> str:
     return _dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
 
 
+def one_line(text: object) -> str:
+    """Text for one terminal line: whitespace runs (newlines too) made one space, control
+    characters (a terminal's escape sequences among them) shown as ``?``."""
+    t = " ".join(str(text).split())
+    return "".join(c if c.isprintable() else "?" for c in t)
+
+
 def cut(text: str, width: int) -> str:
     """``text`` in at most ``width`` characters, an ellipsis marking a cut."""
     if width <= 0:
@@ -67,9 +74,9 @@ def _row(j: dict[str, Any], now: float, wide: bool) -> dict[str, str]:
     a, s, w = j.get("allocation") or {}, j["spec"], j.get("waiting") or {}
     nodes = [sh["node"] for sh in a.get("shards") or []] or ([a["node"]] if a.get("node") else [])
     row = {"JOB": j["id"], "STATE": j["state"], "GPUS": _gpus(j), "NODE": ",".join(nodes) or "-",
-           "AGE": ago(j.get("submitted_at"), now), "REASON": _reason(j)}
+           "AGE": ago(j.get("submitted_at"), now), "REASON": one_line(_reason(j))}
     if wide:
-        row.update({"USER": j.get("user") or "-", "NAME": str(s.get("name") or s.get("model") or "-"),
+        row.update({"USER": j.get("user") or "-", "NAME": one_line(s.get("name") or s.get("model") or "-"),
                     "CPUS": f"{float(a.get('cpus', s.get('cpus')) or 0):g}",
                     "MEMORY": size(a.get("memory_bytes") or s.get("memory_bytes") or 0),
                     "SERVICE": f"{float(j.get('attained_service') or 0):.0f}s",
@@ -134,7 +141,8 @@ def event_message(e: dict[str, Any]) -> str:
 
 def events_table(events: list[dict[str, Any]], now: float, width: int | None = None, indent: str = "") -> str:
     rows = [("AGE", "KIND", "NODE", "MESSAGE")]
-    rows += [(ago(e.get("ts"), now), e["kind"], e.get("node") or "-", event_message(e)) for e in events]
+    rows += [(ago(e.get("ts"), now), e["kind"], one_line(e.get("node") or "-"), one_line(event_message(e)))
+             for e in events]
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     out = []
     for r in rows:
@@ -181,7 +189,7 @@ def describe(j: dict[str, Any], events: list[dict[str, Any]], now: float, width:
                                                                    if j.get("exit_code") is not None else "")))
     fields.append(("Service", f"{float(j.get('attained_service') or 0):.1f} GPU-s, placed {j.get('attempts', 0)}x"))
     pad = max(len(k) for k, _ in fields) + 2
-    lines = [(f"{k}:".ljust(pad) + v) for k, v in fields]
+    lines = [(f"{k}:".ljust(pad) + one_line(v)) for k, v in fields]
     if width:
         lines = [cut(x, width) for x in lines]
     lines.append("Events:")
@@ -189,4 +197,4 @@ def describe(j: dict[str, Any], events: list[dict[str, Any]], now: float, width:
     return "\n".join(lines)
 
 
-__all__ = ["ago", "cut", "describe", "event_message", "events_table", "job_table", "until"]
+__all__ = ["ago", "cut", "describe", "event_message", "events_table", "job_table", "one_line", "until"]
