@@ -26,7 +26,7 @@ import bisect
 import copy
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -122,9 +122,10 @@ def clone(state: "SchedulerState") -> "SchedulerState":
 
 
 def forecast(state: "SchedulerState", prior: DurationPrior, *, horizon_s: float = 7 * 86400.0,
-             max_batches: int = 5000) -> Forecast:
+             max_batches: int = 5000, remaining: Callable[[JobRecord, float], float] | None = None) -> Forecast:
     """Replay ``state``'s queue forward (see the module docstring) and return when each job
-    waiting now starts.  ``state`` is not changed."""
+    waiting now starts.  ``state`` is not changed.  ``remaining(record, elapsed)``: the seconds a
+    job is expected to run on, instead of the prior's guess (an oracle, for the benchmark)."""
     now = state.now
     sim = clone(state)
     sim.watch.missing_since.clear()  # running jobs are taken to run on until their expected end
@@ -143,7 +144,9 @@ def forecast(state: "SchedulerState", prior: DurationPrior, *, horizon_s: float 
 
     def expect_end(rec: JobRecord, t: float) -> None:
         v = version[rec.job.id] = version.get(rec.job.id, 0) + 1
-        push(t + prior.remaining(elapsed_of(rec, t)), rec.job.id, v)
+        ran = elapsed_of(rec, t)
+        left = prior.remaining(ran) if remaining is None else max(MIN_REMAINING_S, remaining(rec, ran))
+        push(t + left, rec.job.id, v)
 
     for rec in sim.running.values():
         if not rec.external:  # a bound pod ends with its hold (the core's own Wakeup), or never

@@ -86,7 +86,7 @@ async def test_a_waiting_job_says_why_everywhere_and_the_page_shows_the_cluster_
         assert next(x for x in lines if x.startswith("big4")).split()[:4] == ["big4", "running", "4", "page-1"] \
             or next(x for x in lines if x.startswith("big4")).split()[:4] == ["big4", "running", "4", "page-2"]
         loud = cli(sched, "--log-level", "info", "list")  # asked for: the library's request lines
-        assert "HTTP Request: GET" in loud.stderr and loud.stdout == r.stdout or "gang8" in loud.stdout
+        assert "HTTP Request: GET" in loud.stderr and "gang8" in loud.stdout
         show = cli(sched, "show", "gang")  # a unique prefix names the job
         assert show.returncode == 0, show.stderr
         assert f"Reason:          Resources: {first}" in show.stdout and "Position:        1 of 1" in show.stdout
