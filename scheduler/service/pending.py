@@ -140,7 +140,12 @@ class PendingJobs:
         self.board = board
         self.queue_length = len(order)
         queue = frozenset(order)
-        due = now - self._last_forecast >= self.forecast_s or queue != self._forecast_queue
+        # A forecast runs on the loop's thread (the core and its predictors are the loop's alone): at
+        # most every forecast_s, sooner when the queue changed, and never so often that forecasting
+        # takes more than 5% of the loop (20 x the last one's cost between two).
+        gap = 20.0 * (self.forecast_seconds or 0.0)
+        due = now - self._last_forecast >= max(self.forecast_s, gap) or (
+            queue != self._forecast_queue and now - self._last_forecast >= gap)
         if not queue:
             self.estimates, self._forecast_queue = {}, queue
         elif self._prior is None:
