@@ -3,7 +3,8 @@
 The simulator replays a trace under a profile.  When a job is submitted and has to wait, its start
 is estimated from the core as it stands, exactly as the service estimates it
 (:func:`scheduler.forecast.forecast`: the queue replayed forward through a copy of the core, running
-jobs ending when the Philly duration prior expects them to, learning from the jobs that finished);
+jobs ending when the duration prior expects them to: the Philly runtimes, learning per job type from
+the jobs that finished, :func:`scheduler.service.pending.philly_prior`);
 the simulation then goes on and the job's real start is recorded.  For every job that waited at
 least ``MIN_WAIT_S``:
 
@@ -73,7 +74,7 @@ def measure(trace: list, cluster: Any, profile: str, progress: Any = None) -> di
             if isinstance(e, JobFinished):
                 rec = state.records.get(e.job)
                 if rec is not None and rec.job.state.value == "done":
-                    prior.add(elapsed_of(rec, t))  # as the service learns from the jobs that finish here
+                    prior.add(elapsed_of(rec, t), rec.job.job_type)  # as the service learns from them
         new = [e.job.id for e in events if isinstance(e, JobArrived) and e.job.id in state.waiting]
         for jid in (e.job.id for e in events if isinstance(e, JobArrived)):
             submitted[jid] = t

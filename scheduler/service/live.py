@@ -373,6 +373,8 @@ class SchedulerService:
             timeout = self.tick_s
             if self._wakeups:
                 timeout = max(0.0, min(timeout, self._wakeups[0] - self.clock()))
+            if self.pending.busy:  # a start-estimate replay under way: its next slice soon
+                timeout = min(timeout, 0.01)
             expect = time.monotonic() + timeout
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -424,6 +426,7 @@ class SchedulerService:
     def _watch_queue(self, now: float) -> None:
         """Why the waiting jobs wait and when they should start; a history point when one is due."""
         try:
+            self.pending.advance()
             self.pending.refresh(self.core, self.now())
             if self.history.due(now):
                 t = self.now()

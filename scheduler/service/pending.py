@@ -6,9 +6,11 @@
   (:func:`scheduler.waiting.explain_queue`, the first ``explain_limit`` jobs explained, those
   further back ``Priority``);
 * every ``forecast_s`` (sooner when the queue changed), the start estimates:
-  :func:`scheduler.forecast.forecast` replays the queue forward through a copy of the core, with
+  :class:`scheduler.forecast.Replay` replays the queue forward through a copy of the core, with
   running jobs ending when :class:`~scheduler.forecast.DurationPrior` expects them to (the Philly
-  runtimes the Gittins order uses, plus the run times of the jobs that finished here).
+  runtimes the Gittins order uses, and the run times of the jobs that finished here, per job type);
+  the replay runs a slice per round of the loop (:meth:`PendingJobs.advance`), so a long one never
+  stalls telemetry or commands.
 
 A job's reason goes into its row (so ``GET /v1/jobs`` and ``dlshare job list`` show it) and into a
 ``waiting`` event when its code changes, or when its words changed and ``event_gap_s`` passed since
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler import SchedulerState
-from scheduler.forecast import DurationPrior, elapsed_of, forecast
+from scheduler.forecast import DurationPrior, Replay, elapsed_of
 from scheduler.waiting import explain_queue
 from scheduler.service.store import JobStore
 
@@ -41,10 +43,12 @@ def philly_prior() -> DurationPrior:
     from scheduler import data
 
     try:
-        # Each job that finishes here weighs as 50 of the Philly samples, as the Gittins order weighs
-        # them (its learn_weight): the cluster's own run times soon count (bench/forecast.py: on
-        # vc_103959's first 400 jobs under FIFO, 29% of the waits within +-25% against 24% at weight 1).
-        return DurationPrior(data.philly_runtimes(), weight=50.0)
+        # As the Gittins order learns (profiles/dlshare.toml: prior_weight 20, learn_weight 50): per job
+        # type, the Philly runtimes weighing 20 samples in all and each run that finished here 2.5, so
+        # the cluster's own run times soon count.  bench/forecast.py, FIFO, first 500 jobs: within
+        # +-25% of the real wait for 37% (vc_103959) and 45% (vc_0e4a51) of the waits, against 28% and
+        # 17% with the Philly runtimes at full weight and each finished run as 50 samples.
+        return DurationPrior(data.philly_runtimes(), prior_weight=20.0, weight=2.5, per_type=True)
     except (OSError, ValueError) as exc:
         log.warning("start estimates: no duration prior (%s); a running job is expected to run as long again", exc)
         return DurationPrior([])
@@ -74,9 +78,11 @@ class PendingJobs:
         self._last_reasons = -math.inf
         self._last_forecast = -math.inf
         self._forecast_queue: frozenset[str] = frozenset()
+        self._replay: Replay | None = None  # the forecast under way
+        self._spent = 0.0  # its cost so far
         self._logged: dict[str, tuple[str, str, float]] = {}
         self._prior: DurationPrior | None = None
-        self._finished: list[float] = []  # run times seen before the prior was ready
+        self._finished: list[tuple[float, str]] = []  # (run time, job type) seen before the prior was ready
         # Loaded on a thread of its own the first time a job waits (reading the runtimes takes a while).
         self._prior_thread = threading.Thread(target=self._load_prior, args=(prior,), name="sched-prior", daemon=True)
         self._prior_lock = threading.Lock()
@@ -88,8 +94,8 @@ class PendingJobs:
 
     def _load_prior(self, make: Callable[[], DurationPrior]) -> None:
         p = make()
-        for d in self._finished:
-            p.add(d)
+        for d, kind in self._finished:
+            p.add(d, kind)
         self._prior = p
 
     # --- fed by the live loop (its thread) ----------------------------------------------------
@@ -98,9 +104,9 @@ class PendingJobs:
         """A job ended done: its run time teaches the prior."""
         d = elapsed_of(rec, rec.finished_at if rec.finished_at is not None else rec.job.arrival)
         if self._prior is not None:
-            self._prior.add(d)
+            self._prior.add(d, rec.job.job_type)
         else:
-            self._finished.append(d)
+            self._finished.append((d, rec.job.job_type))
 
     def refresh(self, core: SchedulerState, now: float, force: bool = False) -> None:
         """Reasons and positions (every ``reasons_s``), estimates (every ``forecast_s``, or when the
@@ -140,29 +146,53 @@ class PendingJobs:
         self.board = board
         self.queue_length = len(order)
         queue = frozenset(order)
-        # A forecast runs on the loop's thread (the core and its predictors are the loop's alone): at
-        # most every forecast_s, sooner when the queue changed, and never so often that forecasting
-        # takes more than 5% of the loop (20 x the last one's cost between two).
+        # A forecast runs on the loop's thread (the core and its predictors are the loop's alone), a
+        # slice per round (advance): at most every forecast_s, sooner when the queue changed, and never
+        # so often that forecasting takes more than 5% of the loop (20 x the last one's cost between two).
         gap = 20.0 * (self.forecast_seconds or 0.0)
         due = now - self._last_forecast >= max(self.forecast_s, gap) or (
             queue != self._forecast_queue and now - self._last_forecast >= gap)
         if not queue:
-            self.estimates, self._forecast_queue = {}, queue
+            self.estimates, self._forecast_queue, self._replay = {}, queue, None
         elif self._prior is None:
             self._start_prior()
-        elif due and self._prior is not None:
+        elif due and self._replay is None:
             self._last_forecast = now
             self._forecast_queue = queue
             t1 = time.perf_counter()
             try:
-                f = forecast(core, self._prior, horizon_s=self.horizon_s, max_batches=self.max_batches)
+                self._replay = Replay(core, self._prior, horizon_s=self.horizon_s, max_batches=self.max_batches)
             except Exception:  # noqa: BLE001 - an estimate is a courtesy too
                 log.exception("start estimates failed")
-                return
-            self.forecast_seconds = time.perf_counter() - t1
-            # The replay starts at the core's time; a start it puts there is "now".
-            self.estimates = {j: max(t, now) for j, t in f.starts.items()}
-            self.estimated_at = now
+            self._spent = time.perf_counter() - t1
+
+    @property
+    def busy(self) -> bool:
+        """A forecast is under way (the loop comes back soon to advance it)."""
+        return self._replay is not None
+
+    def advance(self, budget_s: float = 0.03) -> None:
+        """Run the forecast under way for about ``budget_s`` (on the loop's thread, every round);
+        when it is over, its starts become the estimates."""
+        r = self._replay
+        if r is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            while not r.step(8) and time.perf_counter() - t0 < budget_s:
+                pass
+        except Exception:  # noqa: BLE001 - an estimate is a courtesy too
+            log.exception("start estimates failed")
+            self._replay = None
+            return
+        self._spent += time.perf_counter() - t0
+        if r.done:
+            self._replay = None
+            self.forecast_seconds = self._spent
+            f = r.result()
+            # The replay starts at the core's time then; a start it puts there is "now".
+            self.estimates = {j: max(t, f.at) for j, t in f.starts.items()}
+            self.estimated_at = f.at
 
     # --- read by the API (any thread) ---------------------------------------------------------
 

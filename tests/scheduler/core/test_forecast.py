@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from scheduler import (
     Job, JobArrived, JobFinished, Node, NodeLost, Place, Preempt, SchedulerState, Tick, Wakeup, load_profile, snapshot,
 )
-from scheduler.forecast import MIN_REMAINING_S, DurationPrior, elapsed_of, forecast
+from scheduler.forecast import MIN_REMAINING_S, DurationPrior, Replay, elapsed_of, forecast
 from scheduler.model import GiB, JobState
 
 
@@ -122,3 +122,30 @@ def test_the_prior_decides_when_a_long_running_job_is_expected_to_end():
     prior = DurationPrior([1000.0, 10_000.0])
     assert forecast(live, prior).starts == {"w": pytest.approx(10_000.0)}  # it outlived the short sample
     assert forecast(live, DurationPrior([100.0])).starts == {"w": pytest.approx(10_000.0)}  # as long again
+
+
+def test_the_prior_learns_per_job_type_with_the_samples_weighing_what_they_are_told():
+    p = DurationPrior([100.0, 10_000.0], prior_weight=2.0, weight=2.0, per_type=True)
+    assert p.remaining(0) == pytest.approx(5050)  # nothing learned yet: the samples alone
+    p.add(60.0, "ResNet-18@32")
+    # Its own table: the samples weigh 2 in all (1 each), the run 2: (100 + 10000 + 2 * 60) / 4.
+    assert p.remaining(0, "ResNet-18@32") == pytest.approx((100 + 10_000 + 120) / 4)
+    assert p.remaining(0, "LM@20") == pytest.approx((100 + 10_000 + 120) / 4)  # the global table learned too
+    fresh = DurationPrior([100.0, 10_000.0], prior_weight=2.0, weight=2.0, per_type=True)
+    fresh.add(60.0, "LM@20")
+    assert fresh.remaining(0, "ResNet-18@32") == fresh.remaining(0)  # an unseen type reads the global one
+    with pytest.raises(ValueError):
+        DurationPrior([1.0], prior_weight=0)
+
+
+def test_a_replay_run_in_slices_gives_the_forecast_run_at_once():
+    live = core("tiresias", nodes=2)
+    live.handle(*[JobArrived(f"a{i}", 0.0, Job(f"j{i}", "ResNet-18", 32, gpus=g)) for i, g in
+                  enumerate([4, 2, 2, 8, 1, 3, 4, 1])])
+    prior = DurationPrior([600.0, 3600.0, 7200.0])
+    whole = forecast(live, prior)
+    sliced = Replay(live, prior)
+    steps = 0
+    while not sliced.step(1):
+        steps += 1
+    assert sliced.result() == whole and steps >= 2 and whole.complete
