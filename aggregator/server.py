@@ -536,7 +536,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
             server.metrics_port = metrics.serve(mhost or "127.0.0.1", int(mport))
             log.info("metrics on http://%s:%d/metrics", mhost or "127.0.0.1", server.metrics_port)
         except OSError as exc:
-            log.error("cannot serve metrics on %s: %s", a["metrics_listen"], exc)
+            log.warning("cannot serve metrics on %s (agg.metrics_listen): %s", a["metrics_listen"], exc)
             metrics = None
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
