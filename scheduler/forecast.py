@@ -154,8 +154,8 @@ class Replay:
     of the core is taken when it is made: it answers for that moment, whatever the live core does
     meanwhile."""
 
-    def __init__(self, state: "SchedulerState", prior: DurationPrior, *, horizon_s: float = 7 * 86400.0,
-                 max_batches: int = 5000, remaining: Callable[[JobRecord, float], float] | None = None) -> None:
+    def __init__(self, state: "SchedulerState", prior: DurationPrior, *, horizon_s: float = 14 * 86400.0,
+                 max_batches: int = 6000, remaining: Callable[[JobRecord, float], float] | None = None) -> None:
         self.now = state.now
         self.prior, self.remaining = prior, remaining
         self.max_batches = max_batches
@@ -238,8 +238,8 @@ class Replay:
         return Forecast(self.now, dict(self.starts), self.t, len(self.starts) == len(self.waiting), self.batches)
 
 
-def forecast(state: "SchedulerState", prior: DurationPrior, *, horizon_s: float = 7 * 86400.0,
-             max_batches: int = 5000, remaining: Callable[[JobRecord, float], float] | None = None) -> Forecast:
+def forecast(state: "SchedulerState", prior: DurationPrior, *, horizon_s: float = 14 * 86400.0,
+             max_batches: int = 6000, remaining: Callable[[JobRecord, float], float] | None = None) -> Forecast:
     """Replay ``state``'s queue forward (see the module docstring) and return when each job
     waiting now starts.  ``state`` is not changed.  ``remaining(record, elapsed)``: the seconds a
     job is expected to run on, instead of the prior's guess (an oracle, for the benchmark)."""

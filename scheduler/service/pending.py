@@ -61,7 +61,7 @@ class PendingJobs:
 
     def __init__(self, store: JobStore, reasons_s: float = 1.0, forecast_s: float = 10.0, explain_limit: int = 200,
                  event_gap_s: float = 30.0, prior: Callable[[], DurationPrior] = philly_prior,
-                 horizon_s: float = 7 * 86400.0, max_batches: int = 3000) -> None:
+                 horizon_s: float = 14 * 86400.0, max_batches: int = 6000) -> None:
         self.store = store
         self.reasons_s = reasons_s
         self.forecast_s = forecast_s
