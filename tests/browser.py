@@ -83,10 +83,11 @@ class Page:
                 raise TimeoutError(f"timed out after {timeout:g}s waiting for {what or expr!r} (last: {last!r})")
             await asyncio.sleep(0.2)
 
-    async def screenshot(self, path: Path, width: int = 1400, height: int = 1000) -> bytes:
+    async def screenshot(self, path: Path, width: int = 1400, height: int = 1000, whole: bool = False) -> bytes:
+        """A PNG of the viewport (``whole``: of the whole page) at ``width`` x ``height``."""
         await self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
                         mobile=False)
-        r = await self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+        r = await self.call("Page.captureScreenshot", format="png", captureBeyondViewport=whole)
         data = base64.b64decode(r["data"])
         path.write_bytes(data)
         return data
