@@ -104,12 +104,13 @@ class Chromium:
         if CHROMIUM is None:
             raise RuntimeError("chromium is not installed: `make deps` installs Debian's chromium package")
         self.profile.mkdir(parents=True, exist_ok=True)
+        active = self.profile / "DevToolsActivePort"
+        active.unlink(missing_ok=True)  # a profile used before keeps the port of its last browser
         log = open(self.profile.parent / "chromium.log", "ab")
         self.proc = await asyncio.create_subprocess_exec(
             CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-port=0",
             "--remote-debugging-address=127.0.0.1", "about:blank", stdout=log, stderr=log)
         log.close()
-        active = self.profile / "DevToolsActivePort"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not (active.exists() and active.read_text().strip()):
