@@ -67,7 +67,7 @@ config.register_section("sched", {
     # core) every forecast_s or when the queue changes (README, "Operating dlshare").
     "reasons_s": 1.0,
     "forecast_s": 10.0,
-    "reason_event_gap_s": 30.0,  # a waiting job's events: a changed code at once, changed words at most this often
+    "reason_event_gap_s": 300.0,  # a waiting job's events: a new cause at once, new numbers at most this often
     # The cluster over time: one point every history_step_s, kept history_keep_s (in the database too).
     "history_step_s": 10.0,
     "history_keep_s": 86400.0,

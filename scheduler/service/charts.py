@@ -57,7 +57,7 @@ def duration(s: float) -> str:
 
 
 def line_chart(chart_id: str, title: str, ts: Sequence[float], series: Sequence[tuple[str, str, Sequence[float | None]]],
-               unit: str, now: float, window_s: float, width: int = 520, height: int = 170,
+               unit: str, now: float, window_s: float, width: int = 440, height: int = 170,
                esc: Callable[[str], str] = html.escape) -> str:
     """An SVG chart of ``series`` ((key, label, values) aligned with ``ts``) over the ``window_s``
     seconds up to ``now``, in ``unit`` (count, percent, bytes, bytes/s, seconds)."""

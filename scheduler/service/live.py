@@ -89,7 +89,7 @@ class SchedulerService:
     and in-process submissions without one): the bootstrap token's user.  ``reasons_s``,
     ``forecast_s``, ``prior``, ``reason_event_gap_s``: how often waiting jobs are explained and their
     starts estimated, the duration prior's maker, and the least time between two events of a job whose
-    reason changed words only (:mod:`scheduler.service.pending`); ``history_step_s``,
+    reason changed its numbers only (:mod:`scheduler.service.pending`); ``history_step_s``,
     ``history_keep_s``: the cluster's history (:mod:`scheduler.service.history`)."""
 
     def __init__(self, store: JobStore, profile: str | Path | Profile = "dlshare", broker_url: str | None = None,
@@ -99,7 +99,7 @@ class SchedulerService:
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
                  snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
                  reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
-                 reason_event_gap_s: float = 30.0,
+                 reason_event_gap_s: float = 300.0,
                  history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
         self.store = store
         self.journal = Journal(store)

@@ -13,10 +13,10 @@
   stalls telemetry or commands.
 
 A job's reason goes into its row (so ``GET /v1/jobs`` and ``dlshare job list`` show it) and into a
-``waiting`` event when its code changes, or when its words changed and ``event_gap_s`` passed since
-its last one (``kubectl describe``'s events: a line per change, not one per refresh; the numbers of
-a busy cluster's reasons move at every pass, so their events are spaced out, the latest words
-always logged in the end).
+``waiting`` event when its cause changes (its code, or its words beyond their numbers), at once; when
+only its numbers move (``1 free`` -> ``4 free``: the cluster moving under it, at every pass on a busy
+one), at most every ``event_gap_s``, the latest words always logged in the end (``kubectl describe``'s
+events: a line per change, not one per refresh).
 Position and estimate are kept in memory only: they move with every pass.  The maps the API reads
 are replaced whole, never changed in place, so the API's thread reads them without a lock.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,15 @@ from scheduler.waiting import explain_queue
 from scheduler.service.store import JobStore
 
 log = logging.getLogger("dlshare.sched.pending")
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _shape(reason: str) -> str:
+    """A reason without its numbers: ``needs 8 GPUs on 2 nodes; 1 free`` and ``...; 4 free`` are the
+    same cause, the cluster moving; ``behind 3 jobs of higher priority`` is another."""
+    return _NUMBER.sub("#", reason)
 
 
 def philly_prior() -> DurationPrior:
@@ -60,7 +70,7 @@ class PendingJobs:
     by one per refresh; ``horizon_s``/``max_batches``: how far a forecast replays."""
 
     def __init__(self, store: JobStore, reasons_s: float = 1.0, forecast_s: float = 10.0, explain_limit: int = 200,
-                 event_gap_s: float = 30.0, prior: Callable[[], DurationPrior] = philly_prior,
+                 event_gap_s: float = 300.0, prior: Callable[[], DurationPrior] = philly_prior,
                  horizon_s: float = 14 * 86400.0, max_batches: int = 6000) -> None:
         self.store = store
         self.reasons_s = reasons_s
@@ -128,7 +138,8 @@ class PendingJobs:
                           "since": since}
             logged = self._logged.get(jid)  # (code, reason, when) of its last waiting event
             event = logged is None or (logged[:2] != (why.code, why.message) and (
-                logged[0] != why.code or now - logged[2] >= self.event_gap_s))
+                logged[0] != why.code or _shape(logged[1]) != _shape(why.message)
+                or now - logged[2] >= self.event_gap_s))
             if event or prev is None or prev["reason"] != why.message:
                 data = None
                 if event:

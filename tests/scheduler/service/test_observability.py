@@ -123,3 +123,34 @@ def test_a_chart_is_well_formed_svg_for_any_values(values, unit, label):
         assert "polyline data-series='k'" in svg or "circle data-series='k'" in svg
     nums = [float(x) for x in re.findall(r"(?:points|cx|cy)='([-\d.]+)", svg)]
     assert all(math.isfinite(x) for x in nums)
+
+
+def test_a_waiting_jobs_events_follow_its_cause_at_once_and_its_numbers_at_most_every_gap(store):
+    """Promise: a new cause (code, or words beyond their numbers) is an event at once; the cluster
+    moving under the same cause (``1 free`` -> ``4 free``) at most every ``event_gap_s``, the latest
+    words logged once it passed; the row's reason is always the current one."""
+    from scheduler import Job, JobArrived, JobFinished, Node, SchedulerState
+    from scheduler.model import GiB
+    from scheduler.service.pending import PendingJobs
+    from scheduler.service.store import Owner
+
+    core = SchedulerState("fifo", [Node(f"n{i}", 4, 16, 64 * GiB) for i in range(2)])
+    pending = PendingJobs(store, event_gap_s=100.0, prior=lambda: None)
+    for jid, g, t in (("a", 4, 0.0), ("b", 3, 0.0), ("w", 8, 1.0)):
+        store.add_job(jid, {"gpus": g, "command": ["x"]}, Owner("u"))
+        core.handle(JobArrived(f"e-{jid}", t, Job(jid, "m", gpus=g)))
+
+    def waits() -> list[str]:
+        return [e["data"]["reason"] for e in store.events(job="w") if e["kind"] == "waiting"]
+
+    pending.refresh(core, 10.0)
+    assert waits() == ["needs 8 GPUs on 2 nodes; 1 free"] and store.get_job("w").reason == waits()[0]
+    core.handle(JobFinished("f", 20.0, "b"))
+    pending.refresh(core, 20.0)
+    assert waits() == ["needs 8 GPUs on 2 nodes; 1 free"]  # the same cause, new numbers: not yet
+    assert store.get_job("w").reason == "needs 8 GPUs on 2 nodes; 4 free"  # the row says it at once
+    pending.refresh(core, 30.0)
+    assert len(waits()) == 1
+    pending.refresh(core, 111.0)  # the gap passed: the latest words logged
+    assert waits() == ["needs 8 GPUs on 2 nodes; 1 free", "needs 8 GPUs on 2 nodes; 4 free"]
+    assert pending.info("w")["position"] == 1 and pending.info("a") is None
