@@ -21,7 +21,7 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
 
 def _nice_max(v: float) -> float:
     """The smallest of 1, 2, 2.5, 5 x 10^k at or above ``v`` (1 for nothing)."""
-    if not v > 0 or not math.isfinite(v):
+    if not v > 1e-9 or not math.isfinite(v):  # nothing to scale (a subnormal would give a 0 axis)
         return 1.0
     e = 10 ** math.floor(math.log10(v))
     for m in (1, 2, 2.5, 5, 10):
