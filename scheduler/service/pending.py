@@ -190,7 +190,7 @@ class PendingJobs:
             return
         t0 = time.perf_counter()
         try:
-            while not r.step(8) and time.perf_counter() - t0 < budget_s:
+            while not r.step(1) and time.perf_counter() - t0 < budget_s:
                 pass
         except Exception:  # noqa: BLE001 - an estimate is a courtesy too
             log.exception("start estimates failed")
