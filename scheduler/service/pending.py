@@ -9,8 +9,9 @@
   :class:`scheduler.forecast.Replay` replays the queue forward through a copy of the core, with
   running jobs ending when :class:`~scheduler.forecast.DurationPrior` expects them to (the Philly
   runtimes the Gittins order uses, and the run times of the jobs that finished here, per job type);
-  the replay runs a slice per round of the loop (:meth:`PendingJobs.advance`), so a long one never
-  stalls telemetry or commands.
+  the replay runs a slice per round of the loop (:meth:`PendingJobs.advance`, about 30 ms, ending after
+  the core pass that spent it), so a long one holds telemetry and commands up for one pass at most
+  (the copy of the core is taken in one go: 0.15-0.25 s with 1,000 nodes and 1,000-1,500 jobs waiting).
 
 A job's reason goes into its row (so ``GET /v1/jobs`` and ``dlshare job list`` show it) and into a
 ``waiting`` event when its cause changes (its code, or its words beyond their numbers), at once; when
