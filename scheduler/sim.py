@@ -138,14 +138,17 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
              predictors: Any = None, truth: GroundTruth | None = None, report_delay_s: float = 60.0,
              restart_overhead_s: float = RESTART_COST_S, progress: bool = False, trace_name: str = "",
              on_decision: Callable[[Any], None] | None = None, donors: Sequence[Node] = (),
-             reclaims: Sequence[tuple[float, str, int]] = (), remote_link: Any = None) -> SimResult:
+             reclaims: Sequence[tuple[float, str, int]] = (), remote_link: Any = None,
+             on_batch: Callable[[SchedulerState, float, list, list], None] | None = None) -> SimResult:
     """Run ``trace`` on ``cluster`` under ``profile``; seeded and reproducible.
     ``predictors``: default, what a live system knows (see the module docstring);
     ``"oracle"``: every pair's true speeds; or a :class:`Predictors` of your own.
     ``donors``: more nodes (CPU-only data-preparation nodes with ``lendable_bytes``) whose idle
     memory profiles with a lent-memory allocator (``lent``) hand out; ``reclaims``: (time, donor,
     bytes) at which a donor takes that much of its lendable memory back; ``remote_link``: a
-    :class:`scheduler.remote_memory.RemoteLink` instead of the measured one."""
+    :class:`scheduler.remote_memory.RemoteLink` instead of the measured one.  ``on_batch(state, t,
+    events, decisions)``: called after each batch the core handled (the core may be read, e.g. to
+    forecast from it, never changed)."""
     from scheduler import data
     from scheduler.predictors import Predictors
     from scheduler.predictors.sensitivity import SensitivityModel
@@ -299,6 +302,8 @@ def simulate(trace: Sequence[TraceJob], cluster: Cluster, profile: Profile | str
         n_events += len(batch)
         decisions = state.handle(*batch)
         n_decisions += len(decisions)
+        if on_batch is not None:
+            on_batch(state, t, batch, decisions)
         touched: dict[str, None] = {}
         placed_now: set[str] = set()
         lent_changed = False

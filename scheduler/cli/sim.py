@@ -185,7 +185,8 @@ def register(sub) -> None:
     from nodesvc.cli import add_command
     from scheduler.sim import RESTART_COST_S
 
-    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; sim replay --db)")
+    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; "
+                    "sim replay --db)", quiet=True)
     p.add_argument("action", nargs="?", choices=["run", "predictor", "replay"], default="run")
     p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")
@@ -206,6 +207,6 @@ def register(sub) -> None:
     p.add_argument("--db", metavar="PATH", help="replay: the scheduler service's database")
     p.add_argument("--predictors", choices=["default", "data"], default="default",
                    help="replay without a snapshot: the predictors the service started with (sched.predictors)")
-    d = add_command(sub, "data", _data, "shared data files for the scheduler")
+    d = add_command(sub, "data", _data, "shared data files for the scheduler", quiet=True)
     d.add_argument("action", choices=["fetch"])
     d.add_argument("--dest", metavar="DIR", help="where to write (default: the user cache)")
