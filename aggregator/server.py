@@ -525,7 +525,9 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
                                max_connections_per_peer=int(a["max_connections_per_peer"]),
                                max_receiving_bytes=int(a["max_receiving_bytes"]),
                                max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"]),
-                               max_jobs_per_peer=int(a["max_jobs_per_peer"])).start()
+                               max_jobs_per_peer=int(a["max_jobs_per_peer"]))
+    # Metrics first (their import opens files): once the server accepts, a flood of connections may
+    # take every descriptor the process has, and an import then would kill the server.
     metrics = None
     mhost, _, mport = str(a["metrics_listen"]).rpartition(":")
     if int(mport) >= 0:
@@ -538,6 +540,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
         except OSError as exc:
             log.warning("cannot serve metrics on %s (agg.metrics_listen): %s", a["metrics_listen"], exc)
             metrics = None
+    server.start()
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
     astop: list = []
