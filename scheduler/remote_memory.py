@@ -18,10 +18,12 @@ remote byte is worth a local byte times an **efficiency** ``e`` in [0, 1]:
   bandwidth when several jobs borrow from one donor (reserved oldest borrower first,
   :func:`reserved_shares`).
 
-``e = min(1, supply / demand)``.  Measured (``dlshare bench memory``, bench/RESULTS.md, full run of
-2026-11-21 on the 2-vCPU development VM, loopback TCP): batched 4 KiB page reads at 2.561 GB/s and a
-single 4 KiB read at 22.2 us p50.  Assumed: that a donor serves at most that rate to all its borrowers
-together (one slab server; a real NIC may carry more), and the sample sizes below.
+``e = min(1, supply / demand)``.  Measured (``dlshare bench cache``, bench/RESULTS.md, quiet run of
+2026-11-26 on the 2-vCPU development VM, loopback TCP): a real input pipeline's cached samples (150.6 kB
+decoded tensors) read back from donors at 0.897 GB/s by 2 readers, a 4 KiB read at the slab server at
+101 us p50 through the cache client, and a region's fault stream at 1.29 GB/s.  Assumed: that a donor
+serves at most that rate to all its borrowers together (one slab server; a real NIC may carry more),
+and the sample sizes below.
 
 **Calibrated** (``dlshare bench cache``): the bench runs a real input pipeline with its sample cache
 on donors and writes what the remote tier delivered (sample read rate and latency, and a region's
@@ -42,9 +44,11 @@ from typing import Any
 
 GB = 1e9
 
-# Measured by `dlshare bench memory` (bench/RESULTS.md, "Full run", 2026-11-21 09:04 UTC, 2-vCPU VM):
-READ_BYTES_PER_S = 2.561e9  # batched 4 KiB page reads, RemoteMemory(replicas=2), loopback TCP
-READ_LATENCY_S = 22.2e-6  # RemoteBuffer.read of one 4 KiB page, p50
+# Measured by `dlshare bench cache --quick` (bench/RESULTS.md, "cache", 2026-11-26 00:24 UTC, 2-vCPU VM,
+# load 0.42 at the start; its remote_link.json).  `bench memory`'s batched page reads (2.561 GB/s,
+# 22.2 us, 2026-11-21) are the data plane's micro-benchmark; these are what a pipeline's cache got:
+READ_BYTES_PER_S = 0.897e9  # cached samples read back from donors, 2 readers, loopback TCP
+READ_LATENCY_S = 100.9e-6  # one 4 KiB read at the slab server through the cache client, p50
 
 # Assumed: bytes one training sample occupies in an input cache, per model family (the datasets
 # Synergy's models train on).  ImageNet-1k: 138 GB of JPEGs for 1.28M training images (~108 kB each);
@@ -58,11 +62,11 @@ SAMPLE_BYTES = {
 DEFAULT_SAMPLE_BYTES = 108e3
 
 
-# From `dlshare bench paging` (bench/RESULTS.md, paging: shuffle-and-scan at 50% local, 0.49 GB/s in all):
-# the bytes fetched from donors arrive at about 0.27 GB/s (issue 22's reading of that run), on the 2-vCPU VM.
-# A region is not what a sample cache reads through (forked workers cannot share it), so this is kept for
-# region users and the calibration file, not used by the cache efficiency.
-REGION_BYTES_PER_S = 0.27e9
+# A region's sequential fault stream, from the same `bench cache` run (`dlshare bench paging`'s chunked
+# stream moved 1.11-1.16 GB/s on 2026-11-26).  A region is not what a sample cache reads through (forked
+# workers cannot share it), so this is kept for region users and the calibration file, not used by the
+# cache efficiency.
+REGION_BYTES_PER_S = 1.29e9
 CALIBRATION_SCHEMA = 1
 MAX_CALIBRATION_BYTES = 1 << 20
 
@@ -76,7 +80,7 @@ class RemoteLink:
     read_latency_s: float = READ_LATENCY_S
     donor_bytes_per_s: float = READ_BYTES_PER_S  # assumed: one donor serves what one consumer measured
     region_bytes_per_s: float = REGION_BYTES_PER_S
-    source: str = "defaults: dlshare bench memory, 2026-11-21"
+    source: str = "defaults: dlshare bench cache, 2026-11-26"
 
     def __post_init__(self) -> None:
         nums = (self.read_bytes_per_s, self.donor_bytes_per_s, self.read_latency_s, self.region_bytes_per_s)
