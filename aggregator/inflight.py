@@ -46,6 +46,8 @@ class Op:
     left: int = 0
     done: bool = False
     ok: bool = False
+    ready_t: float = 0.0  # tracing: wall-clock time the caller handed it over
+    units: list | None = None  # tracing: its chunks, for their stage times
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, exc: AggregationError) -> None:
@@ -76,6 +78,8 @@ class Unit:
     copy: bytearray | None = None  # what was pushed, for a retry elsewhere
     done: bool = False  # the server answered it
     contrib: bool = False  # pushed again only so that peers can finish; its result is not used here
+    server: str = ""  # where it was last queued
+    times: list[float] | None = None  # tracing: push started, push done, result started, result done
 
     @property
     def uid(self) -> tuple[int, int, int]:
