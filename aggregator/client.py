@@ -22,6 +22,7 @@ rounds in flight on it, as a server error does.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -35,14 +36,18 @@ import numpy as np
 
 from aggregator.inflight import AggregationError, CopyPool, Op, Unit
 from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
-from aggregator.placement import HashRing, NoServer, Placement, split
+from aggregator.placement import HashRing, NoServer, Placement, chunk_for_link, split
 from aggregator.protocol import SECRET_ENV, DType, Header, MsgType, Op as ReduceOp
+from aggregator.stages import summarise_op
 
 __all__ = ["Client", "AggregationError", "HashRing", "as_bytes", "make_layout"]
 
 log = logging.getLogger("dlshare.agg.client")
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20  # when neither chunk_bytes nor the link's rate is given
+LINK_ENV = "DLSHARE_AGG_LINK_GBIT"  # the hosts' link rate, when the launcher knows it: sizes the chunks
+# Chunks a rank may have pushed to one server and not yet had answered (0: no limit).  See ServerLink.
+DEFAULT_WINDOW_CHUNKS = 4
 
 
 def as_bytes(x: Any) -> tuple[np.ndarray, DType]:
@@ -104,18 +109,41 @@ class Client:
     docstring); it costs one memory copy of the pushed bytes.  ``secret``: the job's shared
     secret, the same on every rank (default: the ``DLSHARE_AGG_SECRET`` environment variable); the
     first HELLO of a job registers it on each server and every later HELLO must present it.
+    ``trace`` records the stage times of every reduction (aggregator/stages.py): :meth:`stage_records`.
+
+    Pipelining: a key is cut into chunks of ``chunk_bytes``; by default they are sized from
+    ``link_gbit``, the rate of the hosts' links (or the ``DLSHARE_AGG_LINK_GBIT`` environment
+    variable), so that a chunk takes about 8 ms on its connection (aggregator/placement.py), and
+    are 4 MiB when the rate is unknown; every rank must use the same size.  At most
+    ``window_chunks`` chunks per server are pushed and not yet answered (aggregator/link.py).
     """
 
     def __init__(self, servers: list[str] | str, job: str, rank: int, world: int,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 60.0,
+                 chunk_bytes: int | None = None, timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None,
-                 failover: bool = True, secret: str | None = None) -> None:
+                 failover: bool = True, secret: str | None = None, trace: bool = False,
+                 window_chunks: int = DEFAULT_WINDOW_CHUNKS, link_gbit: float | None = None) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for world size {world}")
+        if link_gbit is None and os.environ.get(LINK_ENV):
+            try:
+                link_gbit = float(os.environ[LINK_ENV])
+            except ValueError:
+                raise ValueError(f"{LINK_ENV} must be a number of Gbit/s, not {os.environ[LINK_ENV]!r}") from None
+        if link_gbit is not None and not link_gbit > 0:
+            raise ValueError(f"link_gbit must be positive, not {link_gbit!r}")
+        self.link_gbit = link_gbit
+        if chunk_bytes is None:
+            nserv = len(set(servers))
+            chunk_bytes = (DEFAULT_CHUNK_BYTES if link_gbit is None
+                           else chunk_for_link(link_gbit * 1e9 / 8, nserv, world))
         if chunk_bytes <= 0 or chunk_bytes % 4:
             raise ValueError("chunk_bytes must be a positive multiple of 4")
+        if window_chunks < 0:
+            raise ValueError("window_chunks must be >= 0 (0: no window)")
+        self.window_chunks = window_chunks
         self.job, self.rank, self.world = job, rank, world
         self.secret = secret if secret is not None else (os.environ.get(SECRET_ENV) or None)
         self.layout = None if layout is None else make_layout(layout)
@@ -126,12 +154,14 @@ class Client:
         self.failover = failover
         self.placement = Placement(servers, job)
         self.ring = self.placement.ring
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.links = {s: ServerLink(self, s) for s in self.placement.servers}
         self.next_round = 0  # every round below this one may have been started by this rank
         self.closed = False
         self.retries = 0  # chunks pushed again after their server was lost (for tests and telemetry)
         self._copies = CopyPool()
+        self._stages: collections.deque | None = collections.deque(maxlen=4096) if trace else None
         self._round = itertools.count()
         self._ops: dict[int, Op] = {}
         self._ops_lock = threading.Lock()
@@ -170,6 +200,8 @@ class Client:
             fut.set_result(x)
             return fut
         opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic())
+        if self._stages is not None:
+            opr.ready_t = time.time()
         with self._ops_lock:
             self._ops[id(opr)] = opr
         fut.add_done_callback(lambda _f, o=opr: self._finished(o))
@@ -183,6 +215,10 @@ class Client:
                     "servers": {a: {"state": link.state, "joined_from": link.joined_from,
                                     "draining_from": link.drain_from, "bytes_sent": link.bytes_sent,
                                     "why": link.why} for a, link in self.links.items()}}
+
+    def stage_records(self) -> list[dict[str, Any]]:
+        """With ``trace=True``: one record per completed reduction (aggregator.stages.summarise_op)."""
+        return [] if self._stages is None else list(self._stages)
 
     def close(self) -> None:
         with self.cond:
@@ -220,8 +256,11 @@ class Client:
         parts = split(opr.numel, size, self.chunk_bytes, len(self.links))
         opr.nchunks = opr.left = len(parts)
         units = []
+        trace = self._stages is not None
         for c, (first, count) in enumerate(parts):
-            units.append(Unit(opr, c, first * size, count * size, opr.numel))
+            units.append(Unit(opr, c, first * size, count * size, opr.numel, times=[0.0] * 4 if trace else None))
+        if trace:
+            opr.units = units
         return units
 
     def _dispatch(self, opr: Op) -> None:
@@ -302,6 +341,8 @@ class Client:
                 link.sock, q, link.queue = None, link.queue, None
                 units = list(link.units.values())
                 link.units.clear()
+                link.inflight = set()
+                link.credit.notify_all()
                 if q is not None:
                     q.put(None)
                 closing = self.closed
@@ -378,6 +419,7 @@ class Client:
             units = [link.units.pop(uid) for uid in hit]
             for u in units:
                 self._copies.give(u.copy)
+            link.answered([u.uid for u in units] if h.key != ALL else None, h.round)
         for u in units:
             u.op.fail(exc)
         if h.key == ALL:
@@ -392,6 +434,7 @@ class Client:
         with self.cond:
             link.drain_from, link.drain_acked = from_round, False
             if h.key != ALL:
+                link.answered([h.unit])
                 u = link.units.pop(h.unit, None)
                 if u is not None and u.needed():
                     target = self._route(u, avoid=link)
@@ -421,6 +464,10 @@ class Client:
     def _finished(self, opr: Op) -> None:
         with self._ops_lock:
             self._ops.pop(id(opr), None)
+        if self._stages is not None and opr.ok and opr.units is not None:
+            self._stages.append(summarise_op(opr.round, opr.key, opr.data.nbytes, opr.ready_t, time.time(),
+                                             [(u.server, list(u.times)) for u in opr.units]))
+            opr.units = None
         with self.cond:
             for link in self.links.values():
                 for uid, u in list(link.units.items()):
