@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 import numpy as np
-import psutil
 
-from bench import report
+from bench import agg_pool, report
+from bench.agg_procs import ServerProc, gather, join_all, spawn
 from nodesvc.bus.procs import free_port
 
 MiB = 1 << 20
@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
         "--agg-jobs": dict(type=int, default=4, help="agg: M jobs for shared vs dedicated (default 4)"),
         "--agg-compute-ms": dict(type=float, default=100.0, help="agg: compute phase per iteration (default 100)"),
         "--agg-push-mb": dict(type=int, default=16, help="agg: gradient MiB pushed per iteration (default 16)"),
+        "--agg-pool-jobs": dict(default="8,16", help="agg: job counts of the many-job pool part (default 8,16)"),
+        "--agg-pool-push-mb": dict(type=float, default=2.0,
+                                   help="agg: many-job part, gradient MiB per iteration per job (default 2)"),
+        "--agg-pool-compute-ms": dict(type=float, default=200.0,
+                                      help="agg: many-job part, compute phase per iteration (default 200)"),
     }
     for flag, kw in opts.items():
         if flag not in seen:
@@ -50,49 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
 
 
 # --- helpers run in child processes (module level so that spawn can import them) ------------------
-
-
-def _server_proc(conn, kw: dict[str, Any]) -> None:
-    from aggregator.server import AggregationServer
-
-    srv = AggregationServer("127.0.0.1", 0, **kw).start()
-    conn.send(f"{srv.address[0]}:{srv.address[1]}")
-    while True:
-        cmd = conn.recv()
-        if cmd == "stats":
-            conn.send(srv.stats())
-        else:
-            srv.stop()
-            conn.send("bye")
-            return
-
-
-class _Server:
-    def __init__(self, ctx, **kw: Any) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_server_proc, args=(child, kw), daemon=True)
-        self.proc.start()
-        self.addr = self.conn.recv()
-        self.ps = psutil.Process(self.proc.pid)
-
-    def cpu_s(self) -> float:
-        t = self.ps.cpu_times()
-        return t.user + t.system
-
-    def stats(self) -> dict[str, Any]:
-        self.conn.send("stats")
-        return self.conn.recv()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send("stop")
-            self.conn.recv()
-        except (EOFError, OSError):
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
 
 
 def _rt_worker(rank: int, world: int, addr: str, nbytes: int, reps: int, q) -> None:
@@ -231,63 +193,31 @@ def bench_kernel(nbytes: int, reps: int) -> dict[str, float]:
     return out
 
 
-def _gather(q, n: int, procs: list, timeout: float = 300) -> list:
-    """n results from the queue; fails at once when a worker process dies instead."""
-    import queue as _q
-
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        try:
-            out.append(q.get(timeout=0.5))
-        except _q.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"bench worker {dead[0].name} died with exit code {dead[0].exitcode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bench workers gave {len(out)} of {n} results in {timeout}s")
-    return out
-
-
-def _spawn(ctx, target, argss) -> list:
-    ps = [ctx.Process(target=target, args=a, daemon=True) for a in argss]
-    for p in ps:
-        p.start()
-    return ps
-
-
-def _join(ps) -> None:
-    for p in ps:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def bench_roundtrip(ctx, world: int, nbytes: int, reps: int) -> tuple[float, float]:
-    srv = _Server(ctx, server_id=f"rt{world}", max_cores=os.cpu_count() or 2)
+    srv = ServerProc(ctx, server_id=f"rt{world}", max_cores=os.cpu_count() or 2)
     try:
         q = ctx.Queue()
-        ps = _spawn(ctx, _rt_worker, [(r, world, srv.addr, nbytes, reps, q) for r in range(world)])
-        ours = max(t for _, t in _gather(q, world, ps))
-        _join(ps)
+        ps = spawn(ctx, _rt_worker, [(r, world, srv.addr, nbytes, reps, q) for r in range(world)])
+        ours = max(t for _, t in gather(q, world, ps))
+        join_all(ps)
     finally:
         srv.stop()
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    ps = _spawn(ctx, _gloo_worker, [(r, world, init, nbytes, reps, q) for r in range(world)])
-    gloo = max(t for _, t in _gather(q, world, ps))
-    _join(ps)
+    ps = spawn(ctx, _gloo_worker, [(r, world, init, nbytes, reps, q) for r in range(world)])
+    gloo = max(t for _, t in gather(q, world, ps))
+    join_all(ps)
     return ours * 1e3, gloo * 1e3
 
 
 def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, float]:
-    srv = _Server(ctx, server_id="ddp", max_cores=os.cpu_count() or 2)
+    srv = ServerProc(ctx, server_id="ddp", max_cores=os.cpu_count() or 2)
     try:
         q = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_port()}"
-        ps = _spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
-        res = _gather(q, 2, ps, timeout=600)
-        _join(ps)
+        ps = spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
+        res = gather(q, 2, ps, timeout=600)
+        join_all(ps)
     finally:
         srv.stop()
     return {
@@ -297,7 +227,7 @@ def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, float]:
     }
 
 
-def _run_jobs(ctx, servers: list[_Server], jobs: int, nbytes: int, compute_s: float, iters: int,
+def _run_jobs(ctx, servers: list[ServerProc], jobs: int, nbytes: int, compute_s: float, iters: int,
               seed: int) -> tuple[dict[int, float], float, float, float]:
     """Run M jobs; returns (mean iteration s per job, wall s, server CPU s, pool core-seconds held)."""
     rng = random.Random(seed)
@@ -308,12 +238,12 @@ def _run_jobs(ctx, servers: list[_Server], jobs: int, nbytes: int, compute_s: fl
     cpu0 = [s.cpu_s() for s in servers]
     st0 = [s.stats() for s in servers]
     t0 = time.perf_counter()
-    ps = _spawn(ctx, _job_worker, args)
-    res = _gather(q, len(args), ps, timeout=600)
+    ps = spawn(ctx, _job_worker, args)
+    res = gather(q, len(args), ps, timeout=600)
     wall = time.perf_counter() - t0
     st1 = [s.stats() for s in servers]
     cpu = sum(s.cpu_s() - c for s, c in zip(servers, cpu0))
-    _join(ps)
+    join_all(ps)
     # pool core-seconds held over the servers' own clock, per server, summed: cores held on average
     held = sum((b["pool"]["held_core_seconds"] - a["pool"]["held_core_seconds"])
                / max(1e-9, b["uptime_s"] - a["uptime_s"]) for a, b in zip(st0, st1)) * wall
@@ -334,7 +264,7 @@ def bench_shared(ctx, jobs: int, nbytes: int, compute_s: float, iters: int, repe
     sh_iters: dict[int, list[float]] = {}
     ded_cpu, sh_cpu, sh_cores = [], [], []
     for rep in range(repeats):
-        ded = [_Server(ctx, server_id=f"ded{j}", min_cores=dedicated_threads, max_cores=dedicated_threads)
+        ded = [ServerProc(ctx, server_id=f"ded{j}", min_cores=dedicated_threads, max_cores=dedicated_threads)
                for j in range(jobs)]
         try:
             it, wall, cpu, _ = _run_jobs(ctx, ded, jobs, nbytes, compute_s, iters, seed=rep)
@@ -344,7 +274,7 @@ def bench_shared(ctx, jobs: int, nbytes: int, compute_s: float, iters: int, repe
         ded_cpu.append(cpu)
         for j, v in it.items():
             ded_iters.setdefault(j, []).append(v)
-        shared = _Server(ctx, server_id="shared", min_cores=1, max_cores=jobs, shrink_after_s=0.5)
+        shared = ServerProc(ctx, server_id="shared", min_cores=1, max_cores=jobs, shrink_after_s=0.5)
         try:
             it, wall, cpu, held = _run_jobs(ctx, [shared], jobs, nbytes, compute_s, iters, seed=rep)
         finally:
@@ -395,6 +325,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shared = bench_shared(ctx, jobs, push, compute_s, 15 if quick else 40, 2 if quick else 3)
     per_job = {k: shared.pop(k) for k in ("job_iter_ms_shared", "job_iter_ms_dedicated")}
     metrics.update(shared)
+    pools: dict[int, dict[str, Any]] = {}
+    for m in [int(x) for x in str(getattr(args, "agg_pool_jobs", "8,16")).split(",") if x]:
+        print(f"agg: {m} jobs arriving and leaving, shared pool vs a dedicated server each ...", flush=True)
+        pools[m] = agg_pool.bench_pool(ctx, m, int(getattr(args, "agg_pool_push_mb", 2.0) * MiB),
+                                       getattr(args, "agg_pool_compute_ms", 200.0) / 1e3, 15 if quick else 30,
+                                       0.25, 2 if quick else 3)
+        metrics.update({k: v for k, v in pools[m].items() if not k.endswith(("_jobs", "_series"))})
     m = metrics
     checks = [
         ("kernel_gbps >= 0.8 x numpy_add_gbps", m["kernel_gbps"], ">=", 0.8 * m["numpy_add_gbps"]),
@@ -405,6 +342,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("ddp_max_abs_diff == 0 (2 ranks)", m["ddp_max_abs_diff"], "==", 0.0),
         ("shared_cores_avg <= 0.25 x dedicated_cores", m["shared_cores_avg"], "<=", 0.25 * m["dedicated_cores"]),
         ("max_job_slowdown <= 1.05", m["max_job_slowdown"], "<=", 1.05),
+        ("pool16_max_job_slowdown <= 1.05", m.get("pool16_max_job_slowdown"), "<=", 1.05),
+        ("pool16_cpu_s_vs_dedicated <= 0.5", m.get("pool16_cpu_s_vs_dedicated"), "<=", 0.5),
+        ("pool16_core_s_vs_dedicated (report)", m.get("pool16_core_s_vs_dedicated"), "<=", None),
     ]
     targets = report.target_rows(checks)
     ratios = {
@@ -425,15 +365,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              for j in per_job["job_iter_ms_shared"]]
     print(report.markdown_table(jrows, ["job", "iter_ms_dedicated", "iter_ms_shared", "slowdown"]))
     print(report.markdown_table(targets, ["target", "value", "op", "bound", "met"]))
-    plot = _plot(ratios, jrows, getattr(args, "json", None))
+    plot = _plot(ratios, jrows, pools, getattr(args, "json", None))
     return report.envelope("agg", metrics, ratios=ratios, jobs=jrows, targets=targets, plot=str(plot),
+                           pools={str(m): {k: v for k, v in r.items() if k.endswith(("_jobs", "_series"))}
+                                  for m, r in pools.items()},
                            params={"quick": quick, "tensor_bytes": tensor, "jobs": jobs, "compute_s": compute_s,
                                    "push_bytes": push})
 
 
-def _plot(ratios: dict[str, float], jrows: list[dict], json_path: str | None):
+def _plot(ratios: dict[str, float], jrows: list[dict], pools: dict[int, dict[str, Any]], json_path: str | None):
     plt = report.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(2 if pools else 1, 2, figsize=(12, 9 if pools else 4.5), squeeze=False)
+    (ax1, ax2) = axes[0]
+    if pools:
+        agg_pool.plot(pools, axes[1][0], axes[1][1])
     names = list(ratios)
     ax1.barh(names, [ratios[n] for n in names], color="tab:blue")
     ax1.axvline(1.0, color="grey", lw=1)

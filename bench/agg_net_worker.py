@@ -29,7 +29,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aggregator import Client
-from aggregator.client import DEFAULT_CHUNK_BYTES
 from aggregator.torch import AggState, comm_hook
 
 
@@ -46,25 +45,58 @@ def _cpu_s() -> float:
 
 
 class _Timing:
-    """Wraps the hook: records each step's comm window, and kills a server mid-step when asked."""
+    """Wraps the hook: records each step's comm window and each bucket's hand-over and completion,
+    and kills a server mid-step when asked."""
 
     def __init__(self, kill_pid: int = 0, kill_step: int = -1) -> None:
         self.windows: dict[int, list[float]] = {}
+        self.buckets: list[dict[str, Any]] = []  # {"round", "key", "bytes", "ready", "done"}
         self.kill_pid, self.kill_step, self.killed_at = kill_pid, kill_step, None
+
+    def _track(self, rnd: int, bucket, fut):
+        w = self.windows.setdefault(rnd, [time.time(), 0.0])
+        rec = {"round": rnd, "key": bucket.index(), "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+               "ready": time.time(), "done": 0.0}
+        self.buckets.append(rec)
+
+        def done(f):
+            rec["done"] = time.time()
+            w[1] = max(w[1], rec["done"])
+            return f.value()
+
+        return done
 
     def hook(self, state: AggState, bucket):
         rnd = state.iteration
-        w = self.windows.setdefault(rnd, [time.time(), 0.0])
+        t = time.time()
         fut = comm_hook(state, bucket)
+        done = self._track(rnd, bucket, fut)
+        self.buckets[-1]["ready"] = t
+        self.windows[rnd][0] = min(self.windows[rnd][0], t)
         if self.kill_pid and rnd == self.kill_step and self.killed_at is None:
             self.killed_at = time.time()
             os.kill(self.kill_pid, signal.SIGKILL)  # a round is in flight: this bucket was just handed over
-
-        def done(f):
-            w[1] = max(w[1], time.time())
-            return f.value()
-
         return fut.then(done)
+
+
+class _RingTiming(_Timing):
+    """gloo's ring with the same per-bucket records: DDP's own all-reduce (divide, then sum), as a hook."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world, self.iteration = world, 0
+
+    def hook(self, _state, bucket):
+        rnd = self.iteration
+        if bucket.is_last():
+            self.iteration += 1
+        t = time.time()
+        buf = bucket.buffer().div_(self.world)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        done = self._track(rnd, bucket, fut)
+        self.buckets[-1]["ready"] = t
+        self.windows[rnd][0] = min(self.windows[rnd][0], t)
+        return fut.then(lambda f: done(f)[0])
 
 
 class _CrossJobBarrier:
@@ -87,6 +119,19 @@ class _CrossJobBarrier:
         self.store.wait([f"{tag}/{n}" for n in self.names])
 
 
+class _NoCommTiming(_RingTiming):
+    """No communication at all: each bucket is 'reduced' at once (the compute floor of a step)."""
+
+    def hook(self, _state, bucket):
+        rnd = self.iteration
+        if bucket.is_last():
+            self.iteration += 1
+        fut: torch.futures.Future = torch.futures.Future()
+        done = self._track(rnd, bucket, fut)
+        fut.set_result(bucket.buffer())
+        return fut.then(done)
+
+
 def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrier) -> tuple[dict, list]:
     rank, world = spec["rank"], spec["world"]
     model = build_model(spec["width"])
@@ -94,15 +139,19 @@ def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrie
     client, timing = None, _Timing(ph.get("kill_pid", 0) if rank == 0 else 0, ph.get("kill_step", -1))
     if ph.get("servers"):
         client = Client(ph["servers"], f"{spec['job']}-{ph['name']}", rank, world, timeout_s=300,
-                        connect_timeout_s=60, chunk_bytes=spec.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+                        connect_timeout_s=60, chunk_bytes=spec.get("chunk_bytes"), link_gbit=spec.get("link_gbit"), trace=True,
+                        **({"window_chunks": spec["window_chunks"]} if "window_chunks" in spec else {}))
         ddp.register_comm_hook(AggState(client, compression=ph.get("compress")), timing.hook)
+    else:
+        timing = _NoCommTiming(world) if ph.get("no_comm") else _RingTiming(world)
+        ddp.register_comm_hook(None, timing.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     warmup, steps, compute_s = spec["warmup"], ph["steps"], ph.get("compute_s", 0.0)
     barrier.wait(f"start-{ph['name']}")
     if ph.get("offset_s"):
         time.sleep(ph["offset_s"])
-    times, starts = [], []
+    times, starts, marks = [], [], []
     w0 = c0 = 0.0
     for i in range(steps):
         if i == warmup:
@@ -114,15 +163,22 @@ def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrie
         if compute_s:
             time.sleep(compute_s)  # stands in for the GPU's forward and backward: a GPU host's CPU idles
         opt.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
+        loss = ((ddp(x) - y) ** 2).mean()
+        t_fwd = time.time()
+        loss.backward()
+        t_bwd = time.time()
         opt.step()
+        # step start, forward done, backward returned (every bucket reduced), optimizer done
+        marks.append([starts[-1], t_fwd, t_bwd, time.time()])
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     w1, c1 = time.time(), _cpu_s()
     params = [p.detach().clone() for p in model.parameters()]
     out: dict[str, Any] = {"step_s": times, "window": [w0, w1], "cpu_s": c1 - c0, "step_starts": starts,
-                           "comm": [timing.windows[r] for r in sorted(timing.windows) if r >= warmup]}
+                           "comm": [timing.windows[r] for r in sorted(timing.windows) if r >= warmup],
+                           "marks": marks, "buckets": timing.buckets}
     if client is not None:
+        out["stages"] = client.stage_records()
         st = client.stats()
         out["retries"] = st["retries"]
         out["bytes_sent"] = {a: s["bytes_sent"] for a, s in st["servers"].items()}
