@@ -391,8 +391,9 @@ class Client:
 
         Taken here rather than at dispatch, so the copies run in each server's sender thread,
         overlapped with the sends; the bytes cannot change before this push, as the result that
-        overwrites them needs it."""
-        if not self.failover or u.copy is not None or u.contrib:
+        overwrites them needs it.  A job with one server has nowhere to retry, so it keeps none
+        (on loopback the copy was a fifth of the bytes a step moves)."""
+        if not self.failover or u.copy is not None or u.contrib or len(self.links) == 1:
             return
         buf = self._copies.take(memoryview(u.op.data)[u.offset:u.offset + u.nbytes])
         with self.cond:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import agg_pool, report
+from bench import agg_pool, agg_timeline, report
 from bench.agg_procs import ServerProc, gather, join_all, spawn
 from nodesvc.bus.procs import free_port
 
@@ -98,44 +98,52 @@ def _ddp_model():
 
 
 def _ddp_worker(rank: int, world: int, init: str, addr: str, warmup: int, steps: int, q) -> None:
+    """Default DDP and DDP with the hook, one step of each in turn (the machine's load drifts alike over
+    both); the hook's steps record every bucket's and chunk's stages."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from aggregator import Client
-    from aggregator.torch import AggState, comm_hook
+    from aggregator.torch import AggState
+    from bench.agg_net_worker import _Timing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-
-    def run(hook: bool) -> tuple[float, list]:
+    variants = {}
+    for name in ("default", "hook"):
         model = _ddp_model()
         ddp = DDP(model)
-        client = None
-        if hook:
-            client = Client([addr], "ddp-bench", rank, world)
-            ddp.register_comm_hook(AggState(client), comm_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        g = torch.Generator().manual_seed(10 + rank)
-        times = []
-        for i in range(warmup + steps):
-            x = torch.randn(32, 1024, generator=g)
-            y = torch.randn(32, 1024, generator=g)
+        client = timing = None
+        if name == "hook":
+            client, timing = Client([addr], "ddp-bench", rank, world, trace=True), _Timing()
+            ddp.register_comm_hook(AggState(client), timing.hook)
+        variants[name] = {"model": model, "ddp": ddp, "client": client, "timing": timing,
+                          "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
+                          "gen": torch.Generator().manual_seed(10 + rank), "times": [], "marks": []}
+    for i in range(warmup + steps):
+        for name, v in variants.items():
+            x = torch.randn(32, 1024, generator=v["gen"])
+            y = torch.randn(32, 1024, generator=v["gen"])
             dist.barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            ((ddp(x) - y) ** 2).mean().backward()
-            opt.step()
+            start = time.time()
+            v["opt"].zero_grad()
+            loss = ((v["ddp"](x) - y) ** 2).mean()
+            t_fwd = time.time()
+            loss.backward()
+            t_bwd = time.time()
+            v["opt"].step()
+            v["marks"].append([start, t_fwd, t_bwd, time.time()])
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        if client:
-            client.close()
-        return float(np.median(times)), [p.detach().clone() for p in model.parameters()]
-
-    t_def, p_def = run(False)
-    t_hook, p_hook = run(True)
-    diff = max(float((a - b).abs().max()) for a, b in zip(p_def, p_hook))
-    q.put((rank, t_def, t_hook, diff))
+                v["times"].append(time.perf_counter() - t0)
+    hook = variants["hook"]
+    trace = {"marks": hook["marks"], "buckets": hook["timing"].buckets, "stages": hook["client"].stage_records(),
+             "default_marks": variants["default"]["marks"]}
+    hook["client"].close()
+    diff = max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(variants["default"]["model"].parameters(), hook["model"].parameters()))
+    q.put((rank, float(np.median(variants["default"]["times"])), float(np.median(hook["times"])), diff, trace))
     dist.destroy_process_group()
 
 
@@ -210,20 +218,31 @@ def bench_roundtrip(ctx, world: int, nbytes: int, reps: int) -> tuple[float, flo
     return ours * 1e3, gloo * 1e3
 
 
-def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, float]:
-    srv = ServerProc(ctx, server_id="ddp", max_cores=os.cpu_count() or 2)
+def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, Any]:
+    """Default DDP against DDP with the hook, 2 ranks, alternating steps; the hook's stages as well."""
+    srv = ServerProc(ctx, server_id="ddp", max_cores=os.cpu_count() or 2, trace=True)
     try:
         q = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_port()}"
         ps = spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
-        res = gather(q, 2, ps, timeout=600)
+        res = sorted(gather(q, 2, ps, timeout=600), key=lambda r: r[0])
         join_all(ps)
+        server_trace = {"s": {"units": srv.stages()}}
     finally:
         srv.stop()
+    traces = {f"w{r[0]}": {"hook": r[4]} for r in res}
+    b = agg_timeline.breakdown(traces["w0"]["hook"], warmup, list(server_trace.values()), "ddp-bench")
+    dm = traces["w0"]["hook"]["default_marks"][warmup:]
+    bd = {"step": round(float(np.median([m[3] - m[0] for m in dm])) * 1e3, 1),
+          "forward": round(float(np.median([m[1] - m[0] for m in dm])) * 1e3, 1)}
+    mr = agg_timeline.median_round(traces["w0"]["hook"], warmup)
+    step = agg_timeline.one_step(traces, list(traces), "hook", mr, server_trace, "ddp-bench") if mr is not None else None
     return {
         "ddp_step_ms_hook": max(r[2] for r in res) * 1e3,
         "ddp_step_ms_default": max(r[1] for r in res) * 1e3,
         "ddp_max_abs_diff": max(r[3] for r in res),
+        "ddp_stages": {"hook": b, "default": bd},
+        "ddp_step": step,
     }
 
 
@@ -320,7 +339,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ours, gloo = bench_roundtrip(ctx, world, tensor, 3 if quick else 10)
         metrics[f"roundtrip_ms_n{world}"], metrics[f"gloo_ms_n{world}"] = ours, gloo
     print("agg: DDP step time, hook vs default ...", flush=True)
-    metrics.update(bench_ddp(ctx, 1 if quick else 3, 3 if quick else 10))
+    ddp = bench_ddp(ctx, 1 if quick else 3, 3 if quick else 10)
+    ddp_stages, ddp_step = ddp.pop("ddp_stages"), ddp.pop("ddp_step")
+    metrics.update(ddp)
     print(f"agg: {jobs} jobs, shared elastic pool vs dedicated servers ...", flush=True)
     shared = bench_shared(ctx, jobs, push, compute_s, 15 if quick else 40, 2 if quick else 3)
     per_job = {k: shared.pop(k) for k in ("job_iter_ms_shared", "job_iter_ms_dedicated")}
@@ -365,8 +386,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              for j in per_job["job_iter_ms_shared"]]
     print(report.markdown_table(jrows, ["job", "iter_ms_dedicated", "iter_ms_shared", "slowdown"]))
     print(report.markdown_table(targets, ["target", "value", "op", "bound", "met"]))
+    print(report.markdown_table([{"variant": k, **v} for k, v in ddp_stages.items()],
+                                ["variant", "step", "forward", "before_comm", "comm", "after_comm", "buckets_handed_over",
+                                 "last_push_done", "server_last_arrival", "server_last_sum", "last_result_in"]))
     plot = _plot(ratios, jrows, pools, getattr(args, "json", None))
+    ddp_plot = None
+    if ddp_step:
+        ddp_plot = agg_timeline.plot({"ddp_hook_loopback": ddp_step}, {},
+                                     report.out_dir(getattr(args, "json", None)) / "agg_ddp_timeline.png")
     return report.envelope("agg", metrics, ratios=ratios, jobs=jrows, targets=targets, plot=str(plot),
+                           ddp_stages=ddp_stages, ddp_step=ddp_step, ddp_plot=str(ddp_plot),
                            pools={str(m): {k: v for k, v in r.items() if k.endswith(("_jobs", "_series"))}
                                   for m, r in pools.items()},
                            params={"quick": quick, "tensor_bytes": tensor, "jobs": jobs, "compute_s": compute_s,

@@ -17,6 +17,8 @@ def server_proc(conn, kw: dict[str, Any]) -> None:
         cmd = conn.recv()
         if cmd == "stats":
             conn.send(srv.stats())
+        elif cmd == "stages":
+            conn.send(srv.stages.records() if srv.stages is not None else [])
         else:
             srv.stop()
             conn.send("bye")
@@ -37,6 +39,11 @@ class ServerProc:
 
     def stats(self) -> dict[str, Any]:
         self.conn.send("stats")
+        return self.conn.recv()
+
+    def stages(self) -> list[dict[str, Any]]:
+        """The server's stage records (started with ``trace=True``)."""
+        self.conn.send("stages")
         return self.conn.recv()
 
     def stop(self) -> None:
