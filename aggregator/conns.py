@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from aggregator.sockio import send_all
+from aggregator.sockio import send_all, send_nowait
 
 log = logging.getLogger("dlshare.agg")
 
@@ -179,7 +179,35 @@ class Conn:
             if done:
                 done()
             return
-        self._queue((header, payload, done))
+        with self._lock:
+            if self._sending or self._out:
+                self._out.append((header, payload, done))
+                return
+            self._sending = True  # this thread owns the socket's sending side now
+        # Nothing queued: send from this thread as far as the socket's buffer takes it, without
+        # blocking; a worker is borrowed only for what is left (a full buffer: a slow peer).  A
+        # result that fits costs no thread hand-off.
+        try:
+            sent = send_nowait(self.sock, header, payload)
+        except OSError:
+            self.close()
+            sent = -1
+        whole = len(header) + (0 if payload is None else len(payload))
+        if sent < 0 or sent == whole:
+            if done:
+                done()
+            with self._lock:
+                if not self._out:
+                    self._sending = False
+                    return
+        else:
+            if sent < len(header):
+                rest = (memoryview(header)[sent:], payload, done)
+            else:
+                rest = (b"", memoryview(payload)[sent - len(header):], done)
+            with self._lock:
+                self._out.appendleft(rest)
+        self.workers.submit(self._flush)
 
     def close_after_flush(self) -> None:
         """Close once what is queued (typically an error message) has been sent."""
