@@ -26,10 +26,12 @@ VNODES = 64  # virtual nodes per server on the fallback ring: spreads moved chun
 MIN_SPLIT_BYTES = 64 << 10  # splitting finer than this for balance costs more in headers than it saves
 # A chunk should take about this long on its connection's share of the link.  A step's pipeline
 # fills and drains once (its first results wait for a whole chunk from every rank, its last follow
-# the last chunk), so smaller is faster, until the per-chunk cost shows: about 80 us of CPU per
-# message on each end (measured, 2-vCPU VM), 1% of 8 ms.  Sweep at 500 Mbit/s, k = n = 4, window
-# 4 chunks: 128 KiB chunks (8.4 ms) stepped at 1.19x the bound, 256 KiB 1.22-1.25x, 1 MiB 1.28-1.37x
-# (bench/RESULTS.md, issue 28).
+# the last chunk), and the push window (aggregator/link.py) lets ranks drift apart by a few chunks,
+# so smaller is faster until the per-chunk cost shows: 15-25 us of CPU per message at each end
+# beyond the per-byte copies (loopback, 2-vCPU VM), and on a machine that also computes the
+# gradients that CPU slows the backward pass.  Sweep at 500 Mbit/s, k = n = 4, window 4 chunks
+# (bench/RESULTS.md, issue 28): 128 KiB chunks (8.4 ms) stepped at 1.19x the bound, 256 KiB
+# (17 ms) at 1.22-1.25x, 1 MiB at 1.28-1.37x.
 CHUNK_TIME_S = 0.008
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 << 10, 4 << 20
 
