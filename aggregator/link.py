@@ -202,7 +202,13 @@ class ServerLink:
         else:
             self.inflight.difference_update(uids)
         self.last_answer = time.monotonic()
-        self.credit.notify()
+        if len(self.inflight) <= self._refill_at():
+            self.credit.notify()
+
+    def _refill_at(self) -> int:
+        """A full window waits until half of it is answered, so its sender wakes once per half window."""
+        w = self.client.window_chunks
+        return w - max(1, w // 2)
 
     def _wait_window(self, sock: socket.socket) -> None:
         """(lock held) Wait until fewer than the window's chunks are unanswered on ``sock``.
@@ -214,6 +220,7 @@ class ServerLink:
         socket buffer at a quarter of a 500 Mbit/s link).  With at most ``window_chunks`` chunks
         unanswered, a rank ahead at one server waits for its answers, and its link carries its
         chunks for the other servers meanwhile, so every connection to a server moves in step.
+        A full window refills once half of it is answered: one wake-up of the sender per half window.
 
         Ranks push to a server in the same order (the client's contract), so the chunk every
         rank has pushed is answered and the window always reopens.  As a safety valve for
@@ -221,13 +228,15 @@ class ServerLink:
         window with no answer for ``STALL_S`` opens anyway."""
         c = self.client
         w = c.window_chunks
-        while (w and len(self.inflight) >= w and self.sock is sock and not c.closed
-               and time.monotonic() - self.last_answer < STALL_S):
+        if not w or len(self.inflight) < w:
+            return
+        low = self._refill_at()
+        while self.sock is sock and not c.closed and time.monotonic() - self.last_answer < STALL_S:
             units = self.units
             # units answered or given up since (an op that failed, a result nobody reads) free their place
             self.inflight = {uid for uid in self.inflight
                              if (u := units.get(uid)) is not None and not u.done and u.needed()}
-            if len(self.inflight) < w:
+            if len(self.inflight) <= low:
                 return
             self.credit.wait(STALL_S)
 

@@ -62,23 +62,23 @@ class ServerStages:
             if len(self._open) >= self._max_open:  # units of failed rounds are never closed
                 self._open.pop(next(iter(self._open)))
             r = self._open[k] = {"job": job, "round": unit[0], "key": unit[1], "chunk": unit[2], "arrived": {},
-                                 "sum": [0.0, 0.0], "sent": [], "targets": 0}
+                                 "sum": (0.0, 0.0), "sent": [], "targets": 0}
         return r
 
     def arrived(self, job: str, unit: tuple[int, int, int], rank: int, header_t: float, payload_t: float) -> None:
         with self._lock:
-            self._rec(job, unit)["arrived"][rank] = (round(header_t, 6), round(payload_t, 6))
+            self._rec(job, unit)["arrived"][rank] = (header_t, payload_t)
 
     def summed(self, job: str, unit: tuple[int, int, int], t0: float, t1: float, targets: int) -> None:
         with self._lock:
             r = self._rec(job, unit)
-            r["sum"], r["targets"] = [round(t0, 6), round(t1, 6)], targets
+            r["sum"], r["targets"] = (t0, t1), targets
             self._close_if_done(job, unit, r)
 
     def sent(self, job: str, unit: tuple[int, int, int], rank: int, t: float | None = None) -> None:
         with self._lock:
             r = self._rec(job, unit)
-            r["sent"].append((rank, round(time.time() if t is None else t, 6)))
+            r["sent"].append((rank, time.time() if t is None else t))
             self._close_if_done(job, unit, r)
 
     def _close_if_done(self, job: str, unit: tuple[int, int, int], r: dict[str, Any]) -> None:
@@ -88,5 +88,8 @@ class ServerStages:
 
     def records(self, job: Hashable | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            return [dict(r, arrived={str(k): v for k, v in r["arrived"].items()})
-                    for r in self._done if job is None or r["job"] == job]
+            done = [r for r in self._done if job is None or r["job"] == job]
+        # rounded and JSON-shaped here, not on the data path
+        return [dict(r, arrived={str(k): [round(a, 6), round(b, 6)] for k, (a, b) in r["arrived"].items()},
+                     sum=[round(t, 6) for t in r["sum"]], sent=[[k, round(t, 6)] for k, t in r["sent"]])
+                for r in done]

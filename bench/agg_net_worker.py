@@ -39,6 +39,20 @@ def build_model(width: int) -> nn.Module:
                          nn.Linear(width, 1024))
 
 
+def _wakeups() -> int:
+    """Voluntary context switches of every thread of this process so far (each is a sleep and a wake-up)."""
+    total = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -138,9 +152,9 @@ def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrie
     ddp = DDP(model)
     client, timing = None, _Timing(ph.get("kill_pid", 0) if rank == 0 else 0, ph.get("kill_step", -1))
     if ph.get("servers"):
-        client = Client(ph["servers"], f"{spec['job']}-{ph['name']}", rank, world, timeout_s=300,
-                        connect_timeout_s=60, chunk_bytes=spec.get("chunk_bytes"), link_gbit=spec.get("link_gbit"), trace=True,
-                        **({"window_chunks": spec["window_chunks"]} if "window_chunks" in spec else {}))
+        opts = {k: ph.get(k, spec.get(k)) for k in ("chunk_bytes", "window_chunks", "link_gbit")}
+        client = Client(ph["servers"], f"{spec['job']}-{ph['name']}", rank, world, timeout_s=300, connect_timeout_s=60,
+                        trace=True, **{k: v for k, v in opts.items() if v is not None})
         ddp.register_comm_hook(AggState(client, compression=ph.get("compress")), timing.hook)
     else:
         timing = _NoCommTiming(world) if ph.get("no_comm") else _RingTiming(world)
@@ -155,7 +169,7 @@ def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrie
     w0 = c0 = 0.0
     for i in range(steps):
         if i == warmup:
-            w0, c0 = time.time(), _cpu_s()
+            w0, c0, v0 = time.time(), _cpu_s(), _wakeups()
         x = torch.randn(spec["batch"], 1024, generator=g)
         y = torch.randn(spec["batch"], 1024, generator=g)
         t0 = time.perf_counter()
@@ -172,9 +186,10 @@ def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrie
         marks.append([starts[-1], t_fwd, t_bwd, time.time()])
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    w1, c1 = time.time(), _cpu_s()
+    w1, c1, v1 = time.time(), _cpu_s(), _wakeups()
     params = [p.detach().clone() for p in model.parameters()]
     out: dict[str, Any] = {"step_s": times, "window": [w0, w1], "cpu_s": c1 - c0, "step_starts": starts,
+                           "wakeups": v1 - v0,
                            "comm": [timing.windows[r] for r in sorted(timing.windows) if r >= warmup],
                            "marks": marks, "buckets": timing.buckets}
     if client is not None:

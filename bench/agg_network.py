@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
                                              "for development, the targets need them all"),
         "--net-window-chunks": dict(type=int, default=-1, help="agg --network: the hook's push window in chunks "
                                                               "(default: the client's own)"),
+        "--net-variants": dict(default="", help="agg --network, development: extra k = 4 phases with other client "
+                                               "settings, NAME:WINDOW:CHUNK_KB,... (CHUNK_KB 0: from the link "
+                                               "rate), each run twice, interleaved with hook_k4"),
         "--net-chunk-kb": dict(type=int, default=0, help="agg --network: the hook's chunk size in KiB "
                                                         "(default: the client's, from the link rate)"),
     }
@@ -280,6 +283,8 @@ def _phase_row(name: str, res: dict[str, dict], cl: _Cluster, workers: list[str]
         "server_recv_mb": round(float(np.mean([d["recv"][s] for s in servers])) / n / 1e6, 1) if servers else 0.0,
         "server_sent_mb": round(float(np.mean([d["sent"][s] for s in servers])) / n / 1e6, 1) if servers else 0.0,
         "worker_cpu_pct": round(100 * float(np.mean(wcpu)), 1),
+        # sleeps and wake-ups of a worker's threads per step (voluntary context switches)
+        "worker_wakeups": round(float(np.mean([res[w][name].get("wakeups", 0) for w in workers])) / n),
         "server_cpu_pct": round(100 * float(np.mean([d["cpu_s"].get(s, 0.0) for s in servers])) / span, 1)
         if servers else 0.0,
         "machine_cpu_pct": round(100 * d["machine_busy"], 1) if d["machine_busy"] is not None else None,
@@ -382,6 +387,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {"name": "hook_k4_again", "steps": fo_steps, "servers": srv},
         ]
         phases = [p for p in phases if p["name"].removesuffix("_again") in want]
+        variants = _variants(getattr(args, "net_variants", "") or "")
+        if variants:  # A/B within one run: hook_k4 and each variant, twice, interleaved
+            vph = [{"name": f"var_{v}", "steps": fo_steps, "servers": srv, **o} for v, o in variants.items()]
+            ref = {"name": "hook_k4", "steps": fo_steps, "servers": srv, "keep": True}
+            phases = [p for p in phases if p["name"] not in ("hook_k4", "hook_k4_again")]
+            phases += [ref, *vph, {**ref, "name": "hook_k4_again", "keep": False},
+                       *[{**p, "name": p["name"] + "_again"} for p in vph]]
         if phases:
             specs = {f"w{r}": {**base, "rank": r, "job": "net", "init": f"tcp://{cl.net.addrs['w0']}:{GLOO_PORT}",
                                "phases": phases} for r in range(n)}
@@ -399,6 +411,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for c in ("fp16", "bf16"):
             if f"hook_k4_{c}" in ran:
                 rows.append(_phase_row(f"hook_k4_{c}", res, cl, W, S, max(grad, n * grad / 4) / 2 / B))
+        for v in variants:
+            rows.append(_phase_row(f"var_{v}", res, cl, W, S, grad / B, also=(f"var_{v}_again",)))
         if "failover_k4" in ran:
             rows.append(_phase_row("failover_k4", res, cl, W, S, max(grad, n * grad / 4) / B))
             fo = {w: res[w]["failover_k4"] for w in W}
@@ -490,9 +504,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stage_rows, steps_drawn = [], {}
     for r in rows:
         name = r["phase"]
-        job = f"net-{name}" if name.startswith(("hook", "failover")) else None
+        job = f"net-{name}" if name.startswith(("hook", "failover", "var_")) else None
         spb = {"ring": 2 * (n - 1) / n / B, "hook_k1": n / B, "hook_k2": n / 2 / B, "hook_k4": 1 / B,
-               "failover_k4": 1 / B, "hook_k4_fp16": 0.5 / B, "hook_k4_bf16": 0.5 / B}.get(name, 0.0)
+               "failover_k4": 1 / B, "hook_k4_fp16": 0.5 / B, "hook_k4_bf16": 0.5 / B}.get(
+            name, 1 / B if name.startswith("var_") else 0.0)
         b = agg_timeline.breakdown(res["w0"][name], warmup, list(traces.values()), job, spb)
         stage_rows.append({"phase": name, "bound_ms": r["bound_ms"], **b, "tcp": r.get("tcp")})
         mr = agg_timeline.median_round(res["w0"][name], warmup)
@@ -518,11 +533,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     targets = report.target_rows(checks)
     cols = ["phase", "steps", "step_ms", "bound_ms", "step_vs_bound", "worker_sent_mb", "worker_recv_mb", "server_recv_mb",
-            "server_sent_mb", "worker_cpu_pct", "server_cpu_pct", "machine_cpu_pct", "retrans_segs"]
+            "server_sent_mb", "worker_cpu_pct", "worker_wakeups", "server_cpu_pct", "machine_cpu_pct", "retrans_segs"]
     print(report.markdown_table(rows, cols))
     if jrows:
         print(report.markdown_table(jrows, ["job", *cols]))
-    scols = ["phase", "bound_ms", "step", "ready_floor", "before_comm", "comm", "after_comm", "buckets_handed_over",
+    scols = ["phase", "bound_ms", "step", "ready_floor", "comm_over_floor", "before_comm", "comm", "after_comm", "buckets_handed_over",
              "first_push_after_first_ready", "last_push_done", "server_last_arrival", "server_last_sum",
              "last_result_in", "last_future_done"]
     print(report.markdown_table(stage_rows, scols))
@@ -543,6 +558,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "chunk_bytes": chunk or chunk_for_link(B, 4, n),
                                    "window_chunks": base.get("window_chunks"),
                                    "workers": n, "compute_s": compute_s})
+
+
+def _variants(text: str) -> dict[str, dict[str, int]]:
+    """``NAME:WINDOW:CHUNK_KB,...`` -> phase options (development A/B runs)."""
+    out = {}
+    for part in [p for p in text.split(",") if p]:
+        try:
+            name, window, kb = part.split(":")
+            out[name] = {"window_chunks": int(window), **({"chunk_bytes": int(kb) * 1024} if int(kb) else {})}
+        except ValueError:
+            raise SystemExit(f"dlshare bench agg --network: --net-variants wants NAME:WINDOW:CHUNK_KB, not {part!r}")
+    return out
 
 
 def _server_idle(traces: dict[str, dict], res2: dict[str, dict], n: int, warmup: int) -> dict[str, Any]:

@@ -95,8 +95,10 @@ def breakdown(wres: dict[str, Any], warmup: int, servers: list[dict] | None = No
             add(f"ready_b{b['key']}", b["ready"] - start)
         if s_per_byte:
             order = sorted(bs, key=lambda b: b["ready"])
-            add("ready_floor", max(b["ready"] - start + s_per_byte * sum(c["bytes"] for c in order[i:])
-                                   for i, b in enumerate(order)))
+            floor = max(b["ready"] - start + s_per_byte * sum(c["bytes"] for c in order[i:])
+                        for i, b in enumerate(order))
+            add("ready_floor", floor)
+            add("comm_over_floor", done - start - floor)  # how late the last bucket was, given the compute
         st = [stages[(rnd, b["key"])] for b in bs if (rnd, b["key"]) in stages]
         if st:
             add("first_push_after_first_ready", min(r["push_first"] for r in st) - first)
