@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from aggregator import kernel
 from aggregator.inflight import AggregationError, CopyPool, Op, Unit
 from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
 from aggregator.placement import HashRing, NoServer, Placement, chunk_for_link, split
@@ -44,6 +45,7 @@ __all__ = ["Client", "AggregationError", "HashRing", "as_bytes", "make_layout"]
 
 log = logging.getLogger("dlshare.agg.client")
 
+_WIRE = {"fp16": DType.F16, "bf16": DType.BF16}
 DEFAULT_CHUNK_BYTES = 4 << 20  # when neither chunk_bytes nor the link's rate is given
 LINK_ENV = "DLSHARE_AGG_LINK_GBIT"  # the hosts' link rate, when the launcher knows it: sizes the chunks
 # Chunks a rank may have pushed to one server and not yet had answered (0: no limit).  See ServerLink.
@@ -160,7 +162,7 @@ class Client:
         self.next_round = 0  # every round below this one may have been started by this rank
         self.closed = False
         self.retries = 0  # chunks pushed again after their server was lost (for tests and telemetry)
-        self._copies = CopyPool()
+        self.copies = CopyPool()
         self._stages: collections.deque | None = collections.deque(maxlen=4096) if trace else None
         self._round = itertools.count()
         self._ops: dict[int, Op] = {}
@@ -174,13 +176,20 @@ class Client:
 
     # --- public ---
 
-    def allreduce(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None) -> Any:
-        """Reduce ``x`` in place across the job's ranks and return it."""
-        fut = self.allreduce_async(x, op, key, round)
+    def allreduce(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None,
+                  wire: str | None = None) -> Any:
+        """Reduce ``x`` in place across the job's ranks and return it (``wire``: see :meth:`allreduce_async`)."""
+        fut = self.allreduce_async(x, op, key, round, wire)
         return fut.result(timeout=self.timeout_s + 5.0)
 
-    def allreduce_async(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None) -> Future:
-        """Start reducing ``x`` in place; the Future resolves to ``x``."""
+    def allreduce_async(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None,
+                        wire: str | None = None) -> Future:
+        """Start reducing ``x`` in place; the Future resolves to ``x``.
+
+        ``wire`` (``"fp16"`` or ``"bf16"``, for a float32 ``x``): send 16-bit floats and receive the
+        result in 16 bits, halving the bytes on the wire.  Each chunk is narrowed just before its push
+        and its result widened into ``x`` as it arrives (round to nearest even, as torch's ``.to()``);
+        the server adds the 16-bit inputs in fp32 and rounds once."""
         if self.closed:
             raise AggregationError("client is closed", "closed")
         try:
@@ -188,18 +197,26 @@ class Client:
         except KeyError:
             raise ValueError(f"op must be 'sum' or 'mean', not {op!r}") from None
         data, dtype = as_bytes(x)
+        wdt = None
+        if wire is not None:
+            if wire not in _WIRE:
+                raise ValueError(f"wire must be one of {', '.join(_WIRE)}, not {wire!r}")
+            if dtype != DType.F32:
+                raise TypeError(f"a {wire} wire needs a float32 tensor, not {dtype.label}")
+            wdt = _WIRE[wire]
+        sent = wdt or dtype
         if self._layout is not None:
             want = self._layout.get(key)
-            have = (data.nbytes // dtype.itemsize, int(dtype))
+            have = (data.nbytes // dtype.itemsize, int(sent))
             if want != have:
                 exp = "not in the layout" if want is None else f"{want[0]} {DType(want[1]).label} elements"
-                raise ValueError(f"key {key} has {have[0]} {dtype.label} elements; the job's layout says {exp}")
+                raise ValueError(f"key {key} has {have[0]} {sent.label} elements; the job's layout says {exp}")
         rnd = next(self._round) if round is None else int(round)
         fut: Future = Future()
         if data.nbytes == 0:
             fut.set_result(x)
             return fut
-        opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic())
+        opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic(), wire=wdt)
         if self._stages is not None:
             opr.ready_t = time.time()
         with self._ops_lock:
@@ -252,13 +269,13 @@ class Client:
                 opr.fail(AggregationError(f"push of round {opr.round} failed: {exc!r}", "error", opr.round))
 
     def _units(self, opr: Op) -> list[Unit]:
-        size = opr.dtype.itemsize
-        parts = split(opr.numel, size, self.chunk_bytes, len(self.links))
+        size, wsize = opr.dtype.itemsize, opr.wire_dtype.itemsize
+        parts = split(opr.numel, wsize, self.chunk_bytes, len(self.links))
         opr.nchunks = opr.left = len(parts)
         units = []
         trace = self._stages is not None
         for c, (first, count) in enumerate(parts):
-            units.append(Unit(opr, c, first * size, count * size, opr.numel, times=[0.0] * 4 if trace else None))
+            units.append(Unit(opr, c, first * size, count * wsize, opr.numel, times=[0.0] * 4 if trace else None))
         if trace:
             opr.units = units
         return units
@@ -269,7 +286,7 @@ class Client:
         with self.cond:
             if not self._wait_placeable(opr, fails):
                 for u in units:
-                    self._copies.give(u.copy)
+                    self.copies.give(u.copy)
             else:
                 self.next_round = max(self.next_round, opr.round + 1)
                 for u in units:
@@ -357,7 +374,7 @@ class Client:
                     if closing or failed or (u.contrib and u.done):
                         if ours:
                             fails.append((u.op, "client closed"))
-                        self._copies.give(u.copy)
+                        self.copies.give(u.copy)
                         continue
                     # what is left: our reductions still in flight, and chunks whose result we have
                     # (kept since) that peers may still be waiting for: both go to the next server
@@ -368,7 +385,7 @@ class Client:
                         if ours:
                             fails.append((u.op, why if not self.failover else
                                           f"{why} (and no other aggregation server is up to retry on)"))
-                        self._copies.give(u.copy)
+                        self.copies.give(u.copy)
                         continue
                     u.done, u.contrib = False, not ours
                     self.retries += 1
@@ -392,22 +409,30 @@ class Client:
         Taken here rather than at dispatch, so the copies run in each server's sender thread,
         overlapped with the sends; the bytes cannot change before this push, as the result that
         overwrites them needs it.  A job with one server has nowhere to retry, so it keeps none
-        (on loopback the copy was a fifth of the bytes a step moves)."""
-        if not self.failover or u.copy is not None or u.contrib or len(self.links) == 1:
+        (on loopback the copy was a fifth of the bytes a step moves).  A compressed chunk is
+        narrowed into its copy, which is what goes on the wire, whether or not it is kept."""
+        narrow = u.op.wire is not None
+        if u.copy is not None or u.contrib:
             return
-        buf = self._copies.take(memoryview(u.op.data)[u.offset:u.offset + u.nbytes])
+        if not narrow and (not self.failover or len(self.links) == 1):
+            return
+        if narrow:
+            buf = self.copies.empty(u.nbytes)
+            kernel.convert(u.op.wire, buf, u.op.dtype, u.local())
+        else:
+            buf = self.copies.take(u.local())
         with self.cond:
             if u.copy is None and link.units.get(u.uid) is u:
                 u.copy, buf = buf, None
-        self._copies.give(buf)
+        self.copies.give(buf)
 
     def unit_answered(self, link: ServerLink, u: Unit) -> None:
         with self.cond:
             u.done = True
-            if not self.failover or u.contrib:
+            if not self.failover or u.contrib or len(self.links) == 1:
                 if link.units.get(u.uid) is u:
                     del link.units[u.uid]
-                    self._copies.give(u.copy)
+                    self.copies.give(u.copy)
                     u.copy = None
 
     def server_error(self, link: ServerLink, h: Header, code: str, message: str) -> None:
@@ -419,7 +444,7 @@ class Client:
                 hit = [h.unit] if h.unit in link.units else []
             units = [link.units.pop(uid) for uid in hit]
             for u in units:
-                self._copies.give(u.copy)
+                self.copies.give(u.copy)
             link.answered([u.uid for u in units] if h.key != ALL else None, h.round)
         for u in units:
             u.op.fail(exc)
@@ -475,7 +500,7 @@ class Client:
                     # a completed round frees the copies of the rounds before it; a failed op frees its own
                     if (u.op is opr and not opr.ok) or (opr.ok and uid[0] < opr.round and u.done):
                         del link.units[uid]
-                        self._copies.give(u.copy)
+                        self.copies.give(u.copy)
                         u.copy = None
             self._check_drains()
 

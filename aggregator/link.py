@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from aggregator import kernel
 from aggregator.inflight import AggregationError, Unit
 from aggregator.protocol import (HEADER_SIZE, Header, MsgType, ProtocolError, data_header, hello, parse_body,
                                  parse_header, parse_round_body)
@@ -269,7 +270,9 @@ class ServerLink:
                     self.inflight.add(u.uid)
                 c.keep_copy(self, u)
                 o = u.op
-                hdr = data_header(MsgType.PUSH, o.dtype, o.op, self.handle, c.rank, c.world, o.round, o.key,
+                if o.wire is not None and u.copy is None:
+                    continue  # its narrowed copy was not taken: the unit left this link meanwhile
+                hdr = data_header(MsgType.PUSH, o.wire_dtype, o.op, self.handle, c.rank, c.world, o.round, o.key,
                                   u.chunk, o.nchunks, u.nbytes, u.numel).pack()
                 payload = u.payload()
                 if u.times is not None:
@@ -337,8 +340,18 @@ class ServerLink:
         assert u is not None
         if u.times is not None:
             u.times[2] = time.time()
-        if not recv_exact(sock, memoryview(u.op.data)[u.offset:u.offset + u.nbytes]):
-            raise ConnectionError("server closed the connection mid-result")
+        wire = u.op.wire
+        if wire is None:
+            if not recv_exact(sock, u.local()):
+                raise ConnectionError("server closed the connection mid-result")
+        else:  # a compressed result: in 16 bits, widened into the caller's tensor at once
+            stage = c.copies.empty(h.nbytes)
+            try:
+                if not recv_exact(sock, memoryview(stage)):
+                    raise ConnectionError("server closed the connection mid-result")
+                kernel.convert(u.op.dtype, u.local(), wire, stage)
+            finally:
+                c.copies.give(stage)
         if u.times is not None:
             u.times[3] = time.time()
         c.unit_answered(self, u)

@@ -139,3 +139,41 @@ def test_failed_rounds_give_their_window_places_back(agg_servers, monkeypatch):
     for good, inflight in run_ranks(2, work):
         np.testing.assert_array_equal(good, np.full_like(good, 2.0))
         assert inflight == 0
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+@pytest.mark.parametrize("nserv", [1, 2])
+def test_a_compressed_wire_gives_the_bits_of_narrowing_first(agg_servers, wire, nserv):
+    """Narrowing each chunk before its push and widening each result as it arrives gives exactly
+    what narrowing the whole tensor with torch, reducing it in 16 bits and widening it gives."""
+    import torch
+
+    servers = agg_servers(nserv)
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire]
+    world, n = 3, 50_001
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g) * torch.logspace(-30, 4, n) for _ in range(world)]
+
+    def work(rank):
+        with Client([addr(s) for s in servers], f"wire{nserv}", rank, world, chunk_bytes=16 << 10) as c:
+            a = xs[rank].clone()
+            c.allreduce(a, round=0, wire=wire)
+            b = xs[rank].to(tdt)
+            c.allreduce(b, round=1)
+            return a, b.float()
+
+    for a, b in run_ranks(world, work):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_a_compressed_wire_needs_float32():
+    import torch
+
+    c = Client(["127.0.0.1:1"], "w", 0, 2)
+    try:
+        with pytest.raises(TypeError, match="float32"):
+            c.allreduce_async(torch.zeros(4, dtype=torch.float16), wire="bf16")
+        with pytest.raises(ValueError, match="wire"):
+            c.allreduce_async(torch.zeros(4), wire="int8")
+    finally:
+        c.close()
