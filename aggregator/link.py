@@ -224,9 +224,11 @@ class ServerLink:
         A full window refills once half of it is answered: one wake-up of the sender per half window.
 
         Ranks push to a server in the same order (the client's contract), so the chunk every
-        rank has pushed is answered and the window always reopens.  As a safety valve for
-        orders that differ (a client that breaks the contract, a retry after a lost server), a
-        window with no answer for ``STALL_S`` opens anyway."""
+        rank has pushed is answered and the window always reopens.  Chunks pushed again after a
+        server was lost or redirected go out in orders that differ between ranks, so the rounds in
+        flight then push without a window (``client.window_from``).  As a safety valve for any
+        other order that differs (a client that breaks the contract), a window with no answer for
+        ``STALL_S`` opens anyway."""
         c = self.client
         w = c.window_chunks
         if not w or len(self.inflight) < w:
@@ -259,15 +261,18 @@ class ServerLink:
                 with c.cond:
                     if self.sock is not sock or self.units.get(u.uid) is not u:
                         continue
-                    if not self.inflight:
-                        self.last_answer = time.monotonic()  # the window's stall clock starts with its first push
-                    self._wait_window(sock)
-                    if self.sock is not sock or self.units.get(u.uid) is not u:
-                        continue
+                    windowed = u.op.round >= c.window_from
+                    if windowed:
+                        if not self.inflight:
+                            self.last_answer = time.monotonic()  # the window's stall clock starts with its first push
+                        self._wait_window(sock)
+                        if self.sock is not sock or self.units.get(u.uid) is not u:
+                            continue
                     if not u.needed():
                         del self.units[u.uid]
                         continue
-                    self.inflight.add(u.uid)
+                    if windowed:
+                        self.inflight.add(u.uid)
                 c.keep_copy(self, u)
                 o = u.op
                 if o.wire is not None and u.copy is None:

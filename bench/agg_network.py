@@ -20,7 +20,11 @@ hosts train the same ~25M-parameter, mostly dense model on the same data:
 Per phase it reports the step time next to its bound, the bytes each host sent
 and received per step (link counters), each host's CPU time and the machine's
 CPU use, so a reader can check that the links and not the 2 cores were the
-bottleneck.  Namespaces, qdiscs and processes are torn down even on failure.
+bottleneck.  A first phase runs the same steps with no communication (the
+compute alone).  Every worker and server records each bucket's and chunk's
+stages (aggregator/stages.py): bench/agg_timeline.py splits each step into its
+parts and draws one step of each phase with the link rates under it.
+Namespaces, qdiscs and processes are torn down even on failure.
 """
 
 from __future__ import annotations
@@ -513,6 +517,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mr = agg_timeline.median_round(res["w0"][name], warmup)
         if mr is not None:
             steps_drawn[name] = agg_timeline.one_step(res, W, name, mr, traces, job)
+        if name == "failover_k4":  # and the step a server was killed in
+            steps_drawn["failover_k4_killed"] = agg_timeline.one_step(res, W, name, warmup + 1, traces, job)
     if jrows:
         for job, w in (("A", "w0"), ("B", f"w{n}")):
             b = agg_timeline.breakdown(res2[w]["shared_k4"], warmup, list(traces.values()), f"{job}-shared_k4")
