@@ -161,7 +161,9 @@ class Client:
         self.links = {s: ServerLink(self, s) for s in self.placement.servers}
         self.next_round = 0  # every round below this one may have been started by this rank
         # Rounds below this one push without a window: they were in flight when a server was lost or
-        # redirected, and their retried chunks go out in an order that differs between ranks.
+        # redirected, and their retried chunks go out in an order that differs between ranks.  Ranks
+        # that step in lockstep are at most a round apart, and a rank may dispatch one more round
+        # before it notices the loss, so the two rounds after its next one are covered too.
         self.window_from = 0
         self.closed = False
         self.retries = 0  # chunks pushed again after their server was lost (for tests and telemetry)
@@ -363,7 +365,7 @@ class Client:
                 link.units.clear()
                 link.inflight = set()
                 link.credit.notify_all()
-                self.window_from = max(self.window_from, self.next_round)
+                self.window_from = max(self.window_from, self.next_round + 2)
                 if q is not None:
                     q.put(None)
                 closing = self.closed
@@ -463,7 +465,7 @@ class Client:
         fail = None
         with self.cond:
             link.drain_from, link.drain_acked = from_round, False
-            self.window_from = max(self.window_from, self.next_round)
+            self.window_from = max(self.window_from, self.next_round + 2)
             if h.key != ALL:
                 link.answered([h.unit])
                 u = link.units.pop(h.unit, None)
