@@ -67,14 +67,16 @@ def test_send_nowait_takes_what_fits_and_never_blocks():
 
 
 def test_a_connection_sends_inline_and_hands_the_rest_to_a_worker():
-    """Conn.send writes what the socket takes at once and queues the rest for a worker, in order,
-    with each message's done() called once, after its last byte."""
+    """Conn.send writes a small message as far as the socket takes it at once and queues the rest for
+    a worker; a large one goes to the worker whole; all in order, each done() called once, after
+    the message's last byte."""
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     workers = Workers("t", 4)
     conn = Conn(a, "127.0.0.1", 1, workers, hello_deadline=0.0)
     done: list[int] = []
-    msgs = [(b"A" * 48, bytes([1]) * 10), (b"B" * 48, bytes([2]) * (3 << 20)), (b"C" * 48, None)]
+    msgs = [(b"A" * 48, bytes([1]) * 10), (b"B" * 48, bytes([2]) * (200 << 10)), (b"C" * 48, None),
+            (b"D" * 48, bytes([4]) * (3 << 20))]
     try:
         for i, (h, p) in enumerate(msgs):
             conn.send(h, None if p is None else memoryview(p), lambda i=i: done.append(i))
@@ -82,8 +84,8 @@ def test_a_connection_sends_inline_and_hands_the_rest_to_a_worker():
         got = bytearray(len(want))
         assert recv_exact(b, got)
         assert got == want
-        wait_until(lambda: len(done) == 3, what="every done() called")
-        assert done == [0, 1, 2]
+        wait_until(lambda: len(done) == 4, what="every done() called")
+        assert done == [0, 1, 2, 3]
     finally:
         workers.stop()
         a.close()
