@@ -9,7 +9,9 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # chromium: the status-page browser test. iproute2: network namespaces for multi-host tests.
 # slurm-wlm + munge: the real Slurm (slurmctld, several slurmd on one host) that `dlshare slurm` is tested
 # and benchmarked against; its basic plugins carry job_submit/lua (liblua5.1), gres/shard and `squeue --json`.
-APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge
+# prometheus (with promtool): deploy/prometheus's rules and the Grafana dashboard's queries are checked against
+# a real Prometheus scraping a live stack (tests/deploy/test_prometheus.py).
+APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge prometheus
 PYTEST_ARGS ?=
 
 .PHONY: all demo test test-stress lint deps sysdeps ext bench bench-quick clean

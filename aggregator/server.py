@@ -82,6 +82,7 @@ config.register_section("agg", {
     "max_receiving_bytes": 1 << 30,  # payload bytes being received at once, all peers
     "max_receiving_bytes_per_peer": 256 << 20,  # ... and per peer IP address
     "trace_file": "",  # record every chunk's stage times (aggregator/stages.py) and write them here at exit
+    "metrics_listen": "127.0.0.1:9466",  # Prometheus endpoint (aggregator/metrics.py); port -1 disables it
 })
 
 
@@ -105,6 +106,10 @@ def resolve(cfg: dict) -> dict:
         raise config.ConfigError("agg.max_connections_per_peer must be 1..max_connections (at most 100000)")
     if not 0 <= a["max_jobs_per_peer"] <= 1_000_000:
         raise config.ConfigError("agg.max_jobs_per_peer must be 0 (no limit)..1000000")
+    mhost, _, mport = str(a["metrics_listen"]).rpartition(":")
+    if not mport.lstrip("-").isdigit() or not -1 <= int(mport) <= 65535:
+        raise config.ConfigError(f"agg.metrics_listen must be HOST:PORT (port -1 turns metrics off), "
+                                 f"got {a['metrics_listen']!r}")
     if not MAX_CHUNK_BYTES <= a["max_receiving_bytes_per_peer"] <= a["max_receiving_bytes"]:
         raise config.ConfigError(f"agg.max_receiving_bytes_per_peer must be {MAX_CHUNK_BYTES} (one chunk)"
                                  f"..max_receiving_bytes")
@@ -171,6 +176,7 @@ class AggregationServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self.started = time.monotonic()
+        self.metrics_port: int | None = None  # where serve() put the Prometheus endpoint
 
     # --- life cycle ---
 
@@ -538,7 +544,22 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
                                max_receiving_bytes=int(a["max_receiving_bytes"]),
                                max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"]),
                                max_jobs_per_peer=int(a["max_jobs_per_peer"]),
-                               trace=bool(a["trace_file"])).start()
+                               trace=bool(a["trace_file"]))
+    # Metrics first (their import opens files): once the server accepts, a flood of connections may
+    # take every descriptor the process has, and an import then would kill the server.
+    metrics = None
+    mhost, _, mport = str(a["metrics_listen"]).rpartition(":")
+    if int(mport) >= 0:
+        from aggregator.metrics import AggregationMetrics
+
+        metrics = AggregationMetrics(server)
+        try:
+            server.metrics_port = metrics.serve(mhost or "127.0.0.1", int(mport))
+            log.info("metrics on http://%s:%d/metrics", mhost or "127.0.0.1", server.metrics_port)
+        except OSError as exc:
+            log.warning("cannot serve metrics on %s (agg.metrics_listen): %s", a["metrics_listen"], exc)
+            metrics = None
+    server.start()
     broker = cfg.get("dlshare", {}).get("broker", "")
     loop_thread = None
     astop: list = []
@@ -565,6 +586,8 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
             loop.call_soon_threadsafe(ev.set)
         if loop_thread:
             loop_thread.join(timeout=5)
+        if metrics is not None:
+            metrics.close()
         server.stop()
         if a["trace_file"] and server.stages is not None:
             with open(a["trace_file"], "w") as f:

@@ -1,5 +1,8 @@
 """``dlshare bench NAME [--quick] [--json PATH]``.
 
+On a terminal each benchmark shows a spinner, its name, its current step (``report.step``) and the
+time so far on stderr.
+
 Each benchmark lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> dict`` (the JSON envelope of bench/report.py); a module that is
 not present yet is simply not offered.
@@ -21,6 +24,7 @@ BENCHES = {
     "sched": "bench.sched",
     "sched-service": "bench.sched_service",
     "slurm": "bench.slurm",
+    "forecast": "bench.forecast",
 }
 
 
@@ -39,11 +43,12 @@ def _run(args, cfg) -> int:
     mods = _available()
     names = list(mods) if args.bench == "all" else [args.bench]
     results = {}
-    for name in names:
+    for i, name in enumerate(names, 1):
         ns = argparse.Namespace(**vars(args))
         if args.bench == "all" and args.json:
             ns.json = str(report.out_dir(args.json) / f"{name}.json")
-        res = mods[name].run(ns)
+        with report.step(f"bench {name}" + (f" ({i}/{len(names)})" if len(names) > 1 else "")):
+            res = mods[name].run(ns)
         report.write_json(res, ns.json)
         results[name] = res
     if args.bench == "all":
@@ -55,7 +60,7 @@ def register(sub) -> None:
     from nodesvc.cli import add_command
 
     mods = _available()
-    p = add_command(sub, "bench", _run, "run operator benchmarks against their baselines, side by side")
+    p = add_command(sub, "bench", _run, "run operator benchmarks against their baselines, side by side", quiet=True)
     p.add_argument("bench", choices=[*mods, "all"], help="which benchmark")
     p.add_argument("--quick", action="store_true", help="small sizes, for a fast check")
     p.add_argument("--json", metavar="PATH", help="write the result JSON here")

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--units", type=int, nargs="*", default=[4096, 64 << 10])
     p.add_argument("--policy", default="clock")
     p.add_argument("--prefetch-bytes", type=int, default=1 << 20)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=None, help="fetch workers (default: the region's)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=1024)

@@ -12,6 +12,9 @@ import json
 import os
 import platform
 import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,36 @@ def target_rows(checks: list[tuple[str, float | None, str, float | None]]) -> li
         rows.append({"target": name, "value": value, "op": op, "bound": bound,
                      "met": "n/a" if met is None else ("yes" if met else "MISSED")})
     return rows
+
+
+_LIVE: list[Any] = []  # the one rich Progress on screen while steps run (steps nest as its tasks)
+
+
+@contextmanager
+def step(what: str) -> Iterator[Callable[[str], None]]:
+    """Progress on a terminal: a spinner, ``what`` and the time so far on stderr while the block
+    runs; the function it yields changes the words after ``what`` (``update("12/150 jobs")``).
+    Steps nest (each is a line).  Off a terminal (CI, a pipe) it shows nothing."""
+    if not sys.stderr.isatty():
+        yield lambda text: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    outer = not _LIVE
+    if outer:
+        _LIVE.append(Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                              console=Console(stderr=True), transient=True))
+        _LIVE[0].start()
+    progress = _LIVE[0]
+    task = progress.add_task(what, total=None)
+    try:
+        yield lambda text: progress.update(task, description=f"{what}: {text}")
+    finally:
+        progress.remove_task(task)
+        if outer:
+            progress.stop()
+            _LIVE.clear()
 
 
 def pyplot():

@@ -114,7 +114,7 @@ class RemoteMemory:
         The copies are placed as :meth:`alloc` places a buffer's (and fail over, are rebuilt and
         move on reclaim the same way); the region's C engine moves the data.  ``unit``: bytes a
         fault fetches, a multiple of 4096 (at most 1 MiB) that divides the donors' slab size.
-        ``policy``: ``clock``, ``fifo`` or ``random``.  ``engine``: ``fetch_workers``,
+        ``policy``: ``clock``, ``fifo`` or ``random``.  ``engine``: ``fetch_workers`` (half the cores, 2 to 4),
         ``evict_threads``, ``prefetch_bytes`` (0: no sequential prefetch), ``fault_threads`` (2),
         ``spin_us`` (50: how long a fault thread polls for a donor's answer before it sleeps)."""
         check_geometry(nbytes, local_bytes, unit, policy)

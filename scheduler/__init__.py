@@ -3,7 +3,8 @@
 What it may import (floor 1 of the floor plan; ``lint-imports`` checks it)
 ==========================================================================
 The core (``model``, ``events``, ``ledger``, ``state``, ``passes``, ``watch``, ``framework``, ``fairshare``,
-``plugins``, ``predictors``, ``profile``, ``sim``, ``trace``, ``codec``, ``replay``, ``snapshot``) imports the standard
+``plugins``, ``predictors``, ``profile``, ``sim``, ``trace``, ``codec``, ``replay``, ``snapshot``, ``waiting``,
+``forecast``) imports the standard
 library, numpy, scikit-learn (and torch for ``predictors.utilisation.graph_features``) and its
 own modules, in one direction: ``state`` holds a ``ledger.Ledger`` and a
 ``passes.SchedulingPasses`` (and the ledger a ``watch.Watch``); plugins import ``framework``,
@@ -87,6 +88,14 @@ Predictors (:mod:`scheduler.predictors`)
     ``predictors.utilisation.UtilisationPredictor`` / ``graph_features(module, example)`` (torch.fx),
     ``predictors.sensitivity.SensitivityModel``; each with ``fit``/``predict``/``update`` or
     ``add_profile``.
+
+Waiting jobs (:mod:`scheduler.waiting`, :mod:`scheduler.forecast`): read the core, change nothing
+    ``waiting.why_waiting(state, job_id) -> WaitReason(code, message, nodes)`` (Slurm-style codes:
+    ``Resources``, ``Priority``, ``Gang``, ``LentMemory``, ``QuotaLimit``, ``Backoff``, ``NoNodes``,
+    ``Placement``), ``waiting.explain_queue(state)`` (the queue in order, and each job's reason);
+    ``forecast.forecast(state, DurationPrior(samples)) -> Forecast`` (when each waiting job would
+    start: a copy of the core run forward through the same plugins, running jobs ending when the
+    duration prior expects them to).
 
 Simulator (:mod:`scheduler.sim`, :mod:`scheduler.trace`)
     ``trace.load_trace(path) -> list[TraceJob]`` (``TraceError`` names the row),

@@ -95,6 +95,11 @@ class Context:
     pool: Any = None  # the donors' lent memory (scheduler.donors.DonorPool); None outside the core
     # What each owner may still borrow (scheduler.fairshare.LentLimits); None: no lent-memory quota.
     quota: Any = None
+    # The equal-share clock now (scheduler.ledger.ShareClock): seconds of run time an even split of
+    # the cluster between the active jobs has given each of them since the core started.
+    share_clock: float = 0.0
+    running: dict[str, JobRecord] | None = None  # the running jobs (None outside the core)
+    waiting: dict[str, JobRecord] | None = None  # queued or preempted jobs
 
 
 class QueueSort:

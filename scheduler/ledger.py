@@ -44,6 +44,33 @@ def _lent_limited(quota: Any) -> bool:
     return any(t.remote_memory_bytes is not None for t in tables)
 
 
+class ShareClock:
+    """The equal-share clock: how many seconds of run time an even split of the cluster has given
+    every active job, each running the same fraction of the time, min(1, GPUs / GPUs the active
+    jobs ask for); on a cluster of several GPU generations each GPU counts for what it is worth in
+    reference GPUs (``Predictors.gpu_worth``: a K80 0.29 of a V100).  A job's equal share since it arrived is the clock now less the clock then
+    (scheduler.plugins.tail.ShareBound).  Piecewise linear in the events' times: exact, no clock read."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.since = 0.0
+        self.demand = 0  # GPUs asked for by the active jobs it counts
+        self.capacity = 0.0  # GPUs of alive nodes (in reference GPUs)
+
+    def rate(self) -> float:
+        return 1.0 if self.demand <= self.capacity or self.demand <= 0 else self.capacity / self.demand
+
+    def at(self, now: float) -> float:
+        return self.value + max(0.0, now - self.since) * self.rate()
+
+    def change(self, now: float, demand: int = 0, capacity: float = 0.0) -> None:
+        """From ``now`` on, ``demand`` more GPUs are asked for, and the cluster has ``capacity`` more."""
+        self.value = self.at(now)
+        self.since = max(self.since, now)
+        self.demand += demand
+        self.capacity += capacity
+
+
 class Ledger:
     """The core's books (see the module docstring).  Its attributes are read by the
     passes and the state; only its own methods and the state's event handling change them."""
@@ -80,12 +107,14 @@ class Ledger:
         self.quota = profile.quota if profile.quota.active else None
         self.lent_limits = (LentLimits(self.quota, self.records, self.pool)
                             if self.quota is not None and _lent_limited(self.quota) else None)
+        self.share_clock = ShareClock()
 
     def context(self) -> Context:
         """What plugins may read now."""
         return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
                        rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus,
-                       pool=self.pool if self.pool.active else None, quota=self.lent_limits)
+                       pool=self.pool if self.pool.active else None, quota=self.lent_limits,
+                       share_clock=self.share_clock.at(self.now), running=self.running, waiting=self.waiting)
 
     # ------------------------------------------------------------ owners: fair share and quotas
 
@@ -147,9 +176,20 @@ class Ledger:
         self.max_node_cores = max(self.max_node_cores, node.cores)
         self.max_node_memory = max(self.max_node_memory, node.memory_bytes)
         self.by_free.setdefault(node.gpus, {})[node.id] = None
+        self.share_clock.change(self.now, capacity=self.gpu_worth(node))
         if node.lendable_bytes > 0:
             self.pool.set_capacity(node.id, node.lendable_bytes)
         return ns
+
+    def gpu_worth(self, node: Node) -> float:
+        """``node``'s GPUs in reference GPUs (its generation's worth; an untyped GPU counts 1)."""
+        return node.gpus * (self.predictors.gpu_worth(node.gpu_type) if node.gpu_type else 1.0)
+
+    def retype(self, ns: NodeState, node: Node) -> None:
+        """``ns`` now reports ``node`` (same GPU count; its generation may have changed)."""
+        if ns.alive and node.gpu_type != ns.node.gpu_type:
+            self.share_clock.change(self.now, capacity=self.gpu_worth(node) - self.gpu_worth(ns.node))
+        ns.node = node
 
     def remove_node(self, ns: NodeState) -> None:
         """Forget an idle node (it comes back with :meth:`add_node`, e.g. with another GPU count)."""
@@ -169,6 +209,7 @@ class Ledger:
             self.by_free.setdefault(ns.free_gpus, {})[ns.node.id] = None
         else:
             self.by_free.get(ns.free_gpus, {}).pop(ns.node.id, None)
+        self.share_clock.change(self.now, capacity=sign * self.gpu_worth(ns.node))
 
     def _set_free(self, ns: NodeState, free: int) -> None:
         if ns.alive:
@@ -183,6 +224,9 @@ class Ledger:
         jid = rec.job.id
         self.waiting[jid] = rec
         rec.queued_since = self.now
+        if rec.share_start is None:  # a new job: it asks for its GPUs until it is over
+            self.share_clock.change(self.now, demand=rec.job.gpus)
+            rec.share_start = self.share_clock.at(self.now)
         # A waiting job's service does not grow, so its key is fixed until it runs.
         key = self.order.key(rec, self.context())
         self.wait_key[jid] = key
@@ -330,6 +374,8 @@ class Ledger:
             touched = []
             self._dequeue(rec.job.id)
         self.watch.forget(rec.job.id)
+        if rec.share_start is not None and rec.job.state.active:
+            self.share_clock.change(self.now, demand=-rec.job.gpus)
         rec.job.state = state
         rec.finished_at = self.now
         # Order plugins learn from GPU service, and only of jobs the core scheduled.

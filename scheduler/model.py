@@ -9,11 +9,35 @@ handles an event.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1 << 30
 MAX_OWNER = 256  # characters in a user or account name
+MAX_GPU_TYPE = 64  # characters in a GPU type name
+
+# Words in NVML device names and Kubernetes GPU labels that do not name the GPU's generation.
+_GPU_NOISE = {"tesla", "nvidia", "geforce", "quadro", "simulated", "gpu", "sxm", "sxm2", "sxm4", "sxm5", "pcie",
+              "nvl", "hbm", "hbm2", "hbm2e", "hbm3", "mig", "max", "q", "ti", "super"}
+
+
+def gpu_type_of(name: str) -> str:
+    """The GPU generation a device name or label names, lower case: ``"Tesla V100-SXM2-32GB"``,
+    ``"NVIDIA-A100-SXM4-40GB"`` (NVIDIA GPU Feature Discovery's ``nvidia.com/gpu.product`` label)
+    and ``"v100"`` all give ``"v100"``; ``"GeForce RTX 3090"`` gives ``"rtx3090"``; "" when the
+    name says nothing (no word with a model number)."""
+    words = [w for w in re.split(r"[^a-z0-9]+", str(name).lower()[:200]) if w]
+    for i, w in enumerate(words):
+        if w in _GPU_NOISE or re.fullmatch(r"\d+(gb|g|mb)", w) or not re.search(r"\d", w):
+            continue
+        if w.isdigit():  # "RTX 3090", "GTX 1080": the family word before the number names it
+            prev = words[i - 1] if i else ""
+            if prev in ("rtx", "gtx", "titan"):
+                return (prev + w)[:MAX_GPU_TYPE]
+            continue
+        return w[:MAX_GPU_TYPE]
+    return ""
 
 
 class JobState(str, enum.Enum):
@@ -128,7 +152,8 @@ class Job:
 class Node:
     """A server: ``gpus`` devices of ``gpu_memory_bytes`` each, ``cores`` CPU
     cores, ``memory_bytes`` host memory, of which ``lendable_bytes`` are
-    currently idle and lendable (remote memory; reported by the donor)."""
+    currently idle and lendable (remote memory; reported by the donor).  ``gpu_type``: the
+    GPUs' generation, from NVML's device name or a node label (:func:`gpu_type_of`)."""
 
     id: str
     gpus: int
@@ -136,10 +161,13 @@ class Node:
     memory_bytes: int
     lendable_bytes: int = 0
     gpu_memory_bytes: int = 32 * GiB  # a V100-32GB, the device Gavel's throughputs were measured on
+    gpu_type: str = ""  # its GPUs' generation (gpu_type_of: "v100", "k80", ...); "" when unknown
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("node id must not be empty")
+        if not isinstance(self.gpu_type, str) or len(self.gpu_type) > MAX_GPU_TYPE:
+            raise ValueError(f"node {self.id}: gpu_type must be a string of at most {MAX_GPU_TYPE} characters")
         if self.gpus < 0 or self.cores < 0 or self.memory_bytes < 0 or self.lendable_bytes < 0:
             raise ValueError(f"node {self.id}: resources must be >= 0")
 
@@ -178,6 +206,7 @@ class JobRecord:
     speed: float = 1.0  # last measured normalised speed (1 = as fast as alone)
     external: bool = False  # run by another engine (a bound Kubernetes pod): accounted for, never started
     placed_by: str = ""  # the stimulus_id of the event whose pass placed the current run
+    share_start: float | None = None  # the core's equal-share clock when the job arrived (None: not counted)
 
     def service(self, now: float) -> float:
         """Attained GPU-seconds at ``now`` (computed lazily, so no per-event sweep)."""

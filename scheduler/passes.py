@@ -72,23 +72,28 @@ class SchedulingPasses:
                 if len(cands) >= cap:
                     break
         elif g <= self.ledger.free_gpus:
-            # Spans nodes: take whole free nodes, emptiest first, then the remainder.
-            picked: list[tuple[NodeState, tuple[int, ...]]] = []
-            need = g
-            for free in range(self.ledger.max_node_gpus, 0, -1):
-                for nid in self.ledger.by_free.get(free, {}):
-                    if allowed is not None and nid not in allowed:
-                        continue
-                    ns = self.ledger.nodes[nid]
-                    take = min(need, free)
-                    picked.append((ns, tuple(i for i, r in enumerate(ns.residents) if not r)[:take]))
-                    need -= take
+            # Spans nodes: take whole free nodes, emptiest first, then the remainder; all of one GPU
+            # generation (a gang runs at its slowest part; Gavel, too, gives a job one worker type).
+            types = sorted({ns.node.gpu_type for ns in self.ledger.nodes.values() if ns.alive})
+            for gtype in types:
+                picked: list[tuple[NodeState, tuple[int, ...]]] = []
+                need = g
+                for free in range(self.ledger.max_node_gpus, 0, -1):
+                    for nid in self.ledger.by_free.get(free, {}):
+                        if allowed is not None and nid not in allowed:
+                            continue
+                        ns = self.ledger.nodes[nid]
+                        if ns.node.gpu_type != gtype:
+                            continue
+                        take = min(need, free)
+                        picked.append((ns, tuple(i for i, r in enumerate(ns.residents) if not r)[:take]))
+                        need -= take
+                        if need == 0:
+                            break
                     if need == 0:
                         break
                 if need == 0:
-                    break
-            if need == 0:
-                cands.append(Candidate(picked[0][0], picked[0][1], (), tuple(picked[1:])))
+                    cands.append(Candidate(picked[0][0], picked[0][1], (), tuple(picked[1:])))
         share = self.share_ok(rec) and (self.profile.share == "always" or not cands)
         if share:
             incompatible = self.ledger.incompatible
@@ -245,18 +250,39 @@ class SchedulingPasses:
                 if not self.profile.backfill and not job.cpu_only:
                     gpu_blocked = True
 
+    def _pinned(self, rec: JobRecord) -> bool:
+        """A running job no pass may preempt: run by another engine, younger than ``min_run_s``,
+        or preempted ``max_preemptions`` times already (it runs to its end)."""
+        if rec.external:
+            return True
+        prof = self.profile
+        if prof.min_run_s and rec.run_since is not None and self.ledger.now - rec.run_since < prof.min_run_s:
+            return True
+        return prof.max_preemptions is not None and rec.preemptions >= prof.max_preemptions
+
     def _preemptive_pass(self, stimulus_id: str, out: list[Decision]) -> None:
         ctx = self.ledger.context()
-        # CPU-only jobs hold no GPU: they are neither admitted here nor preempted (the fill below starts them).
-        # Nor are jobs another engine runs (bound pods): the core accounts for them, never moves them.
-        active = [r for r in (*self.ledger.running.values(), *self.ledger.waiting.values())
-                  if not r.job.cpu_only and not r.external and (r.job.state is JobState.RUNNING or self.eligible(r))]
         led = self.ledger
+        # CPU-only jobs hold no GPU: they are neither admitted here nor preempted (the fill below starts them).
+        # Running jobs no pass may preempt (bound pods, young jobs, jobs out of preemptions) hold their
+        # GPUs whatever their rank: they are admitted first, and the rest share what they leave.
+        pinned = [r for r in led.running.values() if not r.job.cpu_only and self._pinned(r)]
+        pinned_ids = {r.job.id for r in pinned}
+        active = [r for r in (*led.running.values(), *led.waiting.values())
+                  if not r.job.cpu_only and r.job.id not in pinned_ids
+                  and (r.job.state is JobState.RUNNING or self.eligible(r))]
         active.sort(key=lambda r: led.sort_key(r, ctx))
-        rem = led.total_gpus
-        admitted: set[str] = set()
-        taken = self._external_gpus() if led.quota is not None else None  # GPUs admitted per owner
+        rem = led.total_gpus - sum(r.job.gpus for r in pinned)
+        admitted: set[str] = set(pinned_ids)
+        taken = None
+        if led.quota is not None:  # GPUs admitted per owner, the pinned jobs' first
+            taken = {}
+            for r in pinned:
+                for k in Owners.keys(r.job):
+                    taken[k] = taken.get(k, 0) + r.job.gpus
         for r in active:
+            if rem <= 0:
+                break
             if r.job.gpus <= rem:
                 if taken is not None:
                     if gpu_reason(r.job, led.quota, lambda k: taken.get(k, 0)):
@@ -265,11 +291,7 @@ class SchedulingPasses:
                         taken[k] = taken.get(k, 0) + r.job.gpus
                 admitted.add(r.job.id)
                 rem -= r.job.gpus
-            if rem == 0:
-                break
-        min_run = self.profile.min_run_s
-        victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING
-                   and (r.run_since is None or self.ledger.now - r.run_since >= min_run)]
+        victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING]
         rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
         for r in active:
             if r.job.id not in admitted or r.job.state is JobState.RUNNING:
@@ -329,6 +351,11 @@ class SchedulingPasses:
             self._preempt(jid, rec, rank, stimulus_id, out)
         return not led.quota_reason(rec.job)
 
+    def _filters_pass(self, rec: JobRecord, ns: NodeState, ctx: Context) -> bool:
+        """The profile's filters would let ``rec`` run alone on ``ns`` (its GPU type, say)."""
+        cand = Candidate(ns, ())
+        return all(f.filter(rec, cand, ctx) is None for f in self.filters)
+
     def _make_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> bool:
         """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
         ``rank`` maps still-running victims to their rank (0 = worst); preempted
@@ -342,10 +369,11 @@ class SchedulingPasses:
             for sh in self.ledger.records[jid].shards:
                 victim_nodes[sh.node] = None
         per_node: list[tuple[NodeState, int, list[str]]] = []
+        ctx = self.ledger.context()
         for nid in victim_nodes:
             ns = self.ledger.nodes[nid]
-            if not ns.alive:
-                continue
+            if not ns.alive or not self._filters_pass(rec, ns, ctx):
+                continue  # preempting there would free GPUs the job may not take
             reclaim = ns.free_gpus
             need_v: dict[str, None] = {}
             for res in ns.residents:
@@ -370,21 +398,27 @@ class SchedulingPasses:
                     break
                 preempt(v)
             return node.free_gpus >= g
-        # Spans nodes: free nodes first, then the nodes with the most reclaimable GPUs.
-        got = self.ledger.free_gpus - sum(ns.free_gpus for ns, _, _ in per_node)
+        # Spans nodes: free nodes first, then the nodes with the most reclaimable GPUs, all of one
+        # GPU generation (the first, in name order, where the victims free enough).
         per_node.sort(key=lambda p: -p[1])
-        chosen_nodes = []
-        for ns, reclaim, vs in per_node:
-            if got >= g:
-                break
-            got += reclaim
-            chosen_nodes.append(vs)
-        if got < g:
-            return False
-        for vs in chosen_nodes:
-            for v in vs:
-                preempt(v)
-        return True
+        for gtype in sorted({ns.node.gpu_type for ns in self.ledger.nodes.values() if ns.alive}):
+            mine = [p for p in per_node if p[0].node.gpu_type == gtype]
+            got = sum(ns.free_gpus for ns in self.ledger.nodes.values() if ns.alive and ns.node.gpu_type == gtype
+                      and ns.free_gpus and (not self.filters or self._filters_pass(rec, ns, ctx)))
+            got -= sum(ns.free_gpus for ns, _, _ in mine)
+            chosen_nodes = []
+            for ns, reclaim, vs in mine:
+                if got >= g:
+                    break
+                got += reclaim
+                chosen_nodes.append(vs)
+            if got < g:
+                continue
+            for vs in chosen_nodes:
+                for v in vs:
+                    preempt(v)
+            return True
+        return False
 
     def _maybe_wakeup(self, stimulus_id: str, out: list[Decision]) -> None:
         if not self.order.preemptive or not self.ledger.waiting:

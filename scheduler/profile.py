@@ -18,6 +18,7 @@ A profile is TOML.  The packaged ones live in ``scheduler/profiles/NAME.toml``
     backfill = true              # non-preemptive sorts: may a later job start when the head cannot?
     nodes_to_score_percent = 0   # 0 = adaptive (Kubernetes' percentageOfNodesToScore rule)
     min_run_s = 0                # preemptive sorts: never preempt a job younger than this
+    max_preemptions = 1          # preemptive sorts: a job preempted this often runs to its end (absent: no limit)
     scan_limit = 1000            # a pass gives up after this many waiting jobs found no place
 
     [[filter]]
@@ -62,7 +63,7 @@ MAX_WEIGHT = 1e6
 MAX_ARG = 1e12  # any number in a plugin's args: seconds, counts, weights (finite, within +-1e12)
 # placement key -> (least, most): finite bounds, each far above any real cluster's need
 _PLACEMENT_BOUNDS = {"max_share": (1, 64), "share_max_gpus": (0, 1 << 17), "nodes_to_score_percent": (0, 100),
-                     "min_run_s": (0, 1e9), "scan_limit": (1, 10 ** 7)}
+                     "min_run_s": (0, 1e9), "scan_limit": (1, 10 ** 7), "max_preemptions": (0, 10 ** 6)}
 
 
 class ProfileError(ValueError):
@@ -90,6 +91,7 @@ class Profile:
     nodes_to_score_percent: float = 0.0
     min_run_s: float = 0.0
     scan_limit: int = 1000
+    max_preemptions: int | None = None  # None: a job may be preempted any number of times
     description: str = ""
     fairshare: FairShareConfig = FairShareConfig()
     quota: QuotaConfig = QuotaConfig()
@@ -145,7 +147,7 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
     if not isinstance(pl, dict):
         raise ProfileError(f"profile {label}: [placement] must be a table")
     placement_keys = {"share", "max_share", "share_max_gpus", "backfill", "nodes_to_score_percent", "min_run_s",
-                      "scan_limit"}
+                      "scan_limit", "max_preemptions"}
     extra = set(pl) - placement_keys
     if extra:
         raise ProfileError(f"profile {label}: unknown [placement] keys {sorted(extra)}")
@@ -158,8 +160,10 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
     pct = float(_typed(pl, "nodes_to_score_percent", (int, float), 0.0, label))
     min_run = float(_typed(pl, "min_run_s", (int, float), 0.0, label))
     scan_limit = _typed(pl, "scan_limit", int, 1000, label)
+    max_preemptions = _typed(pl, "max_preemptions", int, None, label) if "max_preemptions" in pl else None
     for key, v in (("max_share", max_share), ("share_max_gpus", share_max_gpus), ("nodes_to_score_percent", pct),
-                   ("min_run_s", min_run), ("scan_limit", scan_limit)):
+                   ("min_run_s", min_run), ("scan_limit", scan_limit),
+                   *((("max_preemptions", max_preemptions),) if max_preemptions is not None else ())):
         lo, hi = _PLACEMENT_BOUNDS[key]
         if not (_finite(v) and lo <= v <= hi):
             raise ProfileError(f"profile {label}: placement.{key} must be between {lo:g} and {hi:g}, got {v!r}")
@@ -173,7 +177,7 @@ def parse_profile(data: dict[str, Any], label: str = "<inline>") -> Profile:
         raise ProfileError(f"profile {label}: name must be a non-empty string")
     prof = Profile(name=name, order=order, filters=filters, scores=scores, allocate=allocate, share=share,
                    max_share=max_share, share_max_gpus=share_max_gpus, backfill=backfill,
-                   nodes_to_score_percent=pct, min_run_s=min_run, scan_limit=scan_limit,
+                   nodes_to_score_percent=pct, min_run_s=min_run, scan_limit=scan_limit, max_preemptions=max_preemptions,
                    description=str(data.get("description", "")), fairshare=fairshare, quota=quota)
     try:
         prof.build_order(), prof.build_filters(), prof.build_scores(), prof.build_allocator()

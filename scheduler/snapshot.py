@@ -32,8 +32,10 @@ from scheduler.watch import WatchRules
 
 MAGIC = b"DLSHARE-CORE\n"
 # 2: the ledger holds the donor pool (lent memory); 3: jobs have owners (user, account) and the ledger
-# holds their books (decayed usage for fair share, GPUs in use for quotas).  Older snapshots are refused.
-VERSION = 3
+# holds their books (decayed usage for fair share, GPUs in use for quotas); 4: nodes have a GPU type, jobs
+# their equal-share clock at arrival, the ledger that clock, and the 2D-Gittins order may hold a learned
+# duration distribution (issue 23).  Older snapshots are refused.
+VERSION = 4
 
 
 class SnapshotError(ValueError):

@@ -434,7 +434,7 @@ class SchedulerState:
                 self.ledger.remove_node(ns)
                 ns = self.ledger.add_node(ev.node)
             else:
-                ns.node = ev.node
+                self.ledger.retype(ns, ev.node)
             if not ns.alive:
                 self.ledger.set_alive(ns, True)
         ns.gpu_util = tuple(ev.gpu_util)

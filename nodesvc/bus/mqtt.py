@@ -163,7 +163,10 @@ class Bus:
                 nxt = asyncio.ensure_future(messages.__anext__())
                 done, _ = await asyncio.wait({nxt, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if stop_wait in done:
-                    nxt.cancel()
+                    if not nxt.done():
+                        nxt.cancel()
+                    elif not nxt.cancelled():
+                        nxt.exception()  # seen: a disconnect as we stop is no error to log
                     return
                 msg = nxt.result()
                 if self.handler is None:

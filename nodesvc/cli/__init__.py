@@ -71,10 +71,13 @@ def config_flag(parser, flag: str, section: str, key: str, **kwargs) -> None:
     parser.add_argument(flag, dest=f"{_FLAG_PREFIX}{section}__{key}", **kwargs)
 
 
-def add_command(sub, name: str, run: RunFn, help: str, sections: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """Add subcommand ``name``; ``sections`` are the config sections it prints and uses."""
+def add_command(sub, name: str, run: RunFn, help: str, sections: Sequence[str] = (),
+                quiet: bool = False) -> argparse.ArgumentParser:
+    """Add subcommand ``name``; ``sections`` are the config sections it prints and uses.  ``quiet``:
+    a command whose output is its answer (``job``, ``status``, ``sim``...): library logs below
+    warning (httpx's request lines, ...) stay out of it unless ``--log-level`` asks for them."""
     p = sub.add_parser(name, help=help, description=help, parents=[_common()])
-    p.set_defaults(_run=run, _sections=[config.GLOBAL, *sections])
+    p.set_defaults(_run=run, _sections=[config.GLOBAL, *sections], _quiet=quiet)
     return p
 
 
@@ -120,7 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "print_config", False):
         sys.stdout.write(config.to_toml(cfg, [s for s in args._sections if s in cfg]))
         return 0
-    logs.setup(cfg[config.GLOBAL]["log_json"], cfg[config.GLOBAL]["log_level"])
+    level = cfg[config.GLOBAL]["log_level"]
+    if getattr(args, "_quiet", False) and getattr(args, f"{_FLAG_PREFIX}{config.GLOBAL}__log_level", None) is None:
+        level = "warning"
+    logs.setup(cfg[config.GLOBAL]["log_json"], level)
     try:
         rc = args._run(args, cfg)
     except KeyboardInterrupt:

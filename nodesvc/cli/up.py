@@ -142,6 +142,7 @@ class Stack:
     broker_public: str = ""  # the same without credentials, to show
     node_ids: list[str] = field(default_factory=list)
     agg_addr: str | None = None
+    agg_metrics: str | None = None  # HOST:PORT of its Prometheus endpoint
     sched_url: str | None = None
     sched_token: str | None = None
     state_dir: str = ""
@@ -274,10 +275,13 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         if st.net:
             ahost = st.net.gateway  # reachable from every node's namespace and from here
         aport = _pick(ahost, aport)
-        p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--id", AGG_ID, *common],
+        mport = free_port(ahost)  # its Prometheus endpoint: never the default, so two stacks never clash
+        p = st.spawn("agg", ["agg", "--listen", f"{ahost}:{aport}", "--id", AGG_ID,
+                             "--metrics-listen", f"{ahost}:{mport}", *common],
                      env={"DLSHARE_BROKER": users.url(AGG_ID, host, port)})
         wait_port(aport, p, timeout=30, host=ahost)
         st.agg_addr = f"{ahost}:{aport}"
+        st.agg_metrics = f"{ahost}:{mport}"
     if _has("scheduler.cli.service"):
         shost, sport = split_hostport(u["sched_listen"], 7800)
         sport = _pick(shost, sport)
@@ -297,9 +301,11 @@ def describe(st: Stack) -> str:
         where = f"network namespace {st.net.netns(nid)}, {st.node_addrs[nid]}" if st.net else "loopback"
         lines.append(f"node daemon        {nid} ({where}; telemetry on dlshare/v1/node/{nid}/telemetry)")
     if st.agg_addr:
-        lines.append(f"aggregation server tcp://{st.agg_addr}")
+        lines.append(f"aggregation server tcp://{st.agg_addr}" + (f" (metrics http://{st.agg_metrics}/metrics)"
+                                                                 if st.agg_metrics else ""))
     if st.sched_url:
-        lines.append(f"scheduler API      {st.sched_url}  (status page {st.sched_url}/, token {st.sched_token})")
+        lines.append(f"scheduler API      {st.sched_url}  (status page {st.sched_url}/: log in with token "
+                     f"{st.sched_token}; metrics {st.sched_url}/metrics with the same token)")
     lines.append(f"logs               {st.state_dir}/*.log")
     return "\n".join(lines)
 

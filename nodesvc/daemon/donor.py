@@ -219,6 +219,9 @@ class DonorExtension:
             "lent_to": lent_to,
             "evicting": sorted(s for s, x in self.leases.items() if x.evicting),
             "last_reclaim_s": self.stats.last_reclaim_s,
+            # Counters since the daemon started (Prometheus: dlshare_donor_*_total).
+            "maps": self.stats.maps, "refused_maps": self.stats.refused_maps,
+            "evictions": self.stats.evictions, "forced_unmaps": self.stats.forced_unmaps,
         }
 
     # --- memory accounting ---------------------------------------------------------------

@@ -82,6 +82,20 @@ class TelemetryCollector:
                 if isinstance(donor.get(key), int):
                     yield GaugeMetricFamily(f"dlshare_donor_{key}", f"Remote memory {key[:-6]} by this node.",
                                             value=donor[key])
+            if isinstance(donor.get("evicting"), list):
+                yield GaugeMetricFamily("dlshare_donor_evicting_slabs",
+                                        "Lent slabs being taken back now (their consumers are moving the data).",
+                                        value=len(donor["evicting"]))
+            if isinstance(donor.get("last_reclaim_s"), (int, float)):
+                yield GaugeMetricFamily("dlshare_donor_last_reclaim_seconds",
+                                        "How long the last slab taken back took to return.",
+                                        value=donor["last_reclaim_s"])
+            for key, doc in (("maps", "Slabs lent (map commands served)."),
+                             ("refused_maps", "Map commands refused (nothing left to lend)."),
+                             ("evictions", "Lent slabs taken back because this node needed its memory."),
+                             ("forced_unmaps", "Lent slabs unmapped before their consumer let go (deadline, lease).")):
+                if isinstance(donor.get(key), int):
+                    yield CounterMetricFamily(f"dlshare_donor_{key}", doc, value=donor[key])
 
 
 class NodeMetrics:

@@ -63,6 +63,17 @@ config.register_section("sched", {
     # 2,000: ~1-2 s of replay on a loaded 2-vCPU VM (bench/RESULTS.md, sched-service restart).
     "snapshot_events": 2000,
     "snapshot_s": 120.0,  # and at least this often while events come
+    # Waiting jobs: their reasons every reasons_s, their start estimates (the queue replayed through the
+    # core) every forecast_s or when the queue changes (README, "Operating dlshare").
+    "reasons_s": 1.0,
+    "forecast_s": 10.0,
+    "reason_event_gap_s": 300.0,  # a waiting job's events: a new cause at once, new numbers at most this often
+    # The cluster over time: one point every history_step_s, kept history_keep_s (in the database too).
+    "history_step_s": 10.0,
+    "history_keep_s": 86400.0,
+    # GET /metrics without a token (a scraper on a trusted network); by default it needs one, which
+    # Prometheus sends from a file (deploy/prometheus/prometheus.yml).
+    "metrics_open": False,
     "backoff_s": 0.5,  # a job whose start failed waits this long before it is placed again, doubling to 30 s
     "vanish_after_s": 15.0,  # a started job its node no longer lists this long has vanished (3 daemon periods)
 })
@@ -117,6 +128,13 @@ def _service(cfg: dict[str, dict[str, Any]], store):
         raise config.ConfigError(f"sched.backoff_s / sched.vanish_after_s: {exc}") from None
     if int(s["snapshot_events"]) < 1 or float(s["snapshot_s"]) <= 0:
         raise config.ConfigError("sched.snapshot_events must be >= 1 and sched.snapshot_s > 0")
+    for key, lo, hi in (("reasons_s", 0.05, 3600.0), ("forecast_s", 0.05, 86400.0), ("history_step_s", 0.05, 3600.0),
+                        ("reason_event_gap_s", 0.0, 86400.0),
+                        ("history_keep_s", 1.0, 366 * 86400.0)):
+        if not lo <= float(s[key]) <= hi:
+            raise config.ConfigError(f"sched.{key} must be between {lo:g} and {hi:g}, got {s[key]!r}")
+    if float(s["history_keep_s"]) / float(s["history_step_s"]) > 1_000_000 or s["history_keep_s"] < s["history_step_s"]:
+        raise config.ConfigError("sched.history_keep_s must be 1 to 1,000,000 times sched.history_step_s")
     try:
         return SchedulerService(store, profile=s["profile"], predictors=lambda: _predictors(s["predictors"]),
                                 broker_url=cfg["dlshare"]["broker"], tick_s=s["tick_s"],
@@ -124,7 +142,10 @@ def _service(cfg: dict[str, dict[str, Any]], store):
                                 rules=rules, snapshot_events=int(s["snapshot_events"]),
                                 snapshot_s=float(s["snapshot_s"]),
                                 limits=WaitingLimits(int(s["max_waiting_per_user"]), int(s["max_waiting_per_account"])),
-                                default_user=token_user(cfg))
+                                default_user=token_user(cfg), reasons_s=float(s["reasons_s"]),
+                                forecast_s=float(s["forecast_s"]), history_step_s=float(s["history_step_s"]),
+                                reason_event_gap_s=float(s["reason_event_gap_s"]),
+                                history_keep_s=float(s["history_keep_s"]))
     except (ValueError, OSError) as exc:  # ProfileError, DataError (a profile whose prior needs the data)
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
 
@@ -174,7 +195,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         store.close()
         raise config.ConfigError(str(exc)) from None
     app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"], tokens=book,
-                     env_allow=env_allow, env_deny=env_deny)
+                     env_allow=env_allow, env_deny=env_deny, metrics_open=bool(s["metrics_open"]))
     limits = server_options(s["max_connections"], s["request_timeout_s"], s["keep_alive_s"])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            lifespan="off", **limits))
@@ -315,50 +336,73 @@ def _parse_bytes(text: str) -> int:
     return int(t)
 
 
-def _print_jobs(jobs: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _width() -> int:
+    import shutil
 
-    table = Table("job", "user", "name", "state", "node", "gpus", "cpus", "memory", "service s", "reason")
-    for j in jobs:
-        a, s = j.get("allocation") or {}, j["spec"]
-        table.add_row(j["id"], str(j.get("user") or "-"), str(s.get("name") or s.get("model") or ""), j["state"],
-                      str(a.get("node") or "-"),
-                      ",".join(map(str, a.get("gpus") or [])) or str(s.get("gpus")), str(a.get("cpus", s.get("cpus"))),
-                      f"{(a.get('memory_bytes') or s.get('memory_bytes') or 0) / (1 << 30):.2f} GiB",
-                      f"{j.get('attained_service', 0):.1f}", str(j.get("reason") or ""))
-    Console().print(table)
+    return max(40, shutil.get_terminal_size((80, 24)).columns)
+
+
+def _resolve(c, ref: str) -> dict[str, Any]:
+    """The job ``ref`` names: its id, or a prefix of exactly one of the caller's job ids."""
+    from scheduler.client import SchedulerApiError
+
+    try:
+        return c.get(ref)
+    except SchedulerApiError as exc:
+        if exc.status != 404:
+            raise
+    hits = [j for j in c.all() if j["id"].startswith(ref)]
+    if len(hits) == 1:
+        return hits[0]
+    if not hits:
+        raise SchedulerApiError(404, f"no job {ref!r} (nor one whose id starts with it)")
+    raise SchedulerApiError(409, f"{ref!r} starts {len(hits)} job ids: "
+                                 + ", ".join(h["id"] for h in hits[:8]) + (" ..." if len(hits) > 8 else ""))
 
 
 def _run_job(args, cfg) -> int:
+    import time
+
+    from scheduler.cli.job_output import describe, events_table, job_table
     from scheduler.client import SchedulerApiError
 
+    as_json = args.json_out or getattr(args, "json_sub", False) or getattr(args, "output", None) == "json"
     try:
         with _client(cfg) as c:
             if args.action == "submit":
                 job = c.submit(_spec_from_args(args))
                 if args.wait:
                     job = c.wait(job["id"], timeout=args.wait)
-                print(json.dumps(job, indent=2) if args.json_out else f"{job['id']} {job['state']}")
+                print(json.dumps(job, indent=2) if as_json else f"{job['id']} {job['state']}")
                 return 0 if job["state"] not in ("failed", "cancelled") else 1
             if args.action == "list":
                 jobs = c.list(states=args.state or None, user=args.user)
-                if args.json_out:
+                if as_json:
                     print(json.dumps(jobs, indent=2))
+                elif not jobs:
+                    print("no jobs", file=sys.stderr)
                 else:
-                    _print_jobs(jobs)
+                    print(job_table(jobs, time.time(), _width(), wide=args.output == "wide"))
             elif args.action == "show":
-                print(json.dumps(c.get(args.job), indent=2))
+                job = _resolve(c, args.job)
+                if as_json:
+                    print(json.dumps(job, indent=2))
+                else:
+                    print(describe(job, c.events(job["id"]), time.time()))
             elif args.action == "events":
-                for e in c.events(args.job):
-                    print(json.dumps(e) if args.json_out else
-                          f"{e['seq']:>6} {e['kind']:<18} {e.get('node') or '-':<12} {json.dumps(e['data'])}")
+                job = _resolve(c, args.job)
+                evs = c.events(job["id"])
+                if as_json:
+                    for e in evs:
+                        print(json.dumps(e))
+                else:
+                    print(events_table(evs, time.time()))
             elif args.action == "cancel":
-                job = c.cancel(args.job)
+                job = c.cancel(_resolve(c, args.job)["id"])
                 print(f"{job['id']} {job['state']}")
             elif args.action == "whoami":
                 me = c.whoami()
-                print(json.dumps(me) if args.json_out else
+                print(json.dumps(me) if as_json else
                       f"{me['user']}{' (admin)' if me['admin'] else ''} account {me['account'] or '-'} "
                       f"token {me['token']}")
     except SchedulerApiError as exc:
@@ -441,7 +485,7 @@ def register(sub) -> None:
     config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
 
     j = add_command(sub, "job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
-                    sections=["sched"])
+                    sections=["sched"], quiet=True)
     config_flag(j, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
     config_flag(j, "--token", "sched", "token", help="bearer token (default $DLSHARE_SCHED_TOKEN or <db>.token)")
     config_flag(j, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
@@ -460,16 +504,22 @@ def register(sub) -> None:
     s.add_argument("--env", action="append", metavar="NAME=VALUE")
     s.add_argument("--wait", type=float, metavar="SECONDS", help="wait until the job ends")
     s.add_argument("argv", nargs=argparse.REMAINDER, help="the command to run")
-    ls = acts.add_parser("list", help="list jobs (yours; an admin's token: everyone's)")
+    ls = acts.add_parser("list", help="list jobs (yours; an admin's token: everyone's), fitted to the terminal")
     ls.add_argument("--state", action="append", choices=["queued", "running", "preempted", "done", "failed", "cancelled"])
     ls.add_argument("--user", help="an admin: only this user's jobs")
-    for name in ("show", "events", "cancel"):
-        a = acts.add_parser(name, help=f"{name} one job")
-        a.add_argument("job")
+    ls.add_argument("-o", "--output", choices=["wide", "json"],
+                    help="wide: every column, nothing cut (owner, CPUs, memory, queue position, estimated start); "
+                         "json: the API's objects")
+    for name, what in (("show", "one job: why it waits, where it stands, when it should start, its events"),
+                       ("events", "one job's events"), ("cancel", "cancel one job")):
+        a = acts.add_parser(name, help=what)
+        a.add_argument("job", help="the job's id, or a prefix of exactly one of your job ids")
+        if name != "cancel":
+            a.add_argument("--json", dest="json_sub", action="store_true", help="print JSON")
     acts.add_parser("whoami", help="the user, account and rights of your token")
 
     t = add_command(sub, "token", _run_token, "create, list or revoke users' API tokens (an admin's token)",
-                    sections=["sched"])
+                    sections=["sched"], quiet=True)
     config_flag(t, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
     config_flag(t, "--token", "sched", "token", help="an admin's token (default $DLSHARE_SCHED_TOKEN or <db>.token)")
     config_flag(t, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")

@@ -19,7 +19,7 @@ def _sim(args, cfg) -> int:
     try:
         cluster = Cluster.parse(args.cluster)
         if args.synthetic:
-            trace = synthetic_trace(args.synthetic, cluster.nodes * cluster.gpus, seed=args.seed)
+            trace = synthetic_trace(args.synthetic, cluster.total_gpus, seed=args.seed)
             name = f"synthetic-{args.synthetic}"
         else:
             path = data.resolve_trace(args.trace)
@@ -41,7 +41,7 @@ def _sim(args, cfg) -> int:
 
     print(markdown_table(results, ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h",
                                    "p99_slowdown", "worst_slowdown", "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
-                                   "preemptions", "sim_wall_s"]))
+                                   "preemptions", "preemptions_per_job", "sim_wall_s"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"runs": results}, indent=2) + "\n")
@@ -183,15 +183,21 @@ def _overhead_s(text: str) -> float:
 
 def register(sub) -> None:
     from nodesvc.cli import add_command
+    from scheduler.sim import RESTART_COST_S
 
-    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; sim replay --db)")
+    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; "
+                    "sim replay --db)", quiet=True)
     p.add_argument("action", nargs="?", choices=["run", "predictor", "replay"], default="run")
     p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")
-    p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB]")
+    p.add_argument("--cluster", default="16x4", help="NODESxGPUS[:CORES:MEMGB][@TYPE], comma-separated groups "
+                   "(e.g. 6x4@v100,6x4@p100,6x4@k80: GPU generations, with each job's speed there from Gavel's "
+                   "throughputs)")
     p.add_argument("--profile", default="dlshare", help="profile name(s), comma-separated, or a TOML path")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--restart-overhead", type=_overhead_s, default=0.0, metavar="S", help="seconds lost per resume")
+    p.add_argument("--restart-overhead", "--restart-cost", dest="restart_overhead", type=_overhead_s,
+                   default=RESTART_COST_S, metavar="S",
+                   help=f"GPU seconds each resume of a preempted job costs it (default {RESTART_COST_S:g})")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--train", metavar="CSV", help="predictor: training rows (Lucid colocation.csv or IADeep "
                    "colocation_util.csv format)")
@@ -201,6 +207,6 @@ def register(sub) -> None:
     p.add_argument("--db", metavar="PATH", help="replay: the scheduler service's database")
     p.add_argument("--predictors", choices=["default", "data"], default="default",
                    help="replay without a snapshot: the predictors the service started with (sched.predictors)")
-    d = add_command(sub, "data", _data, "shared data files for the scheduler")
+    d = add_command(sub, "data", _data, "shared data files for the scheduler", quiet=True)
     d.add_argument("action", choices=["fetch"])
     d.add_argument("--dest", metavar="DIR", help="where to write (default: the user cache)")

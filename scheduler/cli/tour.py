@@ -224,7 +224,7 @@ async def run_tour(st: TourStack, console: Any, timeout_s: float = 150.0) -> boo
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per poll
     console.print("\n[bold]Scheduler[/bold]: real jobs submitted through the API "
-                  f"({st.sched_url}, status page {st.sched_url}/?token={st.sched_token})")
+                  f"({st.sched_url}; status page {st.sched_url}/, log in there with the token)")
     c = SchedulerClient(st.sched_url, st.sched_token, timeout=15)
     try:
         deadline = time.monotonic() + 30

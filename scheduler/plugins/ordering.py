@@ -10,7 +10,8 @@ import numpy as np
 
 from scheduler.framework import Context, QueueSort, register
 from scheduler.model import JobRecord, JobState
-from scheduler.plugins.tail import BoostedArrival
+from scheduler.plugins.durations import GittinsTable, LearnedDurations
+from scheduler.plugins.tail import BoostedArrival, ShareBound
 
 
 def _tiebreak(rec: JobRecord) -> tuple[float, str]:
@@ -128,78 +129,6 @@ class Tiresias(_Preemptive):
         return min(ctx.now + self.quantum_s, ctx.now + (self.thresholds[q] - s) / _gpus(rec) + 1e-6)
 
 
-class GittinsTable:
-    """Gittins index of a duration distribution on a log-spaced grid of attained time.
-
-    index(a) = max over b > a of P(D <= b | D > a) / E[min(D, b) - a | D > a]:
-    the best completion rate per unit of further service.  Built from weighted
-    samples (a histogram), so finished jobs can be added online.
-    """
-
-    def __init__(self, samples: np.ndarray, lo: float = 1.0, hi: float = 3e7, bins: int = 160) -> None:
-        self.grid = np.geomspace(lo, hi, bins)
-        self.weights = np.zeros(bins)
-        self._pending = 0.0  # weight added since the last build
-        self._built_weight = 0.0  # total weight the last build saw
-        self._index: list[float] | None = None  # the index per grid point, as a list (fast lookups)
-        self.add(np.asarray(samples, dtype=float))
-
-    def scaled(self, total_weight: float) -> "GittinsTable":
-        """A copy whose distribution is the same but weighs ``total_weight`` in all."""
-        t = GittinsTable.__new__(GittinsTable)
-        t.grid = self.grid.copy()
-        t.weights = self.weights * (total_weight / max(self.weights.sum(), 1e-12))
-        t._pending, t._built_weight, t._index = 0.0, 0.0, None
-        t._build()
-        return t
-
-    def add(self, samples: np.ndarray, weight: float = 1.0) -> None:
-        """Add samples; the index is rebuilt lazily, once the new weight reaches
-        a tenth of what the last build saw (so n samples cost O(log n) builds)."""
-        idx = np.clip(np.searchsorted(self.grid, np.maximum(samples, self.grid[0])), 0, len(self.grid) - 1)
-        np.add.at(self.weights, idx, weight)
-        self._pending += weight * len(idx)
-        if self._index is None or self._pending >= 0.1 * self._built_weight:
-            self._build()
-
-    def _build(self) -> None:
-        x, w = self.grid, self.weights
-        n = len(x)
-        if w.sum() <= 0:
-            self.index = np.ones(n)
-            self._grid, self._index = self.grid.tolist(), self.index.tolist()
-            return
-        # tail[i] = weight of D in bins i..; cum_xw[i] = sum_{k<i} w_k x_k
-        tail = np.concatenate([np.cumsum(w[::-1])[::-1], [0.0]])
-        cum_xw = np.concatenate([[0.0], np.cumsum(w * x)])
-        # Condition on D > a = x[i]: jobs in bin i finished at a, so survivors are
-        # bins i+1..; stopping at b = x[j] (j > i) finishes bins i+1..j and costs
-        # sum_{k=i+1..j} w_k (x_k - a) + tail[j+1] (b - a).  All (i, j) at once.
-        i = np.arange(n)[:, None]
-        j = np.arange(n)[None, :]
-        done = tail[i + 1] - tail[j + 1]
-        spent = (cum_xw[j + 1] - cum_xw[i + 1]) - x[i] * done + tail[j + 1] * (x[j] - x[i])
-        valid = (j > i) & (spent > 1e-12 * max(1.0, float(w.sum())))
-        rate = np.where(valid, done / np.where(valid, spent, 1.0), 0.0)
-        index = rate.max(axis=1)
-        dead = tail[1:] <= 0  # nobody survives past bin i: keep the last index
-        for k in np.nonzero(dead)[0]:
-            index[k] = index[k - 1] if k else 0.0
-        self.index = index
-        self._grid = self.grid.tolist()
-        self._index = index.tolist()
-        self._built_weight = float(w.sum())
-        self._pending = 0.0
-
-    def __call__(self, attained: float) -> float:
-        i = bisect.bisect_right(self._grid, attained) - 1
-        return self._index[max(0, min(i, len(self._index) - 1))]
-
-    def next_point(self, attained: float) -> float:
-        i = int(np.searchsorted(self.grid, attained, side="right"))
-        return float(self.grid[i]) if i < len(self.grid) else math.inf
-
-
 @register("order", "gittins")
 class Gittins(_Preemptive):
     """2D-Gittins (Tiresias): the Gittins index of the job's attained time under
@@ -211,38 +140,68 @@ class Gittins(_Preemptive):
     GPUs) gets its own distribution, the global one scaled to ``prior_weight``
     pseudo-jobs plus the run times of finished jobs of that type: history-based
     priors, learned online, never from a job's own duration.
+    ``prior_jobs`` (> 0): learn the workload's distribution instead, with the prior counting as that
+    many pseudo-jobs and the active jobs as censored observations (Kaplan-Meier;
+    :class:`~scheduler.plugins.durations.LearnedDurations`); ``per_type`` then refines it per type
+    with ``prior_weight`` pseudo-jobs of the workload's distribution.
     ``starve_factor``: Tiresias's starvation guard (0 = off).
     ``boost``: bound the tail with boosted arrival times
     (:mod:`scheduler.plugins.tail`): jobs run in order of arrival minus a head
     start that grows with their index, up to ``boost`` x the mean run time of
     finished jobs (0 = off: plain index order).
+    ``preempt_margin`` (>= 1; 0 = off): a running job's index counts that many times over, so a
+    waiting job displaces it only with an index at least that much better: a preemption costs a
+    restart, and the index is an estimate (issue 23: the ``dlshare`` profile preempted 8.4 times
+    a job on vc_0e4a51 without one).
+    ``share_bound`` (> 0): bound every job's slowdown against an equal share of the cluster
+    (:class:`~scheduler.plugins.tail.ShareBound`): a job that has had less than 1/``share_bound``
+    of an equal share goes first, oldest first, until it has its whole share.
     """
 
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
                  quantum_s: float = 360.0, starve_factor: float = 0.0, per_type: bool = False,
-                 prior_weight: float = 20.0, boost: float = 0.0) -> None:
+                 prior_weight: float = 20.0, boost: float = 0.0, prior_jobs: float = 0.0,
+                 share_bound: float = 0.0, preempt_margin: float = 0.0) -> None:
         super().__init__(quantum_s)
-        if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0 or boost < 0:
-            raise ValueError("starve_factor, learn_weight, boost must be >= 0 and prior_weight > 0")
+        if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0 or boost < 0 or prior_jobs < 0 \
+                or share_bound < 0:
+            raise ValueError("starve_factor, learn_weight, boost, prior_jobs, share_bound must be >= 0 and "
+                             "prior_weight > 0")
+        if boost and share_bound:
+            raise ValueError("boost and share_bound are two tail bounds: give one")
         self.starve_factor = float(starve_factor)
         samples = _load_prior(prior)
-        self.table = GittinsTable(samples)
+        self.learned = LearnedDurations(samples, prior_jobs, prior_weight) if prior_jobs else None
+        self.table = self.learned.table if self.learned is not None else GittinsTable(samples)
         self.boost = BoostedArrival(boost, float(np.mean(samples))) if boost else None
+        self.bound = ShareBound(share_bound) if share_bound else None
+        self._promoted: set[str] = set()  # jobs owed when last looked at (ShareBound)
         self.learn = learn
         self.learn_weight = float(learn_weight)
         self.per_type = per_type
         self.prior_weight = float(prior_weight)
         self.types: dict[tuple[str, int], GittinsTable] = {}
         self._pending: list[float] = []
+        if preempt_margin and preempt_margin < 1:
+            raise ValueError("preempt_margin must be >= 1 (or 0: off)")
+        self.preempt_margin = float(preempt_margin)
 
     @staticmethod
     def _type(rec: JobRecord) -> tuple[str, int]:
         return (rec.job.job_type, rec.job.gpus)
 
     def observe_finished(self, rec: JobRecord, ctx: Context) -> None:
+        self._promoted.discard(rec.job.id)
         run_time = rec.job.attained_service / _gpus(rec)
         if self.boost is not None:
             self.boost.observe(run_time)
+        if self.learned is not None:
+            self.learned.observe(self._type(rec), run_time)
+            if self.learned.due():
+                active = (*(ctx.running or {}).values(), *(ctx.waiting or {}).values())
+                self.learned.rebuild((self._type(r), r.service(ctx.now) / _gpus(r)) for r in active
+                                     if r is not rec and not r.job.cpu_only)
+            return
         if self.per_type:
             tab = self.types.get(self._type(rec))
             if tab is None:
@@ -255,6 +214,30 @@ class Gittins(_Preemptive):
             self.table.add(np.asarray(self._pending), self.learn_weight)
             self._pending.clear()
 
+    def _owed(self, rec: JobRecord, ctx: Context, t: float, tab: GittinsTable) -> bool:
+        """The tail bound (:class:`~scheduler.plugins.tail.ShareBound`): owed when short of
+        1/``share_bound`` of an equal share; a job promoted for it keeps the GPUs until it has its
+        whole equal share (hysteresis: it is not swapped out again as soon as it is back at the bound)."""
+        jid = rec.job.id
+        if rec.run_since is not None and jid in self._promoted:
+            if self.bound.caught_up(rec, ctx, t):
+                self._promoted.discard(jid)
+                return False
+            return True
+        owed = self.bound.owed(rec, ctx, max(t, tab.expected_total(0.0)))
+        if owed:
+            self._promoted.add(jid)
+        else:
+            self._promoted.discard(jid)
+        return owed
+
+    def _table(self, rec: JobRecord) -> GittinsTable:
+        if not self.per_type:
+            return self.table
+        if self.learned is not None:
+            return self.learned.for_type(self._type(rec))
+        return self.types.get(self._type(rec), self.table)
+
     def key(self, rec: JobRecord, ctx: Context) -> Any:
         t = rec.service(ctx.now) / _gpus(rec)
         # Tiresias's starvation guard: a job that has waited longer than
@@ -262,10 +245,17 @@ class Gittins(_Preemptive):
         if (self.starve_factor and rec.run_since is None and t > 0
                 and ctx.now - rec.queued_since > self.starve_factor * max(t, self.quantum_s)):
             return (-rec.job.priority, -math.inf, *_tiebreak(rec))
-        tab = self.types.get(self._type(rec), self.table) if self.per_type else self.table
+        tab = self._table(rec)
+        rate = tab(t) / _gpus(rec)
+        if self.preempt_margin and rec.run_since is not None:
+            rate *= self.preempt_margin  # hysteresis: see the class docstring
+        if self.bound is not None:
+            if self._owed(rec, ctx, t, tab):
+                return (-rec.job.priority, 0, rec.job.arrival, rec.job.id)
+            return (-rec.job.priority, 1, -rate, rec.job.id)
         if self.boost is not None:
-            return (-rec.job.priority, self.boost.rank(rec, tab(t) / _gpus(rec)), rec.job.id)
-        return (-rec.job.priority, -tab(t) / _gpus(rec), *_tiebreak(rec))
+            return (-rec.job.priority, self.boost.rank(rec, rate), rec.job.id)
+        return (-rec.job.priority, -rate, *_tiebreak(rec))
 
 
 __all__ = ["Fifo", "Srtf", "Las", "Tiresias", "Gittins", "GittinsTable", "JobState"]

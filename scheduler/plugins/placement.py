@@ -14,6 +14,8 @@ Scores are raw (higher is better); the core normalises each plugin's scores to
 * ``colocation_gain`` filter + ``throughput`` score (dlshare): share a GPU only
   when the predicted combined normalised throughput beats running alone by a
   margin and the resident job keeps most of its speed.
+* ``gpu_type`` score (dlshare): on a cluster of several GPU generations, put a job where it gains
+  most against the other jobs (comparative advantage).
 """
 
 from __future__ import annotations
@@ -127,3 +129,93 @@ class Throughput:
         speeds = ctx.predictors.colocated_speeds(rec.job.job_type, _types(cand, ctx), rec.job,
                                                  [ctx.records[o].job for o in cand.residents])
         return sum(speeds) - len(speeds) + 1.0
+
+
+@register("score", "gpu_type")
+class GpuType:
+    """Several GPU generations (issue 23): prefer the generation where the job's speed, against the
+    mean speed there of the jobs in the system, is highest: comparative advantage, the greedy
+    form of Gavel's heterogeneity-aware allocation (Narayanan et al., OSDI'20), which gives the
+    fast GPUs to the jobs that gain most from them.  A job that runs 10x faster on a V100 than on a
+    K80 takes the V100; one that gains 1.2x leaves it to others and takes the K80, where the
+    others crawl.  Speeds come from ``ctx.predictors.type_speed`` (Gavel's measured throughputs);
+    an untyped node, or a job type never measured, scores 1 (as fast as the reference)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple = ()
+        self._mean: dict[str, float] = {}
+
+    def _means(self, ctx: Context) -> dict[str, float]:
+        key = (ctx.now, len(ctx.running or ()), len(ctx.waiting or ()), len(ctx.nodes))
+        if key != self._seen:
+            types = {ns.node.gpu_type for ns in ctx.nodes.values() if ns.node.gpu_type}
+            sums = dict.fromkeys(types, 0.0)
+            counts = dict.fromkeys(types, 0)
+            for rec in (*(ctx.running or {}).values(), *(ctx.waiting or {}).values()):
+                if rec.job.cpu_only:
+                    continue
+                for t in types:
+                    v = ctx.predictors.type_speed(rec.job, t)
+                    if v is not None:
+                        sums[t] += v
+                        counts[t] += 1
+            self._mean = {t: sums[t] / counts[t] for t in types if counts[t]}
+            self._seen = key
+        return self._mean
+
+    def score(self, rec: JobRecord, cand: Candidate, ctx: Context) -> float:
+        t = cand.node.node.gpu_type
+        v = ctx.predictors.type_speed(rec.job, t) if t else None
+        if v is None:
+            return 1.0
+        mean = self._means(ctx).get(t)
+        return v / mean if mean else v
+
+
+@register("filter", "gpu_type")
+class GpuTypeFloor:
+    """Several GPU generations: do not start a job where it would run so much slower than on its
+    best generation in the cluster that waiting for that one is quicker.  Running now at ``v`` of
+    its best speed takes d / v; waiting takes W + d; so it starts where ``v >= 1 / (1 + W / d)``.
+    W / d is estimated, in units of a job's run time, as the backlog (the GPUs the waiting jobs ask
+    for over the cluster's GPUs: the waves of work ahead of a newcomer), plus one when its best
+    generation has no free GPU for it (it waits for a running job to end).  So a job that runs 4x
+    slower on a K80 waits for a busy V100 (floor 1/2) unless the backlog is deep; one that loses 20%
+    takes the K80; with a V100 free the K80 is refused (floor 1).  ``min_speed`` fixes the floor
+    instead (0: the estimate's)."""
+
+    def __init__(self, min_speed: float = 0.0) -> None:
+        if not 0 <= min_speed <= 1:
+            raise ValueError("min_speed must be in [0, 1]")
+        self.min_speed = float(min_speed)
+        self._seen: tuple = ()
+        self._backlog = 0.0
+        self._free: dict[str, int] = {}
+
+    def _look(self, ctx: Context) -> None:
+        key = (ctx.now, len(ctx.waiting or ()), len(ctx.running or ()), ctx.free_gpus, len(ctx.nodes))
+        if key != self._seen:
+            self._free = {}
+            for ns in ctx.nodes.values():
+                if ns.alive and ns.node.gpu_type:
+                    self._free[ns.node.gpu_type] = max(self._free.get(ns.node.gpu_type, 0), ns.free_gpus)
+            self._backlog = sum(r.job.gpus for r in (ctx.waiting or {}).values()) / max(1, ctx.total_gpus)
+            self._seen = key
+
+    def filter(self, rec: JobRecord, cand: Candidate, ctx: Context) -> str | None:
+        t = cand.node.node.gpu_type
+        v = ctx.predictors.type_speed(rec.job, t) if t else None
+        if v is None:
+            return None
+        self._look(ctx)
+        speeds = {u: x for u in self._free if (x := ctx.predictors.type_speed(rec.job, u)) is not None}
+        best_type = max(speeds, key=lambda u: (speeds[u], u), default=t)
+        best = speeds.get(best_type, v)
+        if self.min_speed:
+            floor = self.min_speed
+        else:  # a node of its best type with room for it (or the gang spans several: assume none)
+            busy = self._free.get(best_type, 0) < rec.job.gpus
+            floor = 1.0 / (1.0 + self._backlog + (1.0 if busy else 0.0))
+        if v < floor * best - 1e-12:
+            return f"runs at {v / best:.2f} of its speed on its best GPU type here; waiting is quicker (< {floor:.2f})"
+        return None

@@ -1,4 +1,27 @@
-"""Tail bound for the duration-agnostic orders: boosted arrival times.
+"""Tail bounds for the duration-agnostic orders: a slowdown bound against an equal share
+(:class:`ShareBound`, the ``dlshare`` profile's), and boosted arrival times (:class:`BoostedArrival`).
+
+:class:`ShareBound` (issue 23).  Every active job has an *equal-share clock*: the progress (seconds of
+its run time) it would have made had the cluster been split evenly between the active jobs since it
+arrived, each running the same fraction of the time, min(1, GPUs / GPUs asked by the active jobs)
+(Gavel's max-min fairness with time-slicing, and the "independent" share of Themis's finish-time
+fairness).  The core keeps that clock (``Context.share_clock`` now, ``JobRecord.share_start`` at
+arrival).  A job is *owed* when that clock passed ``factor`` x what it has run, counting at least
+the mean run time of the workload's jobs: it has had less than 1/``factor`` of an equal share (and,
+a newcomer, it has waited long enough that an equal share would have finished a typical job
+``factor`` times over).  Owed jobs go before the others, oldest first, and keep the GPUs until they
+have run their whole equal share (so a promoted job is not swapped out again as soon as it is back
+at the bound: a restart each time).  So no job falls below 1/``factor`` of an equal share for long,
+whatever the stream of newcomers; the rest is the Gittins order that minimises the mean.  The
+clock slows when the cluster is crowded (an equal share is small then), so the bound costs little
+in a backlog, and needs no time scale: it is in the job's own run time.  It is checked at every
+pass (each Tick), like the order's other keys.
+
+(Tried first: owed when the clock passed ``factor`` x E[D | D > attained], the run time the job is
+expected to reach.  Under heavy-tailed run times that expectation grows with the attained time, so
+a long job that had run a while was never owed: it left the p99 where it was.)
+
+Boosted arrival times (the fixed ``boost = 10`` of issue 13, kept for reference):
 
 Size-based orders (LAS, 2D-LAS, Gittins) win the mean by running what looks
 short first.  Long jobs pay: every newcomer overtakes them, for as long as
@@ -31,6 +54,7 @@ workload's time scale and needs no unit.  Lower ranks run first.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from scheduler.model import JobRecord
 
@@ -66,3 +90,24 @@ class BoostedArrival:
 
     def rank(self, rec: JobRecord, rate: float) -> float:
         return rec.job.arrival - self.boost(rate)
+
+
+class ShareBound:
+    """Owed jobs: their equal-share clock passed ``factor`` x what they have run, at least the
+    workload's mean run time (see the module docstring)."""
+
+    def __init__(self, factor: float) -> None:
+        if not factor > 0:
+            raise ValueError("share_bound must be > 0")
+        self.factor = float(factor)
+
+    def owed(self, rec: JobRecord, ctx: Any, ran_s: float) -> bool:
+        """Whether ``rec``, having run ``ran_s`` seconds (the order passes at least the mean run
+        time), is owed at ``ctx.now``."""
+        if rec.share_start is None:  # not counted by the core (a bound pod): never owed
+            return False
+        return ctx.share_clock - rec.share_start > self.factor * ran_s
+
+    def caught_up(self, rec: JobRecord, ctx: Any, ran_s: float) -> bool:
+        """``rec`` has run at least its whole equal share (``ran_s`` seconds of run time)."""
+        return rec.share_start is None or ran_s >= ctx.share_clock - rec.share_start

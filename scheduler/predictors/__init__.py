@@ -67,6 +67,7 @@ class Predictors:
     alone_util: dict[str, tuple[float, float]] = field(default_factory=dict)
     default_util: tuple[float, float] = (50.0, 25.0)
     colocation: Any = None
+    type_speeds: Any = None  # scheduler.predictors.gputypes.TypeSpeeds: each job's speed per GPU generation
     update_every: int = 25  # new measured pairs between two refits of the co-location predictor (a refit: ~2 s)
     _memo: dict[tuple, float] = field(default_factory=dict, repr=False)
     _spec: dict[str, tuple[int, float, bool, str]] = field(default_factory=dict, repr=False)
@@ -85,7 +86,22 @@ class Predictors:
         from scheduler.predictors.sensitivity import SensitivityModel
 
         return cls(interference=InterferencePredictor.from_data(seed=seed), sensitivity=SensitivityModel.from_data(),
-                   colocation=trained_colocation(seed))
+                   colocation=trained_colocation(seed), type_speeds=gavel_type_speeds())
+
+    def gpu_worth(self, gpu_type: str) -> float:
+        """One GPU of ``gpu_type`` in reference GPUs (the mean speed of the measured job types
+        there); 1 when unknown or untyped."""
+        if self.type_speeds is None or not gpu_type:
+            return 1.0
+        v = self.type_speeds.mean_speed(gpu_type)
+        return v if v else 1.0
+
+    def type_speed(self, job: Job, gpu_type: str) -> float | None:
+        """``job``'s speed on GPUs of ``gpu_type`` relative to the reference generation (the V100);
+        None when unknown (no table, an untyped node, a job type never measured there)."""
+        if self.type_speeds is None or not gpu_type:
+            return None
+        return self.type_speeds.speed(job, gpu_type)
 
     def observe(self, job_type: str, others: tuple[str, ...], sample: Any) -> None:
         if sample.speed is not None and others:
@@ -191,6 +207,17 @@ class Predictors:
             else:
                 out = [v if v == v else self.pairs.prior_speed for v in out]
         return out
+
+
+def gavel_type_speeds() -> Any:
+    """Per-generation speeds from Gavel's throughputs (shared data); None without the data."""
+    from scheduler import data
+    from scheduler.predictors.gputypes import TypeSpeeds
+
+    try:
+        return TypeSpeeds.from_gavel(data.gavel_throughputs())
+    except (OSError, ValueError):
+        return None
 
 
 def _memo_key(p: Any) -> tuple:

@@ -7,11 +7,12 @@ reaches nodes: MQTT, the codec, the command correlator), and its own dependencie
 pydantic, httpx, SQLite).  Never another shell (``nodesvc.daemon``, ``aggregator.server``),
 ``scheduler.cli`` or ``bench``; the core never imports this package.
 
-Inside, the parts import one way: ``store``/``nodes``/``core_log``/``stats`` (plain data and pure
+Inside, the parts import one way: ``store``/``nodes``/``core_log``/``stats``/``charts`` (plain data and pure
 functions) < ``tokens`` (who is calling) < ``models`` < ``journal`` (the core's log and snapshots) < ``commands`` (to nodes) <
 ``decisions`` (the core's decisions -> rows and commands) < ``translate`` (node messages -> core
-events) < ``recovery`` < ``live`` (:class:`SchedulerService`, which holds the others) <
-``api``/``k8s``/``http_checks``/``views``/``status_page`` (HTTP).  No placement or allocation
+events) < ``recovery`` < ``pending`` (why waiting jobs wait, their positions and start estimates),
+``history`` (the cluster over time), ``metrics`` (Prometheus) < ``live`` (:class:`SchedulerService`,
+which holds the others) < ``api``/``k8s``/``http_checks``/``views``/``status_page`` (HTTP).  No placement or allocation
 policy lives here: that is the core's plugins' (and :mod:`scheduler.watch`'s).
 
 Public names: :class:`SchedulerService` (the live loop), :func:`create_app`

@@ -1,11 +1,13 @@
 """The HTTP API (FastAPI): job launchers' endpoints, the cluster view, the status page
 and the Kubernetes extender.
 
-Authentication: every ``/v1`` and ``/k8s`` endpoint needs ``Authorization: Bearer
-<token>``; the token names its user (:mod:`scheduler.service.tokens`).  The status page ``/``
-is read-only and needs the token too, given either as the header or once as ``/?token=...``
-(the page then keeps it in the URL of its own refreshes).  ``/healthz``, ``/openapi.json`` and
-``/docs`` are open: they reveal no cluster state.
+Authentication: every ``/v1`` and ``/k8s`` endpoint, and ``/metrics`` (unless ``metrics_open``),
+needs ``Authorization: Bearer <token>``; the token names its user (:mod:`scheduler.service.tokens`).
+The status page ``/`` is read-only and needs the token too: a proxy in front may add the header,
+or the page asks for the token once (``POST /login``, a form) and keeps it in an HttpOnly,
+SameSite=Strict cookie that only the page's own paths read.  No URL ever carries a token: a
+``?token=`` is refused, not used.  ``/healthz``, ``/openapi.json`` and ``/docs`` are open: they
+reveal no cluster state.
 
 Authorisation: a job belongs to the user whose token submitted it.  A user lists, reads,
 follows and cancels only their own jobs (another user's job is answered as absent, 404); an
@@ -21,7 +23,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -32,8 +34,8 @@ from scheduler.service.http_limits import BodyLimit
 from scheduler.service.live import SchedulerService
 from nodesvc.bus import jobenv
 from scheduler.service.models import (
-    ApiCluster, ApiError, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState, ApiNewToken, ApiToken,
-    ApiTokenList, ApiTokenRequest, ApiWhoami,
+    ApiCluster, ApiError, ApiHistory, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState, ApiNewToken,
+    ApiToken, ApiTokenList, ApiTokenRequest, ApiWhoami, TERMINAL_STATES,
 )
 from scheduler.service.store import ConflictError, JobRow, Owner, QuotaError
 from scheduler.service.tokens import Principal, TokenBook, TokenError
@@ -86,7 +88,7 @@ def _bootstrap_user(service: SchedulerService) -> str:
 def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
                max_body_bytes: int = MAX_BODY_BYTES, tokens: TokenBook | None = None,
                env_allow: list[str] = list(jobenv.DEFAULT_ALLOW),
-               env_deny: list[str] = list(jobenv.DEFAULT_DENY)) -> FastAPI:
+               env_deny: list[str] = list(jobenv.DEFAULT_DENY), metrics_open: bool = False) -> FastAPI:
     """``token``: the bootstrap (admin) token; ``tokens``: the user tokens (default: those in the
     service's database, the bootstrap token acting as the service's ``default_user``).
     ``max_body_bytes``: larger request bodies get a 413 before they are read or parsed.
@@ -94,7 +96,8 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
     no Authorization header, so a cluster either fronts the extender with a proxy that adds it,
     or opens these three read-mostly endpoints and restricts who can reach them (NetworkPolicy).
     ``env_allow``/``env_deny``: the variables a job spec may set (:mod:`nodesvc.bus.jobenv`;
-    the nodes check again against their own lists)."""
+    the nodes check again against their own lists).  ``metrics_open``: serve ``/metrics`` without a
+    token (for a scraper on a trusted network; by default Prometheus sends a token from a file)."""
     book = tokens if tokens is not None else TokenBook(service.store, token, _bootstrap_user(service))
     app = FastAPI(
         title="dlshare scheduler",
@@ -126,14 +129,22 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
             raise HTTPException(403, f"user {who.user} is not an admin: only an admin's token may do this")
         return who
 
-    def check_page_token(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-                         tok: Annotated[str | None, Query(alias="token", description="your token")] = None
-                         ) -> tuple[str, Principal] | None:
-        given = tok if tok is not None else (creds.credentials if creds is not None else None)
-        if given is None:
+    def page_caller(request: Request) -> Principal | None:
+        """The page's caller: a bearer header (a proxy may add it) or the login cookie."""
+        scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+        given = cred.strip() if scheme.lower() == "bearer" and cred.strip() else request.cookies.get(status_page.COOKIE)
+        if not given:
             return None
-        res = book.authenticate(given)
-        return (given, res.principal) if res.principal is not None else None
+        return book.authenticate(given).principal
+
+    def job_view(row: JobRow) -> dict[str, Any]:
+        """A job as the API shows it: its row, and for a waiting job why, where and until when."""
+        out = row.as_api()
+        info = service.pending.info(row.id) if row.state not in TERMINAL_STATES and row.state != "running" else None
+        if info is not None:
+            out["reason"] = info["reason"]
+        out["waiting"] = info
+        return out
 
     def own_job(job_id: str, who: Principal) -> JobRow:
         """The job, when the caller may see it; another user's job is as absent as a missing one."""
@@ -170,7 +181,9 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
     async def _token_first(request: Request, call_next):
         # Checked before the body is read or validated: a caller without the token learns nothing,
         # not even whether its request would have validated.  (The dependency below documents it.)
-        if request.url.path.startswith("/v1/") or (request.url.path.startswith("/k8s/") and not k8s_open):
+        path = request.url.path
+        if path.startswith("/v1/") or (path.startswith("/k8s/") and not k8s_open) or (path == "/metrics"
+                                                                                          and not metrics_open):
             scheme, _, cred = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not cred:
                 return JSONResponse({"detail": "missing bearer token: send 'Authorization: Bearer <token>'"},
@@ -210,7 +223,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
             raise HTTPException(409, str(exc)) from None
         except QuotaError as exc:
             raise HTTPException(429, str(exc)) from None
-        out = ApiJob.model_validate(row.as_api()).model_dump(mode="json")
+        out = ApiJob.model_validate(job_view(row)).model_dump(mode="json")
         return JSONResponse(out, status_code=201 if created else 200)
 
     @app.get("/v1/jobs", response_model=ApiJobList, dependencies=[known_query("state", "limit", "offset", "user")],
@@ -224,12 +237,12 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
         if not who.admin:
             user = who.user
         rows, total = service.store.list_jobs(states=state, limit=limit, offset=offset, user=user)
-        return {"jobs": [r.as_api() for r in rows], "total": total}
+        return {"jobs": [job_view(r) for r in rows], "total": total}
 
     @app.get("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[known_query()], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
     async def get_job(job_id: JobIdPath, who: Caller) -> Any:
-        return own_job(job_id, who).as_api()
+        return job_view(own_job(job_id, who))
 
     @app.delete("/v1/jobs/{job_id}", response_model=ApiJob, dependencies=[known_query()], tags=["jobs"],
                 responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
@@ -238,7 +251,7 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
         row = await service.call(service.cancel, job_id, f"cancelled by {who.user}")
         if row is None:
             raise HTTPException(404, f"no job {job_id!r}")
-        return row.as_api()
+        return job_view(row)
 
     @app.get("/v1/jobs/{job_id}/events", response_model=ApiJobEvents, dependencies=[known_query("after")], tags=["jobs"],
              responses={**_AUTH_RESPONSES, **_NOT_FOUND, **_INVALID})
@@ -289,20 +302,92 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
     async def stats() -> Any:
         return await service.call(service.stats_view)
 
-    @app.get("/", response_class=HTMLResponse, tags=["status"], dependencies=[known_query("token", "refresh")],
-             responses={401: {"description": "missing or wrong token (an HTML page that says so)",
-                              "content": {"text/html": {}}},
+    @app.get("/v1/history", response_model=ApiHistory, dependencies=[*auth, known_query("since", "points")],
+             tags=["cluster"], responses={**_AUTH_RESPONSES, **_INVALID},
+             summary="the cluster over time: GPUs, CPUs, memory, lent memory, the queue, aggregation load")
+    async def history(since: Annotated[float, Query(ge=0, le=1e12, description="only points from this time on "
+                                                    "(seconds since the epoch)")] = 0.0,
+                      points: Annotated[int, Query(ge=1, le=100_000, description="at most this many points (longer "
+                                                   "spans are averaged in buckets)")] = 2000) -> Any:
+        return await service.call(service.history_view, since, points)
+
+    @app.get("/metrics", tags=["cluster"], dependencies=[known_query()],
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+                        **_AUTH_RESPONSES},
+             summary="Prometheus metrics of the scheduler: the queue by reason, decisions and their latency, JCT")
+    async def metrics() -> Any:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await service.call(service.metrics_view), media_type=CONTENT_TYPE_LATEST)
+
+    def _page_headers() -> dict[str, str]:
+        return {"Referrer-Policy": "no-referrer", "Cache-Control": "no-store", "X-Frame-Options": "DENY"}
+
+    @app.get("/", response_class=HTMLResponse, tags=["status"], dependencies=[known_query("refresh", "window", "token")],
+             responses={401: {"description": "no token yet: the login form", "content": {"text/html": {}}},
+                        400: {"description": "a token in the URL: refused", "content": {"text/html": {}}},
                         422: {"description": "a bad query parameter", "content": {"application/json": {}}}})
-    async def status(caller: Annotated[tuple[str, Principal] | None, Depends(check_page_token)],
-                     refresh: Annotated[int, Query(ge=1, le=3600, description="seconds between refreshes")] = 3) -> Any:
-        if caller is None:
-            return HTMLResponse(status_page.DENIED, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        tok, who = caller
+    async def status(request: Request,
+                     refresh: Annotated[int, Query(ge=1, le=3600, description="seconds between refreshes")] = 3,
+                     window: Annotated[str, Query(pattern="^(15m|1h|6h|24h)$",
+                                                  description="the charts' span")] = "1h") -> Any:
+        if "token" in request.query_params:
+            return HTMLResponse(status_page.login_page(
+                "A token in a URL ends up in browser history, proxy logs and Referer headers, so it is not "
+                "accepted here: enter it below (it is then kept in a cookie)."), status_code=400,
+                headers=_page_headers())
+        who = page_caller(request)
+        if who is None:
+            return HTMLResponse(status_page.login_page(), status_code=401, headers=_page_headers())
         mine = None if who.admin else who.user  # a user's page lists their own jobs
         total = service.store.list_jobs(limit=1, user=mine)[1]
         jobs, _ = service.store.list_jobs(limit=200, offset=max(0, total - 200), user=mine)
         view = await service.call(service.cluster)
-        return HTMLResponse(status_page.render(view, [j.as_api() for j in jobs], tok, refresh))
+        span = status_page.WINDOWS[window]
+        hist = await service.call(service.history_view, view["ts"] - span, 600)
+        return HTMLResponse(status_page.render(view, [job_view(j) for j in jobs], refresh, hist, window, who.user),
+                            headers=_page_headers())
+
+    def _same_origin(request: Request) -> bool:
+        """A form posted from this page itself: a browser says so in Sec-Fetch-Site (the page's
+        no-referrer policy makes its Origin "null"); an older one in Origin; a client that names
+        neither (curl, a script) is not a browser another site could drive."""
+        site = request.headers.get("sec-fetch-site")
+        if site is not None:
+            return site in ("same-origin", "none")
+        origin = request.headers.get("origin")
+        if origin is None:
+            return True
+        return origin != "null" and origin.split("://", 1)[-1] == request.headers.get("host", "")
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Any:
+        import urllib.parse
+
+        if not _same_origin(request):
+            return HTMLResponse(status_page.login_page("refused: the form was posted from another site"),
+                                status_code=403, headers=_page_headers())
+        body = (await request.body())[:8192].decode("utf-8", "replace")
+        given = (urllib.parse.parse_qs(body).get("token") or [""])[0].strip()
+        res = book.authenticate(given) if given else None
+        if res is None or res.principal is None:
+            why = res.why if res is not None else "enter a token"
+            return HTMLResponse(status_page.login_page(f"not accepted: {why}"), status_code=401,
+                                headers=_page_headers())
+        resp = RedirectResponse("/", status_code=303, headers=_page_headers())
+        https = request.url.scheme == "https" or request.headers.get("x-forwarded-proto", "").lower() == "https"
+        # 12 h, then the form again; a revoked or expired token stops working at once (every request
+        # authenticates the cookie anew).
+        resp.set_cookie(status_page.COOKIE, given, max_age=12 * 3600, path="/", secure=https, httponly=True,
+                        samesite="strict")
+        log.info("status page: %s logged in", res.principal.user)
+        return resp
+
+    @app.post("/logout", include_in_schema=False)
+    async def logout(request: Request) -> Any:
+        resp = RedirectResponse("/", status_code=303, headers=_page_headers())
+        resp.delete_cookie(status_page.COOKIE, path="/", httponly=True, samesite="strict")
+        return resp
 
     k8s.add_routes(app, service, [] if k8s_open else [Depends(admin_only)])
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # outermost: before the body is read

@@ -194,6 +194,42 @@ def candidate_names(args: dict[str, Any]) -> tuple[list[str], bool]:
     return out, False
 
 
+# Node labels that name a node's GPU generation: NVIDIA GPU Feature Discovery's, then one an operator
+# sets by hand (``kubectl label node NAME dlshare.io/gpu-type=v100``).
+GPU_TYPE_LABELS = ("nvidia.com/gpu.product", "dlshare.io/gpu-type")
+
+
+def gpu_type_labels(args: dict[str, Any]) -> dict[str, str]:
+    """Node name -> GPU generation, from the labels of the ``Nodes`` kube-scheduler sent (none
+    when it sent only names); nodes without such a label are absent."""
+    from scheduler.model import gpu_type_of
+
+    out: dict[str, str] = {}
+    items = (args.get("Nodes") or {}).get("items") if isinstance(args.get("Nodes"), dict) else None
+    for item in items if isinstance(items, list) else ():
+        meta = item.get("metadata") if isinstance(item, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            continue
+        labels = meta.get("labels")
+        if not isinstance(labels, dict):
+            continue
+        for key in GPU_TYPE_LABELS:
+            t = gpu_type_of(labels[key]) if isinstance(labels.get(key), str) else ""
+            if t:
+                out[meta["name"]] = t
+                break
+    return out
+
+
+def note_gpu_types(service, labels: dict[str, str]) -> None:
+    """Keep the labelled generation of each node the service knows; the node's next telemetry
+    report carries it to the core when NVML names none.  Runs on the live loop's thread."""
+    for name, t in labels.items():
+        view = service.nodes.get(name)
+        if view is not None:
+            view.gpu_type_label = t
+
+
 def filter_result(args: dict[str, Any], feasible: list[str], failed: dict[str, str], as_names: bool) -> dict[str, Any]:
     """ExtenderFilterResult, echoing the candidates in the form they came."""
     result: dict[str, Any] = {"Nodes": None, "NodeNames": None, "FailedNodes": failed,
@@ -411,6 +447,9 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
             return JSONResponse({"Nodes": None, "NodeNames": None, "FailedNodes": {},
                                  "FailedAndUnresolvableNodes": {}, "Error": str(exc)})
         remember(pod)
+        labels = gpu_type_labels(args)
+        if labels:
+            await service.call(note_gpu_types, service, labels)
         ok, failed, _ = await service.call(evaluate, service, pod.job, names)
         return filter_result(args, ok, failed, as_names)
 
@@ -427,6 +466,9 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
             # HostPriorityList has no error field; kube-scheduler treats a non-200 as the extender's error.
             return JSONResponse({"Error": str(exc)}, status_code=400)
         remember(pod)
+        labels = gpu_type_labels(args)
+        if labels:
+            await service.call(note_gpu_types, service, labels)
         _, _, scores = await service.call(evaluate, service, pod.job, names)
         return scale_scores(scores, names)
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
 from scheduler import (
-    Event, JobArrived, JobBound, JobCancelled, NodeReport, Profile, SchedulerState, Tick, Wakeup,
+    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeReport, Profile, SchedulerState, Tick, Wakeup,
     WatchRules, load_profile, snapshot,
 )
 from scheduler.model import Job
@@ -53,9 +53,12 @@ from scheduler.service.commands import NodeCommands
 from scheduler.service.core_log import core_job
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.decisions import DecisionCarrier
+from scheduler.service.history import ClusterHistory, point
 from scheduler.service.journal import Journal
+from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.models import TERMINAL_STATES
 from scheduler.service.nodes import LiveNode
+from scheduler.service.pending import PendingJobs, philly_prior
 from scheduler.service.recovery import Recovery
 from scheduler.service.stats import ServiceStats
 from scheduler.service.store import JobRow, JobStore, Owner, WaitingLimits
@@ -83,14 +86,21 @@ class SchedulerService:
     events between snapshots (the most a restart replays); ``snapshot_s``: at most this
     long between snapshots while events come; ``limits``: the admission limits per user and account;
     ``default_user``: the user a job without an owner runs as (jobs from before owners were kept,
-    and in-process submissions without one): the bootstrap token's user."""
+    and in-process submissions without one): the bootstrap token's user.  ``reasons_s``,
+    ``forecast_s``, ``prior``, ``reason_event_gap_s``: how often waiting jobs are explained and their
+    starts estimated, the duration prior's maker, and the least time between two events of a job whose
+    reason changed its numbers only (:mod:`scheduler.service.pending`); ``history_step_s``,
+    ``history_keep_s``: the cluster's history (:mod:`scheduler.service.history`)."""
 
     def __init__(self, store: JobStore, profile: str | Path | Profile = "dlshare", broker_url: str | None = None,
                  service_id: str = "sched", tick_s: float = 2.0, command_timeout_s: float = 10.0,
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
-                 snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "") -> None:
+                 snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
+                 reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
+                 reason_event_gap_s: float = 300.0,
+                 history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
         self.store = store
         self.journal = Journal(store)
         self.profile_obj = core.profile if core is not None else (
@@ -145,6 +155,11 @@ class SchedulerService:
         self.translator = Translator(self, self.post)
         self.recovery.reconcile()
         self.stats.restore = self.recovery.report
+        self.pending = PendingJobs(store, reasons_s=reasons_s, forecast_s=forecast_s, prior=prior,
+                                   event_gap_s=reason_event_gap_s)
+        self.history = ClusterHistory(store, history_step_s, history_keep_s)
+        self.metrics = SchedulerMetrics(self.profile, _version())
+        self._last_batch_s = 0.0
 
     # --- time, events and threads -----------------------------------------------------------
 
@@ -236,6 +251,7 @@ class SchedulerService:
         """Jobs committed to the table: they arrive at the core (on the loop's thread)."""
         for row in rows:
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
+        self.metrics.submitted.inc(len(rows))
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobRow | None:
         """Cancel a job (on the loop's thread): the row says so durably, then the core ends it
@@ -265,6 +281,14 @@ class SchedulerService:
 
     def cluster(self) -> dict[str, Any]:
         return cluster_view(self)
+
+    def metrics_view(self) -> bytes:
+        """``GET /metrics``: the gauges from the cluster now (on the loop's thread), then every series."""
+        self.metrics.snapshot(self.cluster(), self.core, self.pending, self.now())
+        return self.metrics.render()
+
+    def history_view(self, since: float, max_points: int) -> dict[str, Any]:
+        return self.history.columns(since, max_points)
 
     def stats_view(self) -> dict[str, Any]:
         out = self.stats.to_json()
@@ -349,6 +373,8 @@ class SchedulerService:
             timeout = self.tick_s
             if self._wakeups:
                 timeout = max(0.0, min(timeout, self._wakeups[0] - self.clock()))
+            if self.pending.busy:  # a start-estimate replay under way: its next slice soon
+                timeout = min(timeout, 0.01)
             expect = time.monotonic() + timeout
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -374,17 +400,44 @@ class SchedulerService:
             self._events.append(Tick(_eid(), self.now()))
         if self._events:
             batch, self._events = self._events, []
-            for d in self.carrier.run_batch(batch):
+            decisions = self.carrier.run_batch(batch)
+            for d in decisions:
                 if isinstance(d, Wakeup) and d.at not in self._wakeups:
                     heapq.heappush(self._wakeups, d.at)
             self.translator.exiting.clear()
+            self._batch_done(batch, decisions)
         if now - self._last_service >= 5.0:
             self._last_service = now
             self._account()
+        self._watch_queue(now)
         self.maybe_snapshot(now)
+
+    def _batch_done(self, batch: list[Event], decisions: list[Any]) -> None:
+        """Metrics of a batch, and the run times of the jobs it finished (the estimates' prior)."""
+        try:
+            self.metrics.batch(batch, decisions, self.core, self._last_batch_s)
+            for ev in batch:
+                rec = self.core.records.get(getattr(ev, "job", "")) if isinstance(ev, JobFinished) else None
+                if rec is not None and rec.job.state is JobState.DONE and not rec.external:
+                    self.pending.finished(rec)
+        except Exception:  # noqa: BLE001 - figures must never stop the loop
+            log.exception("accounting a batch's metrics failed")
+
+    def _watch_queue(self, now: float) -> None:
+        """Why the waiting jobs wait and when they should start; a history point when one is due."""
+        try:
+            self.pending.advance()
+            self.pending.refresh(self.core, self.now())
+            if self.history.due(now):
+                t = self.now()
+                waits = [t - r.job.arrival for r in self.core.waiting.values()]
+                self.history.add(now, point(self.cluster(), waits))
+        except Exception:  # noqa: BLE001 - the queue's figures must never stop the loop
+            log.exception("explaining the queue failed")
 
     def _observe(self, events: list[Event], seconds: float) -> None:
         st = self.stats
+        self._last_batch_s = seconds
         st.batch.add(seconds)
         st.batches += 1
         st.events += len(events)
@@ -449,6 +502,15 @@ class SchedulerService:
             else:
                 amounts[jid] = rec.service(t)
         self.store.set_service(amounts)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dlshare")
+    except PackageNotFoundError:  # pragma: no cover - run from a checkout that was never installed
+        return "0"
 
 
 __all__ = ["LIVE_RULES", "SchedulerService"]

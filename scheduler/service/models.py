@@ -139,11 +139,29 @@ class ApiAllocation(BaseModel):
     remote_memory_bytes: int = Field(0, description="memory lent by donors (the scheduler's promise)")
 
 
+class ApiWaiting(BaseModel):
+    """Why a queued or preempted job waits, where it stands and when it should start."""
+
+    code: str = Field(..., description="Resources, Priority, Gang, LentMemory, QuotaLimit, Backoff, NoNodes or "
+                                       "Placement (scheduler.waiting)")
+    reason: str = Field(..., description="in the words of the part of the scheduler that holds it back")
+    nodes: str = Field("", description="per node, as kube-scheduler says it: '0/3 nodes are available: ...'")
+    position: int = Field(..., ge=1, description="its place in the queue, in the order the profile starts jobs")
+    queue_length: int = Field(..., ge=1, description="jobs waiting in all")
+    since: float = Field(..., description="since when it waits for this reason (code)")
+    estimated_start: float | None = Field(None, description="when it should start (seconds since the epoch): the "
+                                                            "queue replayed through the scheduler with expected run "
+                                                            "times; none when not within the replay's horizon")
+    estimated_at: float | None = Field(None, description="when that estimate was made")
+
+
 class ApiJob(BaseModel):
     id: str
     spec: ApiJobSpec
     state: ApiJobState
-    reason: str | None = Field(None, description="why the job is in its state (placement failure, exit code, ...)")
+    reason: str | None = Field(None, description="why the job is in its state (why it waits, placement failure, exit "
+                                                 "code, ...)")
+    waiting: ApiWaiting | None = Field(None, description="for a queued or preempted job: why, where, until when")
     allocation: ApiAllocation | None = None
     submitted_at: float
     started_at: float | None = None
@@ -230,6 +248,16 @@ class ApiCluster(BaseModel):
     memory_promised_bytes: int = Field(0, description="lent memory the scheduler promised to jobs, all donors")
     aggregation: ApiAggregation
     profile: str
+
+
+class ApiHistory(BaseModel):
+    """The cluster over time, as columns: ``ts`` and one list per field, point for point."""
+
+    model_config = ConfigDict(extra="allow")
+    step_s: float = Field(..., description="seconds between points")
+    keep_s: float = Field(..., description="how far back points are kept")
+    fields: list[str] = Field(..., description="the columns besides ts (each a list of numbers or null)")
+    ts: list[float]
 
 
 class ApiError(BaseModel):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.model import GiB, Node
+from scheduler.model import GiB, Node, gpu_type_of
 
 
 @dataclass
@@ -48,6 +48,7 @@ class LiveNode:
     reported_running: tuple[str, ...] | None = None  # the running jobs it listed in that report
     reported_missing: frozenset[str] = frozenset()  # started jobs it did not list in that report
     reported_at: float = 0.0
+    gpu_type_label: str = ""  # the GPU generation a Kubernetes node label names (when telemetry names none)
 
     @property
     def running(self) -> tuple[str, ...]:
@@ -110,12 +111,14 @@ def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
 
 
 def core_node(node: LiveNode) -> Node:
-    """The core's Node for this entry: its GPUs, cores, memory and lendable memory.  A donor's
+    """The core's Node for this entry: its GPUs (and their generation), cores, memory and lendable memory.  A donor's
     lendable memory, for the core, is what it could lend in all: its free lendable bytes plus what
     it lends now (its slab count when it reports one: that also shows a cap on slabs and a pause after
     a reclaim); the core's promises on it are counted against that."""
     gmem = next((g.memory_total_bytes for g in node.gpus if g.memory_total_bytes), None)
+    # The GPUs' generation: from NVML's device name in telemetry, else from the node's label.
+    gtype = next((t for t in (gpu_type_of(g.name) for g in node.gpus) if t), "") or node.gpu_type_label
     return Node(id=node.id, gpus=len(node.gpus), cores=max(0, node.cpu_count), memory_bytes=max(0, node.memory_total_bytes),
                 lendable_bytes=(max(0, node.lend_capacity_bytes) if node.lend_capacity_bytes is not None
                                 else max(0, node.lendable_bytes) + max(0, node.lent_bytes)),
-                gpu_memory_bytes=gmem or 32 * GiB)
+                gpu_memory_bytes=gmem or 32 * GiB, gpu_type=gtype)

@@ -505,6 +505,18 @@ class JobStore:
                 "'$.remote_memory_bytes', ?) WHERE id=? AND state='running' AND json_extract(allocation, '$.node') = ?",
                 [(float(c[2]), int(c[3]), int(c[4]) if len(c) > 4 else 0, c[0], c[1]) for c in changes])
 
+    def set_reasons(self, changes: list[tuple[str, str, dict[str, Any] | None]]) -> None:
+        """Why waiting jobs wait ((job, reason, event data or None)), in one transaction: each
+        still-waiting job's ``reason``, and a ``waiting`` event where data is given."""
+        if not changes:
+            return
+        with self.tx() as db:
+            for job, reason, data in changes:
+                changed = db.execute("UPDATE jobs SET reason=? WHERE id=? AND state IN ('queued','preempted')",
+                                     (reason, job)).rowcount == 1
+                if changed and data is not None:
+                    self._event(db, "waiting", job=job, data=data)
+
     def set_service(self, amounts: dict[str, float]) -> None:
         """Record attained service (GPU- or CPU-seconds) of running jobs, in one transaction."""
         if not amounts:

@@ -84,7 +84,7 @@ class Translator:
         # A donor that counts slabs reports its capacity exactly (a reclaim of a few slabs matters);
         # MemAvailable-based figures move all the time, so they count in 64 MiB steps.
         lend_key = n.lendable_bytes if node.lend_capacity_bytes is not None else n.lendable_bytes >> 26
-        key = (n.gpus, n.cores, n.memory_bytes, lend_key)
+        key = (n.gpus, n.cores, n.memory_bytes, lend_key, n.gpu_type)
         running = node.running
         now = svc.clock()
         ns = core.nodes.get(node.id)

@@ -20,7 +20,7 @@ is already done, which is why no job is released twice.
 * The core waits a job that Slurm has pending but not held (requeued by Slurm, released by its
   user): **hold** it again.
 * A job the core cannot place now, or ever, or that dlshare cannot read: a **note** in its comment
-  (`` | dlshare: waiting: ...``), visible in ``squeue -o "%i %k"``.
+  (`` | dlshare: waiting (Resources): ...``, the core's reason), visible in ``squeue -o "%i %k"``.
 
 Pure: no I/O; ``now`` is handed in.
 """
@@ -28,7 +28,6 @@ Pure: no I/O; ``now`` is handed in.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,22 +129,20 @@ def free_resources(book: Book, core: Any, snap: Snapshot, leaving: set[str]) -> 
 
 
 def waiting_status(core: Any, rec: Any) -> str:
-    """Why a waiting job is not running, in a few words (from the core's own explanation)."""
+    """Why a waiting job is not running, in a few words: the core's own reason
+    (:func:`scheduler.waiting.why_waiting`, as the scheduler service gives it), with its code as
+    squeue shows a reason: ``waiting (Resources): needs 4 GPUs; 2 free``."""
+    from scheduler.waiting import why_waiting
+
     if rec.job.state is JobState.PREEMPTED:
         head = f"preempted {rec.preemptions}x, waiting"
     else:
         head = "waiting"
     try:
-        reasons = core.explain(rec.job)
+        why = why_waiting(core, rec.job.id)
     except Exception:  # noqa: BLE001 - an explanation is a courtesy; never fail the plan for it
-        reasons = {}
-    alive = sum(1 for ns in core.nodes.values() if ns.alive)
-    if not alive:
-        return f"{head}: no usable node in the partition"
-    if len(reasons) < alive:
-        return f"{head}: behind jobs the policy ({core.profile.name}) starts first"
-    common, n = Counter(reasons.values()).most_common(1)[0]
-    return f"{head}: {common} ({n} of {len(reasons)} nodes)"
+        return head
+    return f"{head} ({why.code}): {why.message}"
 
 
 def _release(book: Book, core: Any, t: Tracked, j: SlurmJob, rec: Any, free: Free) -> Action:

@@ -411,3 +411,14 @@ def test_bad_geometry_is_refused_with_a_reason(local_cluster):
         local_cluster.region(SLAB, local_bytes=SLAB, unit=3 * 4096 * 16)
     with pytest.raises(ValueError, match="policy"):
         local_cluster.region(SLAB, local_bytes=SLAB, policy="lru")
+    with pytest.raises(OSError, match="fault_threads must be 0..16"):
+        local_cluster.region(SLAB, local_bytes=SLAB, fault_threads=17)
+    with pytest.raises(OSError, match="spin_us must be at most 10000"):
+        local_cluster.region(SLAB, local_bytes=SLAB, spin_us=20000)
+    # one fault thread, no polling: still a working region
+    region, _ = local_cluster.region(SLAB, local_bytes=SLAB // 2, fault_threads=1, spin_us=0, fetch_workers=1)
+    a = region.array(np.uint16)
+    a[:] = np.arange(len(a), dtype=np.uint16)
+    region.flush()
+    region.prefetch(SLAB // 2, SLAB // 2)
+    assert np.array_equal(a, np.arange(len(a), dtype=np.uint16))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bench.shapes import SHAPES, Shape, make_trace
+from bench.shapes import ALL_SHAPES, CLUSTER_SHAPES, SHAPES, Shape, make_trace
 from scheduler.sim import Cluster
 
 
@@ -14,7 +14,7 @@ def _offered_load(trace, cluster):
     return work / (span * cl.nodes * cl.gpus)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+@pytest.mark.parametrize("shape", ALL_SHAPES, ids=[s.name for s in ALL_SHAPES])
 def test_each_shape_is_seeded_and_fits_its_cluster(shape):
     a, b = make_trace(shape, seed=3), make_trace(shape, seed=3)
     assert a == b and len(a) == shape.jobs
@@ -35,3 +35,16 @@ def test_shapes_differ_where_they_say():
     assert np.median(heavy) == pytest.approx(1800, rel=0.3)
     wide = make_trace(Shape("x", "4x8", 800, wide=True))
     assert np.mean([t.gpus >= 4 for t in wide]) > np.mean([t.gpus >= 4 for t in make_trace(base)])
+
+
+def test_cluster_shapes_have_the_gpu_mix_and_load_they_name():
+    gang = make_trace(next(s for s in CLUSTER_SHAPES if s.name == "gang-small"), seed=1)
+    assert np.mean([t.gpus == 8 for t in gang]) == pytest.approx(0.79, abs=0.05)
+    flood = make_trace(next(s for s in CLUSTER_SHAPES if s.name == "one-gpu-flood"), seed=1)
+    assert {t.gpus for t in flood} == {1}
+    for shape in CLUSTER_SHAPES:
+        assert _offered_load(make_trace(shape, seed=1), shape.cluster) == pytest.approx(shape.load, rel=0.15)
+    # Gavel's law: 10^U(1.5, 4) minutes, so 31 min to 167 h, median near 4.6 h
+    d = np.array([t.duration_s for t in make_trace(Shape("x", "8x4", 2000, durations="gavel"), seed=2)])
+    assert d.min() >= 60 * 10 ** 1.5 * 0.999 and np.median(d) / 3600 == pytest.approx(4.6, rel=0.25)
+    assert SHAPES[0] in ALL_SHAPES and CLUSTER_SHAPES[0] in ALL_SHAPES

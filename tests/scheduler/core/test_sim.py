@@ -116,7 +116,7 @@ def test_pair_that_does_not_fit_fails_the_newcomer_only():
     (ma, ba), (mb, bb) = split(pair[0]), split(pair[1])
     tr = [TraceJob("res", 0.0, ma, ba, 1, 0, 1000.0), TraceJob("new", 10.0, mb, bb, 1, 0, 500.0)]
     decisions = []
-    r = simulate(tr, Cluster.parse("1x1"), "gandiva", on_decision=decisions.append)
+    r = simulate(tr, Cluster.parse("1x1"), "gandiva", on_decision=decisions.append, restart_overhead_s=0.0)
     assert r.metrics()["jobs"] == 2
     # the resident was not delayed by the failed attempt; the newcomer ran after it
     assert min(r.jct_s) == pytest.approx(1000.0)

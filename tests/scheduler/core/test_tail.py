@@ -82,9 +82,9 @@ def _jct(result, trace, jid):
 def test_a_stream_of_short_jobs_starves_a_long_one_without_the_bound_but_not_with_it():
     trace = _stream()
     cl = Cluster.parse("1x1")
-    plain = simulate(trace, cl, _profile())
-    boosted = simulate(trace, cl, _profile(boost=10.0))
-    fifo = simulate(trace, cl, "fifo")
+    plain = simulate(trace, cl, _profile(), restart_overhead_s=0.0)
+    boosted = simulate(trace, cl, _profile(boost=10.0), restart_overhead_s=0.0)
+    fifo = simulate(trace, cl, "fifo", restart_overhead_s=0.0)
     long_plain, long_boost = _jct(plain, trace, "long"), _jct(boosted, trace, "long")
     # plain Gittins runs the long job only in the stream's gaps: ~ 100 h / 17% of the GPU
     assert long_plain > 500 * 3600.0
@@ -94,3 +94,19 @@ def test_a_stream_of_short_jobs_starves_a_long_one_without_the_bound_but_not_wit
     # ... and no job pays for that more than under FIFO
     assert boosted.jct_s.mean() <= 1.05 * fifo.jct_s.mean()
     assert plain.metrics()["worst_slowdown"] >= 5.9 and boosted.metrics()["worst_slowdown"] >= 1.0
+
+
+def test_the_share_bound_gives_a_starved_long_job_half_its_equal_share():
+    """Issue 23: the bound that replaced the fixed boost.  One long job and a stream of short ones on one
+    GPU: plain Gittins runs the long job only in the stream's gaps; with the bound it gets at least
+    half an equal share once it is short of it, and finishes far earlier."""
+    trace = _stream()
+    cl = Cluster.parse("1x1")
+    plain = simulate(trace, cl, _profile(prior_jobs=20.0))
+    bound = simulate(trace, cl, _profile(prior_jobs=20.0, share_bound=2.0))
+    long_plain, long_bound = _jct(plain, trace, "long"), _jct(bound, trace, "long")
+    assert long_bound < 0.95 * long_plain
+    # an equal share here is about half the GPU (the long job and one short one), so half of it is a
+    # quarter: 100 h of work in at most ~400 h, plus the stretches between promotions
+    assert long_bound < 600 * 3600.0
+    assert bound.metrics()["preemptions_per_job"] < 1.0

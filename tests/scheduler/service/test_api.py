@@ -28,8 +28,40 @@ def test_token_is_required_and_checked(api):
     assert r.status_code == 401 and r.json()["detail"] == "wrong bearer token"
     assert c.get("/v1/jobs", headers=auth()).status_code == 200
     assert c.get("/").status_code == 401
-    assert c.get(f"/?token={TOKEN}").status_code == 200
+    assert c.get("/", headers=auth()).status_code == 200  # a proxy in front may add the header
     assert c.get("/openapi.json").status_code == 200
+
+
+def test_the_page_keeps_the_token_in_an_httponly_strict_cookie_never_in_a_url(api):
+    """Promise: the status page asks for the token once and keeps it in an HttpOnly, SameSite=Strict
+    cookie; a token in a URL is refused (not used); the cookie opens only the page, not the API; a
+    form posted from another site is refused; logging out forgets it."""
+    c, _ = api
+    r = c.get(f"/?token={TOKEN}")
+    assert r.status_code == 400 and "not accepted here" in r.text and "set-cookie" not in r.headers
+    assert TOKEN not in r.text
+    r = c.post("/login", data={"token": "nope"})
+    assert r.status_code == 401 and "not accepted: wrong bearer token" in r.text and "set-cookie" not in r.headers
+    for other_site in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site", "Origin": "null"},
+                       {"Sec-Fetch-Site": "same-site"}):
+        r = c.post("/login", data={"token": TOKEN}, headers=other_site, follow_redirects=False)
+        assert r.status_code == 403 and "set-cookie" not in r.headers
+    r = c.post("/login", data={"token": TOKEN}, headers={"Origin": "http://testserver"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/"
+    cookie = r.headers["set-cookie"]
+    assert cookie.startswith("dlshare_token=") and "HttpOnly" in cookie and "SameSite=strict" in cookie \
+        and "Path=/" in cookie and "Secure" not in cookie  # plain http here; https (or a proxy saying so) adds it
+    assert r.headers["referrer-policy"] == "no-referrer"
+    page = c.get("/")
+    assert page.status_code == 200 and "dlshare scheduler" in page.text and "id='login'" not in page.text
+    assert TOKEN not in page.text and "token=" not in page.text  # no link or refresh carries it
+    assert "http-equiv='refresh' content='3;url=/?refresh=3&amp;window=1h'" in page.text
+    assert c.get("/v1/jobs").status_code == 401  # the cookie is the page's only: the API wants the header
+    assert c.get("/metrics").status_code == 401
+    c.post("/logout", follow_redirects=False)
+    assert c.get("/").status_code == 401
+    r = c.post("/login", data={"token": TOKEN}, headers={"X-Forwarded-Proto": "https"}, follow_redirects=False)
+    assert "Secure" in r.headers["set-cookie"]
 
 
 def test_submit_get_list_cancel_events(api):

@@ -133,3 +133,30 @@ def test_fuzz_quantity(q):
     except k8s.ExtenderError:
         return
     assert v >= 0
+
+
+def test_gpu_generation_comes_from_nvml_names_or_node_labels(store):
+    """Issue 23: the core's nodes carry their GPU generation: NVML's device name in telemetry, else
+    the Kubernetes label (GPU Feature Discovery's ``nvidia.com/gpu.product``) kube-scheduler sends."""
+    from tests.scheduler.service.svc_helpers import telemetry
+
+    svc = service_with_nodes(store, {"gpu-a": (4, 8), "gpu-b": (4, 8)})
+    named = telemetry("gpu-v", 2, 8)
+    for d in named["gpus"]["devices"]:
+        d["name"] = "Tesla V100-SXM2-32GB"
+    svc.translator.on_telemetry(named)
+    svc.round()
+    assert svc.core.nodes["gpu-v"].node.gpu_type == "v100"
+    assert svc.core.nodes["gpu-a"].node.gpu_type == ""  # "sim" names no generation
+    nodes = node_list("gpu-a", "gpu-b")
+    nodes["items"][0]["metadata"]["labels"]["nvidia.com/gpu.product"] = "Tesla-K80"
+    nodes["items"][1]["metadata"]["labels"]["dlshare.io/gpu-type"] = "a100"
+    assert k8s.gpu_type_labels({"Nodes": nodes}) == {"gpu-a": "k80", "gpu-b": "a100"}
+    assert k8s.gpu_type_labels({"NodeNames": ["gpu-a"]}) == {}
+    with TestClient(create_app(svc, TOKEN)) as c:
+        r = c.post("/k8s/filter", json={"Pod": pod(), "Nodes": nodes, "NodeNames": None}, headers=auth())
+        assert r.status_code == 200 and r.json()["Error"] == ""
+    for n in ("gpu-a", "gpu-b"):  # the next telemetry carries the label to the core
+        svc.translator.on_telemetry(telemetry(n, 4, 8))
+    svc.round()
+    assert svc.core.nodes["gpu-a"].node.gpu_type == "k80" and svc.core.nodes["gpu-b"].node.gpu_type == "a100"

@@ -23,7 +23,9 @@ async def _a_busy_run(svc, n1, n2):
     n1.refuse["run"] = 1
     gpu = [svc.submit(dict(GPU_JOB))[0].id for _ in range(3)]
     cpu = [svc.submit(dict(CPU_JOB))[0].id for _ in range(3)]
-    await until(lambda: sum(j in n1.running for j in gpu) == 2, what="two GPU jobs on n1's two GPUs")
+    # two on n1's two GPUs, or three when the dlshare profile co-locates a pair (it may, depending on
+    # when the refused start comes back from its backoff): the run is only a varied one to record
+    await until(lambda: sum(j in n1.running for j in gpu) >= 2, what="GPU jobs on n1's two GPUs")
     await until(lambda: sum(j in n1.running or j in n2.running for j in cpu) == 3, what="the CPU jobs running")
     first = next(j for j in gpu if j in n1.running)
     await n1.finish(first, 0)

@@ -67,7 +67,7 @@ def test_each_user_sees_and_changes_only_their_own_jobs(users):
     r = c.delete("/v1/jobs/b1", headers=as_(tok["dana"]))
     assert r.status_code == 200 and r.json()["state"] == "cancelled" and r.json()["reason"] == "cancelled by dana"
     # The status page lists a user's own jobs only.
-    page = c.get(f"/?token={tok['alice']}").text
+    page = c.get("/", headers=as_(tok["alice"])).text
     assert "a1" in page and "b1" not in page
 
 

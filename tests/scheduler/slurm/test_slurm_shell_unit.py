@@ -231,7 +231,7 @@ def test_unplaceable_job_stays_held_with_the_core_reason(tmp_path):
     third = slurm.submit("LM@20", gpus=4)
     sh.clock.t += 11
     sh.step()
-    assert "waiting: needs 4 free GPUs" in job(slurm, third).comment, job(slurm, third).comment
+    assert "waiting (Resources): needs 4 GPUs; 0 free" in job(slurm, third).comment, job(slurm, third).comment
     assert not job(slurm, wait).held
 
 
