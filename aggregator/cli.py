@@ -143,6 +143,8 @@ def register(sub) -> None:
     config_flag(p, "--min-cores", "agg", "min_cores", help="smallest pool size")
     config_flag(p, "--max-cores", "agg", "max_cores", help="largest pool size (0: all CPUs)")
     config_flag(p, "--round-timeout-s", "agg", "round_timeout_s", help="fail a round after this many seconds")
+    config_flag(p, "--trace-file", "agg", "trace_file",
+                help="record every chunk's stage times and write them to this JSON file at exit")
     config_flag(p, "--metrics-listen", "agg", "metrics_listen",
                 help="HOST:PORT for Prometheus metrics (default 127.0.0.1:9466; port -1: none)")
     p.add_argument("--no-wait", action="store_true", help="drain: return once the server is draining")

@@ -22,6 +22,7 @@ rounds in flight on it, as a server error does.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -33,16 +34,22 @@ from typing import Any
 
 import numpy as np
 
+from aggregator import kernel
 from aggregator.inflight import AggregationError, CopyPool, Op, Unit
 from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
-from aggregator.placement import HashRing, NoServer, Placement, split
+from aggregator.placement import HashRing, NoServer, Placement, chunk_for_link, split
 from aggregator.protocol import SECRET_ENV, DType, Header, MsgType, Op as ReduceOp
+from aggregator.stages import summarise_op
 
 __all__ = ["Client", "AggregationError", "HashRing", "as_bytes", "make_layout"]
 
 log = logging.getLogger("dlshare.agg.client")
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+_WIRE = {"fp16": DType.F16, "bf16": DType.BF16}
+DEFAULT_CHUNK_BYTES = 4 << 20  # when neither chunk_bytes nor the link's rate is given
+LINK_ENV = "DLSHARE_AGG_LINK_GBIT"  # the hosts' link rate, when the launcher knows it: sizes the chunks
+# Chunks a rank may have pushed to one server and not yet had answered (0: no limit).  See ServerLink.
+DEFAULT_WINDOW_CHUNKS = 4
 
 
 def as_bytes(x: Any) -> tuple[np.ndarray, DType]:
@@ -104,18 +111,41 @@ class Client:
     docstring); it costs one memory copy of the pushed bytes.  ``secret``: the job's shared
     secret, the same on every rank (default: the ``DLSHARE_AGG_SECRET`` environment variable); the
     first HELLO of a job registers it on each server and every later HELLO must present it.
+    ``trace`` records the stage times of every reduction (aggregator/stages.py): :meth:`stage_records`.
+
+    Pipelining: a key is cut into chunks of ``chunk_bytes``; by default they are sized from
+    ``link_gbit``, the rate of the hosts' links (or the ``DLSHARE_AGG_LINK_GBIT`` environment
+    variable), so that a chunk takes about 8 ms on its connection (aggregator/placement.py), and
+    are 4 MiB when the rate is unknown; every rank must use the same size.  At most
+    ``window_chunks`` chunks per server are pushed and not yet answered (aggregator/link.py).
     """
 
     def __init__(self, servers: list[str] | str, job: str, rank: int, world: int,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 60.0,
+                 chunk_bytes: int | None = None, timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None,
-                 failover: bool = True, secret: str | None = None) -> None:
+                 failover: bool = True, secret: str | None = None, trace: bool = False,
+                 window_chunks: int = DEFAULT_WINDOW_CHUNKS, link_gbit: float | None = None) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for world size {world}")
+        if link_gbit is None and os.environ.get(LINK_ENV):
+            try:
+                link_gbit = float(os.environ[LINK_ENV])
+            except ValueError:
+                raise ValueError(f"{LINK_ENV} must be a number of Gbit/s, not {os.environ[LINK_ENV]!r}") from None
+        if link_gbit is not None and not link_gbit > 0:
+            raise ValueError(f"link_gbit must be positive, not {link_gbit!r}")
+        self.link_gbit = link_gbit
+        if chunk_bytes is None:
+            nserv = len(set(servers))
+            chunk_bytes = (DEFAULT_CHUNK_BYTES if link_gbit is None
+                           else chunk_for_link(link_gbit * 1e9 / 8, nserv, world))
         if chunk_bytes <= 0 or chunk_bytes % 4:
             raise ValueError("chunk_bytes must be a positive multiple of 4")
+        if window_chunks < 0:
+            raise ValueError("window_chunks must be >= 0 (0: no window)")
+        self.window_chunks = window_chunks
         self.job, self.rank, self.world = job, rank, world
         self.secret = secret if secret is not None else (os.environ.get(SECRET_ENV) or None)
         self.layout = None if layout is None else make_layout(layout)
@@ -126,12 +156,19 @@ class Client:
         self.failover = failover
         self.placement = Placement(servers, job)
         self.ring = self.placement.ring
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.links = {s: ServerLink(self, s) for s in self.placement.servers}
         self.next_round = 0  # every round below this one may have been started by this rank
+        # Rounds below this one push without a window: they were in flight when a server was lost or
+        # redirected, and their retried chunks go out in an order that differs between ranks.  Ranks
+        # that step in lockstep are at most a round apart, and a rank may dispatch one more round
+        # before it notices the loss, so the two rounds after its next one are covered too.
+        self.window_from = 0
         self.closed = False
         self.retries = 0  # chunks pushed again after their server was lost (for tests and telemetry)
-        self._copies = CopyPool()
+        self.copies = CopyPool()
+        self._stages: collections.deque | None = collections.deque(maxlen=4096) if trace else None
         self._round = itertools.count()
         self._ops: dict[int, Op] = {}
         self._ops_lock = threading.Lock()
@@ -144,13 +181,20 @@ class Client:
 
     # --- public ---
 
-    def allreduce(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None) -> Any:
-        """Reduce ``x`` in place across the job's ranks and return it."""
-        fut = self.allreduce_async(x, op, key, round)
+    def allreduce(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None,
+                  wire: str | None = None) -> Any:
+        """Reduce ``x`` in place across the job's ranks and return it (``wire``: see :meth:`allreduce_async`)."""
+        fut = self.allreduce_async(x, op, key, round, wire)
         return fut.result(timeout=self.timeout_s + 5.0)
 
-    def allreduce_async(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None) -> Future:
-        """Start reducing ``x`` in place; the Future resolves to ``x``."""
+    def allreduce_async(self, x: Any, op: str = "mean", key: int = 0, round: int | None = None,
+                        wire: str | None = None) -> Future:
+        """Start reducing ``x`` in place; the Future resolves to ``x``.
+
+        ``wire`` (``"fp16"`` or ``"bf16"``, for a float32 ``x``): send 16-bit floats and receive the
+        result in 16 bits, halving the bytes on the wire.  Each chunk is narrowed just before its push
+        and its result widened into ``x`` as it arrives (round to nearest even, as torch's ``.to()``);
+        the server adds the 16-bit inputs in fp32 and rounds once."""
         if self.closed:
             raise AggregationError("client is closed", "closed")
         try:
@@ -158,18 +202,28 @@ class Client:
         except KeyError:
             raise ValueError(f"op must be 'sum' or 'mean', not {op!r}") from None
         data, dtype = as_bytes(x)
+        wdt = None
+        if wire is not None:
+            if wire not in _WIRE:
+                raise ValueError(f"wire must be one of {', '.join(_WIRE)}, not {wire!r}")
+            if dtype != DType.F32:
+                raise TypeError(f"a {wire} wire needs a float32 tensor, not {dtype.label}")
+            wdt = _WIRE[wire]
+        sent = wdt or dtype
         if self._layout is not None:
             want = self._layout.get(key)
-            have = (data.nbytes // dtype.itemsize, int(dtype))
+            have = (data.nbytes // dtype.itemsize, int(sent))
             if want != have:
                 exp = "not in the layout" if want is None else f"{want[0]} {DType(want[1]).label} elements"
-                raise ValueError(f"key {key} has {have[0]} {dtype.label} elements; the job's layout says {exp}")
+                raise ValueError(f"key {key} has {have[0]} {sent.label} elements; the job's layout says {exp}")
         rnd = next(self._round) if round is None else int(round)
         fut: Future = Future()
         if data.nbytes == 0:
             fut.set_result(x)
             return fut
-        opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic())
+        opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic(), wire=wdt)
+        if self._stages is not None:
+            opr.ready_t = time.time()
         with self._ops_lock:
             self._ops[id(opr)] = opr
         fut.add_done_callback(lambda _f, o=opr: self._finished(o))
@@ -183,6 +237,10 @@ class Client:
                     "servers": {a: {"state": link.state, "joined_from": link.joined_from,
                                     "draining_from": link.drain_from, "bytes_sent": link.bytes_sent,
                                     "why": link.why} for a, link in self.links.items()}}
+
+    def stage_records(self) -> list[dict[str, Any]]:
+        """With ``trace=True``: one record per completed reduction (aggregator.stages.summarise_op)."""
+        return [] if self._stages is None else list(self._stages)
 
     def close(self) -> None:
         with self.cond:
@@ -216,12 +274,15 @@ class Client:
                 opr.fail(AggregationError(f"push of round {opr.round} failed: {exc!r}", "error", opr.round))
 
     def _units(self, opr: Op) -> list[Unit]:
-        size = opr.dtype.itemsize
-        parts = split(opr.numel, size, self.chunk_bytes, len(self.links))
+        size, wsize = opr.dtype.itemsize, opr.wire_dtype.itemsize
+        parts = split(opr.numel, wsize, self.chunk_bytes, len(self.links))
         opr.nchunks = opr.left = len(parts)
         units = []
+        trace = self._stages is not None
         for c, (first, count) in enumerate(parts):
-            units.append(Unit(opr, c, first * size, count * size, opr.numel))
+            units.append(Unit(opr, c, first * size, count * wsize, opr.numel, times=[0.0] * 4 if trace else None))
+        if trace:
+            opr.units = units
         return units
 
     def _dispatch(self, opr: Op) -> None:
@@ -230,7 +291,7 @@ class Client:
         with self.cond:
             if not self._wait_placeable(opr, fails):
                 for u in units:
-                    self._copies.give(u.copy)
+                    self.copies.give(u.copy)
             else:
                 self.next_round = max(self.next_round, opr.round + 1)
                 for u in units:
@@ -302,6 +363,9 @@ class Client:
                 link.sock, q, link.queue = None, link.queue, None
                 units = list(link.units.values())
                 link.units.clear()
+                link.inflight = set()
+                link.credit.notify_all()
+                self.window_from = max(self.window_from, self.next_round + 2)
                 if q is not None:
                     q.put(None)
                 closing = self.closed
@@ -316,7 +380,7 @@ class Client:
                     if closing or failed or (u.contrib and u.done):
                         if ours:
                             fails.append((u.op, "client closed"))
-                        self._copies.give(u.copy)
+                        self.copies.give(u.copy)
                         continue
                     # what is left: our reductions still in flight, and chunks whose result we have
                     # (kept since) that peers may still be waiting for: both go to the next server
@@ -327,7 +391,7 @@ class Client:
                         if ours:
                             fails.append((u.op, why if not self.failover else
                                           f"{why} (and no other aggregation server is up to retry on)"))
-                        self._copies.give(u.copy)
+                        self.copies.give(u.copy)
                         continue
                     u.done, u.contrib = False, not ours
                     self.retries += 1
@@ -350,22 +414,31 @@ class Client:
 
         Taken here rather than at dispatch, so the copies run in each server's sender thread,
         overlapped with the sends; the bytes cannot change before this push, as the result that
-        overwrites them needs it."""
-        if not self.failover or u.copy is not None or u.contrib:
+        overwrites them needs it.  A job with one server has nowhere to retry, so it keeps none
+        (on loopback the copy was a fifth of the bytes a step moves).  A compressed chunk is
+        narrowed into its copy, which is what goes on the wire, whether or not it is kept."""
+        narrow = u.op.wire is not None
+        if u.copy is not None or u.contrib:
             return
-        buf = self._copies.take(memoryview(u.op.data)[u.offset:u.offset + u.nbytes])
+        if not narrow and (not self.failover or len(self.links) == 1):
+            return
+        if narrow:
+            buf = self.copies.empty(u.nbytes)
+            kernel.convert(u.op.wire, buf, u.op.dtype, u.local())
+        else:
+            buf = self.copies.take(u.local())
         with self.cond:
             if u.copy is None and link.units.get(u.uid) is u:
                 u.copy, buf = buf, None
-        self._copies.give(buf)
+        self.copies.give(buf)
 
     def unit_answered(self, link: ServerLink, u: Unit) -> None:
         with self.cond:
             u.done = True
-            if not self.failover or u.contrib:
+            if not self.failover or u.contrib or len(self.links) == 1:
                 if link.units.get(u.uid) is u:
                     del link.units[u.uid]
-                    self._copies.give(u.copy)
+                    self.copies.give(u.copy)
                     u.copy = None
 
     def server_error(self, link: ServerLink, h: Header, code: str, message: str) -> None:
@@ -377,7 +450,8 @@ class Client:
                 hit = [h.unit] if h.unit in link.units else []
             units = [link.units.pop(uid) for uid in hit]
             for u in units:
-                self._copies.give(u.copy)
+                self.copies.give(u.copy)
+            link.answered([u.uid for u in units] if h.key != ALL else None, h.round)
         for u in units:
             u.op.fail(exc)
         if h.key == ALL:
@@ -391,7 +465,9 @@ class Client:
         fail = None
         with self.cond:
             link.drain_from, link.drain_acked = from_round, False
+            self.window_from = max(self.window_from, self.next_round + 2)
             if h.key != ALL:
+                link.answered([h.unit])
                 u = link.units.pop(h.unit, None)
                 if u is not None and u.needed():
                     target = self._route(u, avoid=link)
@@ -421,13 +497,17 @@ class Client:
     def _finished(self, opr: Op) -> None:
         with self._ops_lock:
             self._ops.pop(id(opr), None)
+        if self._stages is not None and opr.ok and opr.units is not None:
+            self._stages.append(summarise_op(opr.round, opr.key, opr.data.nbytes, opr.ready_t, time.time(),
+                                             [(u.server, list(u.times)) for u in opr.units]))
+            opr.units = None
         with self.cond:
             for link in self.links.values():
                 for uid, u in list(link.units.items()):
                     # a completed round frees the copies of the rounds before it; a failed op frees its own
                     if (u.op is opr and not opr.ok) or (opr.ok and uid[0] < opr.round and u.done):
                         del link.units[uid]
-                        self._copies.give(u.copy)
+                        self.copies.give(u.copy)
                         u.copy = None
             self._check_drains()
 

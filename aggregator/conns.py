@@ -21,9 +21,14 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from aggregator.sockio import send_all
+from aggregator.sockio import send_all, send_nowait
 
 log = logging.getLogger("dlshare.agg")
+
+# Results up to this size go out from the thread that summed them (a hand-off to a worker costs a
+# wake-up, tens of microseconds); larger ones are handed off (their copy into the socket costs
+# milliseconds, which the one summing thread of a shared pool must not spend for every job).
+INLINE_SEND_BYTES = 256 << 10
 
 
 def guard_peer(sock: socket.socket, send_timeout_s: float) -> None:
@@ -179,7 +184,44 @@ class Conn:
             if done:
                 done()
             return
-        self._queue((header, payload, done))
+        inline = payload is None or len(payload) <= INLINE_SEND_BYTES
+        with self._lock:
+            if self._sending or self._out or not inline:
+                self._out.append((header, payload, done))
+                if self._sending:
+                    return
+                self._sending = True
+                inline = False
+            else:
+                self._sending = True  # this thread owns the socket's sending side now
+        if not inline:
+            self.workers.submit(self._flush)
+            return
+        # Nothing queued and a small message: send from this thread as far as the socket's buffer
+        # takes it, without blocking; a worker is borrowed only for what is left (a full buffer: a
+        # slow peer).  A small result costs no thread hand-off; a large one is sent by a worker, so
+        # that a summing thread never spends milliseconds copying into sockets.
+        try:
+            sent = send_nowait(self.sock, header, payload)
+        except OSError:
+            self.close()
+            sent = -1
+        whole = len(header) + (0 if payload is None else len(payload))
+        if sent < 0 or sent == whole:
+            if done:
+                done()
+            with self._lock:
+                if not self._out:
+                    self._sending = False
+                    return
+        else:
+            if sent < len(header):
+                rest = (memoryview(header)[sent:], payload, done)
+            else:
+                rest = (b"", memoryview(payload)[sent - len(header):], done)
+            with self._lock:
+                self._out.appendleft(rest)
+        self.workers.submit(self._flush)
 
     def close_after_flush(self) -> None:
         """Close once what is queued (typically an error message) has been sent."""

@@ -46,7 +46,14 @@ class Op:
     left: int = 0
     done: bool = False
     ok: bool = False
+    wire: DType | None = None  # the dtype on the wire, when it differs from ``dtype`` (compression)
+    ready_t: float = 0.0  # tracing: wall-clock time the caller handed it over
+    units: list | None = None  # tracing: its chunks, for their stage times
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def wire_dtype(self) -> DType:
+        return self.dtype if self.wire is None else self.wire
 
     def fail(self, exc: AggregationError) -> None:
         with self.lock:
@@ -71,20 +78,27 @@ class Unit:
     op: Op
     chunk: int
     offset: int  # bytes into op.data
-    nbytes: int
+    nbytes: int  # payload bytes on the wire (elements x the wire dtype's size)
     numel: int  # elements of the whole key (the wire's check of shapes)
     copy: bytearray | None = None  # what was pushed, for a retry elsewhere
     done: bool = False  # the server answered it
     contrib: bool = False  # pushed again only so that peers can finish; its result is not used here
+    server: str = ""  # where it was last queued
+    times: list[float] | None = None  # tracing: push started, push done, result started, result done
 
     @property
     def uid(self) -> tuple[int, int, int]:
         return (self.op.round, self.op.key, self.chunk)
 
+    def local(self) -> memoryview:
+        """This chunk's bytes in the caller's tensor (in its own dtype)."""
+        n = self.nbytes // self.op.wire_dtype.itemsize * self.op.dtype.itemsize
+        return memoryview(self.op.data)[self.offset:self.offset + n]
+
     def payload(self) -> memoryview:
         if self.copy is not None:
             return memoryview(self.copy)
-        return memoryview(self.op.data)[self.offset:self.offset + self.nbytes]
+        return self.local()
 
     def needed(self) -> bool:
         """Still worth sending: a live reduction of ours, or a contribution peers may wait for."""
@@ -101,7 +115,12 @@ class CopyPool:
         self._lock = threading.Lock()
 
     def take(self, src: memoryview) -> bytearray:
-        n = len(src)
+        buf = self.empty(len(src))
+        buf[:] = src
+        return buf
+
+    def empty(self, n: int) -> bytearray:
+        """A buffer of ``n`` bytes (contents undefined)."""
         with self._lock:
             free = self._free.get(n)
             buf = free.pop() if free else None
@@ -109,7 +128,6 @@ class CopyPool:
                 self._cached -= n
         if buf is None:
             buf = bytearray(n)
-        buf[:] = src
         return buf
 
     def give(self, buf: bytearray | None) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from aggregator.protocol import DType
 from rdma.native import ffi, lib
 
-__all__ = ["reduce_sum", "add_", "scale_", "uses_simd", "force_scalar"]
+__all__ = ["reduce_sum", "add_", "scale_", "convert", "uses_simd", "force_scalar"]
 
 
 def _count(buf, dtype: DType) -> int:
@@ -55,6 +55,16 @@ def scale_(dtype: DType, dst, divisor: float) -> None:
     count = _count(dst, dtype)
     if lib.dls_reduce_scale(int(dtype), ffi.from_buffer(dst, require_writable=True), count, float(divisor)) != 0:
         raise ValueError(f"scale_ rejected dtype {dtype!r} or divisor {divisor}")
+
+
+def convert(dst_dtype: DType, dst, src_dtype: DType, src) -> None:
+    """``dst = src`` in ``dst_dtype`` (fp32 to fp16/bf16 rounds to nearest even; widening is exact)."""
+    count = _count(src, src_dtype)
+    d = ffi.from_buffer(dst, require_writable=True)
+    if len(d) != count * dst_dtype.itemsize:
+        raise ValueError(f"convert: {len(d)}-byte destination for {count} {dst_dtype.name} elements")
+    if lib.dls_reduce_convert(int(dst_dtype), d, int(src_dtype), ffi.from_buffer(src), count) != 0:
+        raise ValueError(f"convert rejected {dst_dtype!r} or {src_dtype!r}")
 
 
 def uses_simd() -> bool:

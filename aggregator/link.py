@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from aggregator import kernel
 from aggregator.inflight import AggregationError, Unit
 from aggregator.protocol import (HEADER_SIZE, Header, MsgType, ProtocolError, data_header, hello, parse_body,
                                  parse_header, parse_round_body)
@@ -30,6 +31,7 @@ log = logging.getLogger("dlshare.agg.client")
 NEW, DOWN, JOINING, UP = "new", "down", "joining", "up"
 ALL = 0xFFFFFFFF  # key/chunk of a message that covers a whole round (as aggregator.core.ALL)
 PROBE_MIN_S, PROBE_MAX_S = 0.25, 2.0  # back-off between attempts to reach a server that is down
+STALL_S = 0.5  # a push window with no answer for this long opens anyway (ServerLink._wait_window)
 
 
 def _recv_timed(sock: socket.socket, n: int) -> bytearray:
@@ -71,6 +73,10 @@ class ServerLink:
         self.connecting = False
         self.sender: threading.Thread | None = None
         self.bytes_sent = 0  # chunk payload bytes pushed here, over all connections
+        # The push window: units pushed on the current connection and not yet answered.
+        self.inflight: set[tuple[int, int, int]] = set()
+        self.last_answer = 0.0  # monotonic time of the last answer on the current connection
+        self.credit = threading.Condition(client.lock)
 
     def __repr__(self) -> str:
         return f"<link {self.addr} {self.state}>"
@@ -186,8 +192,56 @@ class ServerLink:
     def put(self, unit: Unit) -> None:
         """Queue ``unit`` here (caller holds the client's lock and checked :meth:`usable`)."""
         self.units[unit.uid] = unit
+        unit.server = self.addr
         assert self.queue is not None
         self.queue.put(unit)
+
+    def answered(self, uids: list | None, rnd: int | None = None) -> None:
+        """(lock held) The server answered these pushes (``None``: every push of round ``rnd``)."""
+        if uids is None:
+            self.inflight = {u for u in self.inflight if u[0] != rnd}
+        else:
+            self.inflight.difference_update(uids)
+        self.last_answer = time.monotonic()
+        if len(self.inflight) <= self._refill_at():
+            self.credit.notify()
+
+    def _refill_at(self) -> int:
+        """A full window waits until half of it is answered, so its sender wakes once per half window."""
+        w = self.client.window_chunks
+        return w - max(1, w // 2)
+
+    def _wait_window(self, sock: socket.socket) -> None:
+        """(lock held) Wait until fewer than the window's chunks are unanswered on ``sock``.
+
+        Without a window each connection runs as far ahead as its socket buffers let it, and TCP
+        shares a server's link unevenly between the ranks pushing to it: the fastest rank's chunks
+        wait at the server for the slowest rank's, and the round ends when the slowest connection
+        does, with the others idle (measured: ranks 250 ms apart at one server, the 4 MiB of a
+        socket buffer at a quarter of a 500 Mbit/s link).  With at most ``window_chunks`` chunks
+        unanswered, a rank ahead at one server waits for its answers, and its link carries its
+        chunks for the other servers meanwhile, so every connection to a server moves in step.
+        A full window refills once half of it is answered: one wake-up of the sender per half window.
+
+        Ranks push to a server in the same order (the client's contract), so the chunk every
+        rank has pushed is answered and the window always reopens.  Chunks pushed again after a
+        server was lost or redirected go out in orders that differ between ranks, so the rounds in
+        flight then push without a window (``client.window_from``).  As a safety valve for any
+        other order that differs (a client that breaks the contract), a window with no answer for
+        ``STALL_S`` opens anyway."""
+        c = self.client
+        w = c.window_chunks
+        if not w or len(self.inflight) < w:
+            return
+        low = self._refill_at()
+        while self.sock is sock and not c.closed and time.monotonic() - self.last_answer < STALL_S:
+            units = self.units
+            # units answered or given up since (an op that failed, a result nobody reads) free their place
+            self.inflight = {uid for uid in self.inflight
+                             if (u := units.get(uid)) is not None and not u.done and u.needed()}
+            if len(self.inflight) <= low:
+                return
+            self.credit.wait(STALL_S)
 
     def put_control(self, data: bytes) -> None:
         if self.queue is not None:
@@ -207,18 +261,33 @@ class ServerLink:
                 with c.cond:
                     if self.sock is not sock or self.units.get(u.uid) is not u:
                         continue
+                    windowed = u.op.round >= c.window_from
+                    if windowed:
+                        if not self.inflight:
+                            self.last_answer = time.monotonic()  # the window's stall clock starts with its first push
+                        self._wait_window(sock)
+                        if self.sock is not sock or self.units.get(u.uid) is not u:
+                            continue
                     if not u.needed():
                         del self.units[u.uid]
                         continue
+                    if windowed:
+                        self.inflight.add(u.uid)
                 c.keep_copy(self, u)
                 o = u.op
-                hdr = data_header(MsgType.PUSH, o.dtype, o.op, self.handle, c.rank, c.world, o.round, o.key,
+                if o.wire is not None and u.copy is None:
+                    continue  # its narrowed copy was not taken: the unit left this link meanwhile
+                hdr = data_header(MsgType.PUSH, o.wire_dtype, o.op, self.handle, c.rank, c.world, o.round, o.key,
                                   u.chunk, o.nchunks, u.nbytes, u.numel).pack()
                 payload = u.payload()
+                if u.times is not None:
+                    u.times[0] = time.time()
             try:
                 send_all(sock, hdr, payload)
                 if payload is not None:
                     self.bytes_sent += len(payload)
+                    if u.times is not None:
+                        u.times[1] = time.time()
             except OSError as exc:
                 c.link_lost(self, sock, f"lost connection to aggregation server {self.addr}: {exc}")
                 return
@@ -266,14 +335,30 @@ class ServerLink:
         with c.cond:
             u = self.units.get(h.unit) if self.sock is sock else None
             use = u is not None and not u.done and u.nbytes == h.nbytes and not u.contrib and not u.op.done
+            if self.sock is sock:
+                self.answered([h.unit])
         if not use:
             _read(sock, h.nbytes)  # a result nobody here waits for: a contribution, or a failed round
             if u is not None and u.nbytes == h.nbytes:
                 c.unit_answered(self, u)
             return
         assert u is not None
-        if not recv_exact(sock, memoryview(u.op.data)[u.offset:u.offset + u.nbytes]):
-            raise ConnectionError("server closed the connection mid-result")
+        if u.times is not None:
+            u.times[2] = time.time()
+        wire = u.op.wire
+        if wire is None:
+            if not recv_exact(sock, u.local()):
+                raise ConnectionError("server closed the connection mid-result")
+        else:  # a compressed result: in 16 bits, widened into the caller's tensor at once
+            stage = c.copies.empty(h.nbytes)
+            try:
+                if not recv_exact(sock, memoryview(stage)):
+                    raise ConnectionError("server closed the connection mid-result")
+                kernel.convert(u.op.dtype, u.local(), wire, stage)
+            finally:
+                c.copies.give(stage)
+        if u.times is not None:
+            u.times[3] = time.time()
         c.unit_answered(self, u)
         u.op.chunk_done()
 

@@ -24,6 +24,16 @@ from collections.abc import Iterable
 
 VNODES = 64  # virtual nodes per server on the fallback ring: spreads moved chunks evenly over few servers
 MIN_SPLIT_BYTES = 64 << 10  # splitting finer than this for balance costs more in headers than it saves
+# A chunk should take about this long on its connection's share of the link.  A step's pipeline
+# fills and drains once (its first results wait for a whole chunk from every rank, its last follow
+# the last chunk), and the push window (aggregator/link.py) lets ranks drift apart by a few chunks,
+# so smaller is faster until the per-chunk cost shows: 15-25 us of CPU per message at each end
+# beyond the per-byte copies (loopback, 2-vCPU VM), and on a machine that also computes the
+# gradients that CPU slows the backward pass.  Sweep at 500 Mbit/s, k = n = 4, window 4 chunks
+# (bench/RESULTS.md, issue 28): 128 KiB chunks (8.4 ms) stepped at 1.19x the bound, 256 KiB
+# (17 ms) at 1.22-1.25x, 1 MiB at 1.28-1.37x.
+CHUNK_TIME_S = 0.008
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 << 10, 4 << 20
 
 
 class NoServer(LookupError):
@@ -53,6 +63,19 @@ class HashRing:
         while self._owners[i] in skip:
             i = (i + 1) % len(self._hashes)
         return self._owners[i]
+
+
+def chunk_for_link(link_bytes_per_s: float, servers: int, world: int) -> int:
+    """The chunk size for hosts whose links carry ``link_bytes_per_s`` each way (the same on every rank).
+
+    A rank's link is shared by its connections to the ``servers``, and a server's by the ``world``
+    ranks pushing to it, so each connection gets ``link / max(servers, world)``; a chunk is that
+    share times :data:`CHUNK_TIME_S`, in whole 4 KiB pages, between 64 KiB and 4 MiB."""
+    if link_bytes_per_s <= 0:
+        raise ValueError("the link rate must be positive")
+    share = link_bytes_per_s / max(1, servers, world)
+    want = int(share * CHUNK_TIME_S) // 4096 * 4096
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, want))
 
 
 def split(numel: int, itemsize: int, chunk_bytes: int, servers: int) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
+import json
 import os
 import logging
 import select
@@ -44,6 +45,7 @@ from aggregator.pool import BufferPool, ElasticPool
 from aggregator.protocol import (HEADER_SIZE, MAX_CHUNK_BYTES, MsgType, ProtocolError, error, parse_header,
                                  parse_hello)
 from aggregator.scheduling import PoolController
+from aggregator.stages import ServerStages
 from aggregator.telemetry import run_telemetry
 from aggregator.sockio import IDLE, SOCK_BUF, recv_frame
 from nodesvc.bus import config
@@ -79,6 +81,7 @@ config.register_section("agg", {
     "max_connections_per_peer": 256,  # per peer IP address
     "max_receiving_bytes": 1 << 30,  # payload bytes being received at once, all peers
     "max_receiving_bytes_per_peer": 256 << 20,  # ... and per peer IP address
+    "trace_file": "",  # record every chunk's stage times (aggregator/stages.py) and write them here at exit
     "metrics_listen": "127.0.0.1:9466",  # Prometheus endpoint (aggregator/metrics.py); port -1 disables it
 })
 
@@ -130,10 +133,12 @@ class AggregationServer:
                  interleave: bool = True, recv_buffer_bytes: int = RECV_BUF, require_secret: bool = False,
                  hello_timeout_s: float = 10.0, frame_timeout_s: float = 10.0, max_connections: int = 1024,
                  max_connections_per_peer: int = 256, max_receiving_bytes: int = 1 << 30,
-                 max_receiving_bytes_per_peer: int = 256 << 20, max_jobs_per_peer: int = 64) -> None:
+                 max_receiving_bytes_per_peer: int = 256 << 20, max_jobs_per_peer: int = 64,
+                 trace: bool = False) -> None:
         """``interleave``: read overlapping rounds of different jobs first come, first served
         (aggregator/interleave.py) instead of all at once; ``recv_buffer_bytes``: each connection's
-        receive buffer, which bounds what a held-back job can still push meanwhile.  The rest are the
+        receive buffer, which bounds what a held-back job can still push meanwhile; ``trace``: record
+        every chunk's stage times (:attr:`stages`, aggregator/stages.py).  The rest are the
         ceilings of the module docstring (config keys of the same names)."""
         self.server_id = server_id
         self.send_timeout_s = max(1.0, round_timeout_s)
@@ -141,6 +146,7 @@ class AggregationServer:
                                     max_jobs_per_peer=max_jobs_per_peer)
         self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
         self.buffers = BufferPool()
+        self.stages = ServerStages() if trace else None
         self._lock = threading.Lock()
         self._turns = threading.Condition(self._lock)
         self.order = RoundOrder() if interleave else None
@@ -220,17 +226,23 @@ class AggregationServer:
 
     def _reduce(self, d: Reduce) -> None:
         dst = d.bufs[0]
+        t0 = time.time() if self.stages is not None else 0.0
         kernel.reduce_sum(d.dtype, dst, d.bufs, d.divisor)
         for b in d.bufs[1:]:
             self.buffers.release(b)
-        targets = [c for c in d.conns if c is not None and c.alive]
+        targets = [(r, c) for r, c in enumerate(d.conns) if c is not None and c.alive]
+        stages, unit = self.stages, d.result.unit
+        if stages is not None:
+            stages.summed(d.job, unit, t0, time.time(), len(targets))
         if not targets:
             self.buffers.release(dst)
             return
         remaining = [len(targets)]
         lock = threading.Lock()
 
-        def done() -> None:
+        def done(rank: int) -> None:
+            if stages is not None:
+                stages.sent(d.job, unit, rank)
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
@@ -239,9 +251,9 @@ class AggregationServer:
 
         header = d.result.pack()
         payload = memoryview(dst)
-        for c in targets:
+        for r, c in targets:
             self.bytes_out += d.nbytes
-            c.send(header, payload, done)
+            c.send(header, payload, lambda r=r: done(r))
 
     # --- the poller: accepts, idle connections, deadlines ---
 
@@ -395,6 +407,7 @@ class AggregationServer:
             raise _Gone()
 
     def _push(self, conn: Conn, h) -> None:
+        t_hdr = time.time() if self.stages is not None else 0.0
         job = self._take_turn(conn, h)
         try:
             if not self.budget.acquire(conn.ip, h.nbytes, self.frame_timeout_s):
@@ -421,6 +434,10 @@ class AggregationServer:
             self.buffers.release(buf)
             raise ConnectionError("peer closed the connection mid-message")
         self.bytes_in += h.nbytes
+        if self.stages is not None:
+            who = self.core.conn_job.get(conn)
+            if who is not None:
+                self.stages.arrived(who[0], h.unit, h.rank, t_hdr, time.time())
         self._handle(ChunkArrived(str(next(self._eids)), time.monotonic(), conn, h, buf))
 
     def _end(self, conn: Conn, orderly: bool) -> None:
@@ -511,7 +528,8 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
 
     ``cfg["agg"]``: listen, id, min_cores, max_cores (0: all CPUs), round_timeout_s, telemetry_interval_s,
     max_job_bytes, interleave, recv_buffer_bytes, require_secret, hello_timeout_s, frame_timeout_s,
-    max_connections, max_connections_per_peer, max_receiving_bytes, max_receiving_bytes_per_peer, max_jobs_per_peer;
+    max_connections, max_connections_per_peer, max_receiving_bytes, max_receiving_bytes_per_peer, max_jobs_per_peer,
+    trace_file (write every chunk's stage times there, as JSON, when the server stops);
     ``cfg["dlshare"]["broker"]``: MQTT broker URL ("" for none).
     """
     cfg = resolve(cfg)
@@ -525,7 +543,8 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
                                max_connections_per_peer=int(a["max_connections_per_peer"]),
                                max_receiving_bytes=int(a["max_receiving_bytes"]),
                                max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"]),
-                               max_jobs_per_peer=int(a["max_jobs_per_peer"]))
+                               max_jobs_per_peer=int(a["max_jobs_per_peer"]),
+                               trace=bool(a["trace_file"]))
     # Metrics first (their import opens files): once the server accepts, a flood of connections may
     # take every descriptor the process has, and an import then would kill the server.
     metrics = None
@@ -570,4 +589,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
         if metrics is not None:
             metrics.close()
         server.stop()
+        if a["trace_file"] and server.stages is not None:
+            with open(a["trace_file"], "w") as f:
+                json.dump({"server": server.server_id, "units": server.stages.records()}, f)
     return server

@@ -49,6 +49,19 @@ def send_all(sock: socket.socket, header, payload=None) -> None:
         raise OSError(errno.EIO, f"sent {rc} of {want} bytes")
 
 
+def send_nowait(sock: socket.socket, header, payload=None) -> int:
+    """Send as much of ``header`` then ``payload`` as the socket takes now, in one call; the bytes sent."""
+    a = ffi.from_buffer(header)
+    if payload is None:
+        rc = lib.dls_agg_send2_nowait(sock.fileno(), a, len(a), ffi.NULL, 0)
+    else:
+        b = ffi.from_buffer(payload)
+        rc = lib.dls_agg_send2_nowait(sock.fileno(), a, len(a), b, len(b))
+    if rc < 0:
+        raise OSError(-rc, os.strerror(-rc))
+    return rc
+
+
 IDLE = -1  # recv_frame: nothing arrived within wait_ms
 
 

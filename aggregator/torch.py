@@ -19,9 +19,11 @@ DDP's default all-reduce.
 
 Wire compression, like DDP's ``fp16_compress_hook``: ``AggState(client,
 compression="fp16")`` (or ``"bf16"``) sends each bucket as 16-bit floats and
-receives the mean in 16 bits, halving the bytes on the wire.  The server adds
-the 16-bit inputs in fp32 and rounds once (DDP's hook rounds at every step of
-its all-reduce), and the result is widened back into the fp32 bucket.
+receives the mean in 16 bits, halving the bytes on the wire.  The client narrows
+each chunk just before its push and widens each result into the fp32 bucket as it
+arrives (no pass over the whole bucket on DDP's thread, none after the last
+result); the server adds the 16-bit inputs in fp32 and rounds once (DDP's hook
+rounds at every step of its all-reduce).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations against the real
@@ -50,7 +52,7 @@ class AggState:
             raise ValueError(f"compression must be one of {', '.join(map(str, _WIRE))}, not {self.compression!r}")
 
 
-_WIRE = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_WIRE = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}  # the compressions AggState accepts
 
 
 def comm_hook(state: AggState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -60,10 +62,9 @@ def comm_hook(state: AggState, bucket: dist.GradBucket) -> torch.futures.Future[
     rnd, key = state.iteration, bucket.index()
     if bucket.is_last():
         state.iteration += 1
-    wire_dtype = _WIRE[state.compression]
-    wire = buf if wire_dtype is None or buf.dtype != torch.float32 else buf.to(wire_dtype)
+    wire = state.compression if buf.dtype == torch.float32 else None
     try:
-        fut = state.client.allreduce_async(wire, op=state.op, key=key, round=rnd)
+        fut = state.client.allreduce_async(buf, op=state.op, key=key, round=rnd, **({"wire": wire} if wire else {}))
     except (AggregationError, TypeError, ValueError) as exc:
         out.set_exception(exc)
         return out
@@ -73,8 +74,6 @@ def comm_hook(state: AggState, bucket: dist.GradBucket) -> torch.futures.Future[
         if exc is not None:
             out.set_exception(exc)
             return
-        if wire is not buf:
-            buf.copy_(wire)
         out.set_result(buf)
 
     fut.add_done_callback(_done)

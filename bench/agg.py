@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 import numpy as np
-import psutil
 
-from bench import report
+from bench import agg_pool, agg_timeline, report
+from bench.agg_procs import ServerProc, gather, join_all, spawn
 from nodesvc.bus.procs import free_port
 
 MiB = 1 << 20
@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
         "--agg-jobs": dict(type=int, default=4, help="agg: M jobs for shared vs dedicated (default 4)"),
         "--agg-compute-ms": dict(type=float, default=100.0, help="agg: compute phase per iteration (default 100)"),
         "--agg-push-mb": dict(type=int, default=16, help="agg: gradient MiB pushed per iteration (default 16)"),
+        "--agg-pool-jobs": dict(default="8,16", help="agg: job counts of the many-job pool part (default 8,16)"),
+        "--agg-pool-push-mb": dict(type=float, default=2.0,
+                                   help="agg: many-job part, gradient MiB per iteration per job (default 2)"),
+        "--agg-pool-compute-ms": dict(type=float, default=200.0,
+                                      help="agg: many-job part, compute phase per iteration (default 200)"),
     }
     for flag, kw in opts.items():
         if flag not in seen:
@@ -50,49 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser, seen: set[str]) -> None:
 
 
 # --- helpers run in child processes (module level so that spawn can import them) ------------------
-
-
-def _server_proc(conn, kw: dict[str, Any]) -> None:
-    from aggregator.server import AggregationServer
-
-    srv = AggregationServer("127.0.0.1", 0, **kw).start()
-    conn.send(f"{srv.address[0]}:{srv.address[1]}")
-    while True:
-        cmd = conn.recv()
-        if cmd == "stats":
-            conn.send(srv.stats())
-        else:
-            srv.stop()
-            conn.send("bye")
-            return
-
-
-class _Server:
-    def __init__(self, ctx, **kw: Any) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_server_proc, args=(child, kw), daemon=True)
-        self.proc.start()
-        self.addr = self.conn.recv()
-        self.ps = psutil.Process(self.proc.pid)
-
-    def cpu_s(self) -> float:
-        t = self.ps.cpu_times()
-        return t.user + t.system
-
-    def stats(self) -> dict[str, Any]:
-        self.conn.send("stats")
-        return self.conn.recv()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send("stop")
-            self.conn.recv()
-        except (EOFError, OSError):
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
 
 
 def _rt_worker(rank: int, world: int, addr: str, nbytes: int, reps: int, q) -> None:
@@ -136,44 +98,52 @@ def _ddp_model():
 
 
 def _ddp_worker(rank: int, world: int, init: str, addr: str, warmup: int, steps: int, q) -> None:
+    """Default DDP and DDP with the hook, one step of each in turn (the machine's load drifts alike over
+    both); the hook's steps record every bucket's and chunk's stages."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from aggregator import Client
-    from aggregator.torch import AggState, comm_hook
+    from aggregator.torch import AggState
+    from bench.agg_net_worker import _Timing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-
-    def run(hook: bool) -> tuple[float, list]:
+    variants = {}
+    for name in ("default", "hook"):
         model = _ddp_model()
         ddp = DDP(model)
-        client = None
-        if hook:
-            client = Client([addr], "ddp-bench", rank, world)
-            ddp.register_comm_hook(AggState(client), comm_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-        g = torch.Generator().manual_seed(10 + rank)
-        times = []
-        for i in range(warmup + steps):
-            x = torch.randn(32, 1024, generator=g)
-            y = torch.randn(32, 1024, generator=g)
+        client = timing = None
+        if name == "hook":
+            client, timing = Client([addr], "ddp-bench", rank, world, trace=True), _Timing()
+            ddp.register_comm_hook(AggState(client), timing.hook)
+        variants[name] = {"model": model, "ddp": ddp, "client": client, "timing": timing,
+                          "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
+                          "gen": torch.Generator().manual_seed(10 + rank), "times": [], "marks": []}
+    for i in range(warmup + steps):
+        for name, v in variants.items():
+            x = torch.randn(32, 1024, generator=v["gen"])
+            y = torch.randn(32, 1024, generator=v["gen"])
             dist.barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            ((ddp(x) - y) ** 2).mean().backward()
-            opt.step()
+            start = time.time()
+            v["opt"].zero_grad()
+            loss = ((v["ddp"](x) - y) ** 2).mean()
+            t_fwd = time.time()
+            loss.backward()
+            t_bwd = time.time()
+            v["opt"].step()
+            v["marks"].append([start, t_fwd, t_bwd, time.time()])
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        if client:
-            client.close()
-        return float(np.median(times)), [p.detach().clone() for p in model.parameters()]
-
-    t_def, p_def = run(False)
-    t_hook, p_hook = run(True)
-    diff = max(float((a - b).abs().max()) for a, b in zip(p_def, p_hook))
-    q.put((rank, t_def, t_hook, diff))
+                v["times"].append(time.perf_counter() - t0)
+    hook = variants["hook"]
+    trace = {"marks": hook["marks"], "buckets": hook["timing"].buckets, "stages": hook["client"].stage_records(),
+             "default_marks": variants["default"]["marks"]}
+    hook["client"].close()
+    diff = max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(variants["default"]["model"].parameters(), hook["model"].parameters()))
+    q.put((rank, float(np.median(variants["default"]["times"])), float(np.median(hook["times"])), diff, trace))
     dist.destroy_process_group()
 
 
@@ -231,73 +201,52 @@ def bench_kernel(nbytes: int, reps: int) -> dict[str, float]:
     return out
 
 
-def _gather(q, n: int, procs: list, timeout: float = 300) -> list:
-    """n results from the queue; fails at once when a worker process dies instead."""
-    import queue as _q
-
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        try:
-            out.append(q.get(timeout=0.5))
-        except _q.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"bench worker {dead[0].name} died with exit code {dead[0].exitcode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bench workers gave {len(out)} of {n} results in {timeout}s")
-    return out
-
-
-def _spawn(ctx, target, argss) -> list:
-    ps = [ctx.Process(target=target, args=a, daemon=True) for a in argss]
-    for p in ps:
-        p.start()
-    return ps
-
-
-def _join(ps) -> None:
-    for p in ps:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def bench_roundtrip(ctx, world: int, nbytes: int, reps: int) -> tuple[float, float]:
-    srv = _Server(ctx, server_id=f"rt{world}", max_cores=os.cpu_count() or 2)
+    srv = ServerProc(ctx, server_id=f"rt{world}", max_cores=os.cpu_count() or 2)
     try:
         q = ctx.Queue()
-        ps = _spawn(ctx, _rt_worker, [(r, world, srv.addr, nbytes, reps, q) for r in range(world)])
-        ours = max(t for _, t in _gather(q, world, ps))
-        _join(ps)
+        ps = spawn(ctx, _rt_worker, [(r, world, srv.addr, nbytes, reps, q) for r in range(world)])
+        ours = max(t for _, t in gather(q, world, ps))
+        join_all(ps)
     finally:
         srv.stop()
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    ps = _spawn(ctx, _gloo_worker, [(r, world, init, nbytes, reps, q) for r in range(world)])
-    gloo = max(t for _, t in _gather(q, world, ps))
-    _join(ps)
+    ps = spawn(ctx, _gloo_worker, [(r, world, init, nbytes, reps, q) for r in range(world)])
+    gloo = max(t for _, t in gather(q, world, ps))
+    join_all(ps)
     return ours * 1e3, gloo * 1e3
 
 
-def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, float]:
-    srv = _Server(ctx, server_id="ddp", max_cores=os.cpu_count() or 2)
+def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, Any]:
+    """Default DDP against DDP with the hook, 2 ranks, alternating steps; the hook's stages as well."""
+    srv = ServerProc(ctx, server_id="ddp", max_cores=os.cpu_count() or 2, trace=True)
     try:
         q = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_port()}"
-        ps = _spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
-        res = _gather(q, 2, ps, timeout=600)
-        _join(ps)
+        ps = spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
+        res = sorted(gather(q, 2, ps, timeout=600), key=lambda r: r[0])
+        join_all(ps)
+        server_trace = {"s": {"units": srv.stages()}}
     finally:
         srv.stop()
+    traces = {f"w{r[0]}": {"hook": r[4]} for r in res}
+    b = agg_timeline.breakdown(traces["w0"]["hook"], warmup, list(server_trace.values()), "ddp-bench")
+    dm = traces["w0"]["hook"]["default_marks"][warmup:]
+    bd = {"step": round(float(np.median([m[3] - m[0] for m in dm])) * 1e3, 1),
+          "forward": round(float(np.median([m[1] - m[0] for m in dm])) * 1e3, 1)}
+    mr = agg_timeline.median_round(traces["w0"]["hook"], warmup)
+    step = agg_timeline.one_step(traces, list(traces), "hook", mr, server_trace, "ddp-bench") if mr is not None else None
     return {
         "ddp_step_ms_hook": max(r[2] for r in res) * 1e3,
         "ddp_step_ms_default": max(r[1] for r in res) * 1e3,
         "ddp_max_abs_diff": max(r[3] for r in res),
+        "ddp_stages": {"hook": b, "default": bd},
+        "ddp_step": step,
     }
 
 
-def _run_jobs(ctx, servers: list[_Server], jobs: int, nbytes: int, compute_s: float, iters: int,
+def _run_jobs(ctx, servers: list[ServerProc], jobs: int, nbytes: int, compute_s: float, iters: int,
               seed: int) -> tuple[dict[int, float], float, float, float]:
     """Run M jobs; returns (mean iteration s per job, wall s, server CPU s, pool core-seconds held)."""
     rng = random.Random(seed)
@@ -308,12 +257,12 @@ def _run_jobs(ctx, servers: list[_Server], jobs: int, nbytes: int, compute_s: fl
     cpu0 = [s.cpu_s() for s in servers]
     st0 = [s.stats() for s in servers]
     t0 = time.perf_counter()
-    ps = _spawn(ctx, _job_worker, args)
-    res = _gather(q, len(args), ps, timeout=600)
+    ps = spawn(ctx, _job_worker, args)
+    res = gather(q, len(args), ps, timeout=600)
     wall = time.perf_counter() - t0
     st1 = [s.stats() for s in servers]
     cpu = sum(s.cpu_s() - c for s, c in zip(servers, cpu0))
-    _join(ps)
+    join_all(ps)
     # pool core-seconds held over the servers' own clock, per server, summed: cores held on average
     held = sum((b["pool"]["held_core_seconds"] - a["pool"]["held_core_seconds"])
                / max(1e-9, b["uptime_s"] - a["uptime_s"]) for a, b in zip(st0, st1)) * wall
@@ -334,7 +283,7 @@ def bench_shared(ctx, jobs: int, nbytes: int, compute_s: float, iters: int, repe
     sh_iters: dict[int, list[float]] = {}
     ded_cpu, sh_cpu, sh_cores = [], [], []
     for rep in range(repeats):
-        ded = [_Server(ctx, server_id=f"ded{j}", min_cores=dedicated_threads, max_cores=dedicated_threads)
+        ded = [ServerProc(ctx, server_id=f"ded{j}", min_cores=dedicated_threads, max_cores=dedicated_threads)
                for j in range(jobs)]
         try:
             it, wall, cpu, _ = _run_jobs(ctx, ded, jobs, nbytes, compute_s, iters, seed=rep)
@@ -344,7 +293,7 @@ def bench_shared(ctx, jobs: int, nbytes: int, compute_s: float, iters: int, repe
         ded_cpu.append(cpu)
         for j, v in it.items():
             ded_iters.setdefault(j, []).append(v)
-        shared = _Server(ctx, server_id="shared", min_cores=1, max_cores=jobs, shrink_after_s=0.5)
+        shared = ServerProc(ctx, server_id="shared", min_cores=1, max_cores=jobs, shrink_after_s=0.5)
         try:
             it, wall, cpu, held = _run_jobs(ctx, [shared], jobs, nbytes, compute_s, iters, seed=rep)
         finally:
@@ -390,11 +339,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ours, gloo = bench_roundtrip(ctx, world, tensor, 3 if quick else 10)
         metrics[f"roundtrip_ms_n{world}"], metrics[f"gloo_ms_n{world}"] = ours, gloo
     print("agg: DDP step time, hook vs default ...", flush=True)
-    metrics.update(bench_ddp(ctx, 1 if quick else 3, 3 if quick else 10))
+    ddp = bench_ddp(ctx, 1 if quick else 3, 3 if quick else 10)
+    ddp_stages, ddp_step = ddp.pop("ddp_stages"), ddp.pop("ddp_step")
+    metrics.update(ddp)
     print(f"agg: {jobs} jobs, shared elastic pool vs dedicated servers ...", flush=True)
     shared = bench_shared(ctx, jobs, push, compute_s, 15 if quick else 40, 2 if quick else 3)
     per_job = {k: shared.pop(k) for k in ("job_iter_ms_shared", "job_iter_ms_dedicated")}
     metrics.update(shared)
+    pools: dict[int, dict[str, Any]] = {}
+    for m in [int(x) for x in str(getattr(args, "agg_pool_jobs", "8,16")).split(",") if x]:
+        print(f"agg: {m} jobs arriving and leaving, shared pool vs a dedicated server each ...", flush=True)
+        pools[m] = agg_pool.bench_pool(ctx, m, int(getattr(args, "agg_pool_push_mb", 2.0) * MiB),
+                                       getattr(args, "agg_pool_compute_ms", 200.0) / 1e3, 15 if quick else 30,
+                                       0.25, 2 if quick else 3)
+        metrics.update({k: v for k, v in pools[m].items() if not k.endswith(("_jobs", "_series"))})
     m = metrics
     checks = [
         ("kernel_gbps >= 0.8 x numpy_add_gbps", m["kernel_gbps"], ">=", 0.8 * m["numpy_add_gbps"]),
@@ -405,6 +363,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("ddp_max_abs_diff == 0 (2 ranks)", m["ddp_max_abs_diff"], "==", 0.0),
         ("shared_cores_avg <= 0.25 x dedicated_cores", m["shared_cores_avg"], "<=", 0.25 * m["dedicated_cores"]),
         ("max_job_slowdown <= 1.05", m["max_job_slowdown"], "<=", 1.05),
+        ("pool16_max_job_slowdown <= 1.05", m.get("pool16_max_job_slowdown"), "<=", 1.05),
+        ("pool16_cpu_s_vs_dedicated <= 0.5", m.get("pool16_cpu_s_vs_dedicated"), "<=", 0.5),
+        ("pool16_core_s_vs_dedicated (report)", m.get("pool16_core_s_vs_dedicated"), "<=", None),
     ]
     targets = report.target_rows(checks)
     ratios = {
@@ -425,15 +386,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              for j in per_job["job_iter_ms_shared"]]
     print(report.markdown_table(jrows, ["job", "iter_ms_dedicated", "iter_ms_shared", "slowdown"]))
     print(report.markdown_table(targets, ["target", "value", "op", "bound", "met"]))
-    plot = _plot(ratios, jrows, getattr(args, "json", None))
+    print(report.markdown_table([{"variant": k, **v} for k, v in ddp_stages.items()],
+                                ["variant", "step", "forward", "before_comm", "comm", "after_comm", "buckets_handed_over",
+                                 "last_push_done", "server_last_arrival", "server_last_sum", "last_result_in"]))
+    plot = _plot(ratios, jrows, pools, getattr(args, "json", None))
+    ddp_plot = None
+    if ddp_step:
+        ddp_plot = agg_timeline.plot({"ddp_hook_loopback": ddp_step}, {},
+                                     report.out_dir(getattr(args, "json", None)) / "agg_ddp_timeline.png")
     return report.envelope("agg", metrics, ratios=ratios, jobs=jrows, targets=targets, plot=str(plot),
+                           ddp_stages=ddp_stages, ddp_step=ddp_step, ddp_plot=str(ddp_plot),
+                           pools={str(m): {k: v for k, v in r.items() if k.endswith(("_jobs", "_series"))}
+                                  for m, r in pools.items()},
                            params={"quick": quick, "tensor_bytes": tensor, "jobs": jobs, "compute_s": compute_s,
                                    "push_bytes": push})
 
 
-def _plot(ratios: dict[str, float], jrows: list[dict], json_path: str | None):
+def _plot(ratios: dict[str, float], jrows: list[dict], pools: dict[int, dict[str, Any]], json_path: str | None):
     plt = report.pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(2 if pools else 1, 2, figsize=(12, 9 if pools else 4.5), squeeze=False)
+    (ax1, ax2) = axes[0]
+    if pools:
+        agg_pool.plot(pools, axes[1][0], axes[1][1])
     names = list(ratios)
     ax1.barh(names, [ratios[n] for n in names], color="tab:blue")
     ax1.axvline(1.0, color="grey", lw=1)

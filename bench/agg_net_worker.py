@@ -29,7 +29,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from aggregator import Client
-from aggregator.client import DEFAULT_CHUNK_BYTES
 from aggregator.torch import AggState, comm_hook
 
 
@@ -40,31 +39,78 @@ def build_model(width: int) -> nn.Module:
                          nn.Linear(width, 1024))
 
 
+def _wakeups() -> int:
+    """Voluntary context switches of every thread of this process so far (each is a sleep and a wake-up)."""
+    total = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
 class _Timing:
-    """Wraps the hook: records each step's comm window, and kills a server mid-step when asked."""
+    """Wraps the hook: records each step's comm window and each bucket's hand-over and completion,
+    and kills a server mid-step when asked."""
 
     def __init__(self, kill_pid: int = 0, kill_step: int = -1) -> None:
         self.windows: dict[int, list[float]] = {}
+        self.buckets: list[dict[str, Any]] = []  # {"round", "key", "bytes", "ready", "done"}
         self.kill_pid, self.kill_step, self.killed_at = kill_pid, kill_step, None
+
+    def _track(self, rnd: int, bucket, fut):
+        w = self.windows.setdefault(rnd, [time.time(), 0.0])
+        rec = {"round": rnd, "key": bucket.index(), "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+               "ready": time.time(), "done": 0.0}
+        self.buckets.append(rec)
+
+        def done(f):
+            rec["done"] = time.time()
+            w[1] = max(w[1], rec["done"])
+            return f.value()
+
+        return done
 
     def hook(self, state: AggState, bucket):
         rnd = state.iteration
-        w = self.windows.setdefault(rnd, [time.time(), 0.0])
+        t = time.time()
         fut = comm_hook(state, bucket)
+        done = self._track(rnd, bucket, fut)
+        self.buckets[-1]["ready"] = t
+        self.windows[rnd][0] = min(self.windows[rnd][0], t)
         if self.kill_pid and rnd == self.kill_step and self.killed_at is None:
             self.killed_at = time.time()
             os.kill(self.kill_pid, signal.SIGKILL)  # a round is in flight: this bucket was just handed over
-
-        def done(f):
-            w[1] = max(w[1], time.time())
-            return f.value()
-
         return fut.then(done)
+
+
+class _RingTiming(_Timing):
+    """gloo's ring with the same per-bucket records: DDP's own all-reduce (divide, then sum), as a hook."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world, self.iteration = world, 0
+
+    def hook(self, _state, bucket):
+        rnd = self.iteration
+        if bucket.is_last():
+            self.iteration += 1
+        t = time.time()
+        buf = bucket.buffer().div_(self.world)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        done = self._track(rnd, bucket, fut)
+        self.buckets[-1]["ready"] = t
+        self.windows[rnd][0] = min(self.windows[rnd][0], t)
+        return fut.then(lambda f: done(f)[0])
 
 
 class _CrossJobBarrier:
@@ -87,26 +133,43 @@ class _CrossJobBarrier:
         self.store.wait([f"{tag}/{n}" for n in self.names])
 
 
+class _NoCommTiming(_RingTiming):
+    """No communication at all: each bucket is 'reduced' at once (the compute floor of a step)."""
+
+    def hook(self, _state, bucket):
+        rnd = self.iteration
+        if bucket.is_last():
+            self.iteration += 1
+        fut: torch.futures.Future = torch.futures.Future()
+        done = self._track(rnd, bucket, fut)
+        fut.set_result(bucket.buffer())
+        return fut.then(done)
+
+
 def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrier) -> tuple[dict, list]:
     rank, world = spec["rank"], spec["world"]
     model = build_model(spec["width"])
     ddp = DDP(model)
     client, timing = None, _Timing(ph.get("kill_pid", 0) if rank == 0 else 0, ph.get("kill_step", -1))
     if ph.get("servers"):
-        client = Client(ph["servers"], f"{spec['job']}-{ph['name']}", rank, world, timeout_s=300,
-                        connect_timeout_s=60, chunk_bytes=spec.get("chunk_bytes", DEFAULT_CHUNK_BYTES))
+        opts = {k: ph.get(k, spec.get(k)) for k in ("chunk_bytes", "window_chunks", "link_gbit")}
+        client = Client(ph["servers"], f"{spec['job']}-{ph['name']}", rank, world, timeout_s=300, connect_timeout_s=60,
+                        trace=True, **{k: v for k, v in opts.items() if v is not None})
         ddp.register_comm_hook(AggState(client, compression=ph.get("compress")), timing.hook)
+    else:
+        timing = _NoCommTiming(world) if ph.get("no_comm") else _RingTiming(world)
+        ddp.register_comm_hook(None, timing.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     warmup, steps, compute_s = spec["warmup"], ph["steps"], ph.get("compute_s", 0.0)
     barrier.wait(f"start-{ph['name']}")
     if ph.get("offset_s"):
         time.sleep(ph["offset_s"])
-    times, starts = [], []
+    times, starts, marks = [], [], []
     w0 = c0 = 0.0
     for i in range(steps):
         if i == warmup:
-            w0, c0 = time.time(), _cpu_s()
+            w0, c0, v0 = time.time(), _cpu_s(), _wakeups()
         x = torch.randn(spec["batch"], 1024, generator=g)
         y = torch.randn(spec["batch"], 1024, generator=g)
         t0 = time.perf_counter()
@@ -114,15 +177,23 @@ def run_phase(spec: dict[str, Any], ph: dict[str, Any], barrier: _CrossJobBarrie
         if compute_s:
             time.sleep(compute_s)  # stands in for the GPU's forward and backward: a GPU host's CPU idles
         opt.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
+        loss = ((ddp(x) - y) ** 2).mean()
+        t_fwd = time.time()
+        loss.backward()
+        t_bwd = time.time()
         opt.step()
+        # step start, forward done, backward returned (every bucket reduced), optimizer done
+        marks.append([starts[-1], t_fwd, t_bwd, time.time()])
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    w1, c1 = time.time(), _cpu_s()
+    w1, c1, v1 = time.time(), _cpu_s(), _wakeups()
     params = [p.detach().clone() for p in model.parameters()]
     out: dict[str, Any] = {"step_s": times, "window": [w0, w1], "cpu_s": c1 - c0, "step_starts": starts,
-                           "comm": [timing.windows[r] for r in sorted(timing.windows) if r >= warmup]}
+                           "wakeups": v1 - v0,
+                           "comm": [timing.windows[r] for r in sorted(timing.windows) if r >= warmup],
+                           "marks": marks, "buckets": timing.buckets}
     if client is not None:
+        out["stages"] = client.stage_records()
         st = client.stats()
         out["retries"] = st["retries"]
         out["bytes_sent"] = {a: s["bytes_sent"] for a, s in st["servers"].items()}

@@ -8,17 +8,19 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-long dls_agg_send2(int fd, const void *a, size_t alen, const void *b, size_t blen) {
+static long send2(int fd, const void *a, size_t alen, const void *b, size_t blen, int flags) {
     struct iovec iov[2] = {{(void *)a, alen}, {(void *)b, blen}};
     struct msghdr msg = {0};
     size_t total = alen + blen, sent = 0;
     int first = 0;
+    while (first < 2 && iov[first].iov_len == 0) first++;
     while (sent < total) {
         msg.msg_iov = iov + first;
         msg.msg_iovlen = 2 - first;
-        ssize_t k = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        ssize_t k = sendmsg(fd, &msg, MSG_NOSIGNAL | flags);
         if (k < 0) {
             if (errno == EINTR) continue;
+            if ((flags & MSG_DONTWAIT) && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
             return -errno;
         }
         sent += (size_t)k;
@@ -37,6 +39,14 @@ long dls_agg_send2(int fd, const void *a, size_t alen, const void *b, size_t ble
         while (first < 2 && iov[first].iov_len == 0) first++;
     }
     return (long)sent;
+}
+
+long dls_agg_send2(int fd, const void *a, size_t alen, const void *b, size_t blen) {
+    return send2(fd, a, alen, b, blen, 0);
+}
+
+long dls_agg_send2_nowait(int fd, const void *a, size_t alen, const void *b, size_t blen) {
+    return send2(fd, a, alen, b, blen, MSG_DONTWAIT);
 }
 
 long dls_agg_recv_exact(int fd, void *buf, size_t len) {

@@ -8,6 +8,9 @@
 /* Send a then b (either may be empty) completely on blocking socket fd.
  * Returns the bytes sent, or -errno. */
 long dls_agg_send2(int fd, const void *a, size_t alen, const void *b, size_t blen);
+/* As dls_agg_send2, but never blocks: returns the bytes sent before the socket's buffer was full
+ * (possibly 0), or -errno. */
+long dls_agg_send2_nowait(int fd, const void *a, size_t alen, const void *b, size_t blen);
 /* Receive exactly len bytes.  Returns len, 0 on EOF before the first byte, -errno on an
  * error, or -ECONNRESET when the peer closed mid-message. */
 long dls_agg_recv_exact(int fd, void *buf, size_t len);

@@ -157,6 +157,12 @@ SIMD static size_t sum_avx2(int dt, void *dst, const void *const *srcs, size_t n
     }
     return i;
 }
+
+SIMD static size_t convert_avx2(int dst_dt, void *dst, int src_dt, const void *src, size_t count) {
+    size_t i = 0;
+    for (; i + 8 <= count; i += 8) store8(dst_dt, dst, i, load8(src_dt, src, i));
+    return i;
+}
 #endif
 
 static int simd_state = -1; /* -1 unknown, 0 scalar, 1 avx2+f16c */
@@ -197,4 +203,14 @@ int dls_reduce_add(int dtype, void *dst, const void *src, size_t count) {
 int dls_reduce_scale(int dtype, void *dst, size_t count, float divisor) {
     const void *srcs[1] = {dst};
     return dls_reduce_sum(dtype, dst, srcs, 1, count, divisor);
+}
+
+int dls_reduce_convert(int dst_dt, void *dst, int src_dt, const void *src, size_t count) {
+    if (dst_dt < DLS_DT_F32 || dst_dt > DLS_DT_BF16 || src_dt < DLS_DT_F32 || src_dt > DLS_DT_BF16) return -1;
+    size_t i = 0;
+#if defined(__x86_64__)
+    if (dls_reduce_simd()) i = convert_avx2(dst_dt, dst, src_dt, src, count);
+#endif
+    for (; i < count; i++) store_s(dst_dt, dst, i, load_s(src_dt, src, i));
+    return 0;
 }

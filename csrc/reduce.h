@@ -17,6 +17,9 @@ int dls_reduce_sum(int dtype, void *dst, const void *const *srcs, size_t nsrc, s
 int dls_reduce_add(int dtype, void *dst, const void *src, size_t count);
 /* dst[i] /= divisor. */
 int dls_reduce_scale(int dtype, void *dst, size_t count, float divisor);
+/* dst[i] = src[i] in another dtype (widening is exact; narrowing rounds to nearest even, as torch's
+ * .to() does).  dst and src must not overlap.  Returns 0, or -1 for a bad dtype. */
+int dls_reduce_convert(int dst_dt, void *dst, int src_dt, const void *src, size_t count);
 /* 1 when the AVX2+F16C path is in use. */
 int dls_reduce_simd(void);
 /* Tests: force the scalar path (1) or go back to run-time dispatch (0). */

@@ -51,9 +51,9 @@ class TracingClient(Client):
         super().__init__(*a, **kw)
         self.seen: list = []
 
-    def allreduce_async(self, x, op="mean", key=0, round=None):
+    def allreduce_async(self, x, op="mean", key=0, round=None, **kw):
         self.seen.append((round, key, x.numel()))
-        return super().allreduce_async(x, op, key, round)
+        return super().allreduce_async(x, op, key, round, **kw)
 
 
 def main() -> int:

@@ -164,3 +164,46 @@ def test_ddp_with_a_server_killed_mid_training_ends_bit_identical_to_a_run_witho
     # the restarted server was used again by every rank
     assert all(r["sent_to_victim_after"] > r["sent_to_victim_at_kill"] for r in faulty), faulty
     assert all(r["max_step_s"] < ROUND_TIMEOUT_S for r in faulty)
+
+
+def test_chunks_pushed_again_after_a_kill9_are_not_held_by_the_push_window(servers, monkeypatch):
+    """Each rank pushes its lost server's chunks again in its own order, interleaved with what it had
+    queued for the other servers; a push window over those rounds could wait for chunks a peer
+    holds behind its own full window.  The rounds in flight at the loss push without a window, so
+    the round completes with no help from the window's stall valve (made longer than the test)."""
+    from aggregator import link
+
+    monkeypatch.setattr(link, "STALL_S", 120.0)
+    world, n = 3, 600_000
+    addrs = [s.addr for s in servers]
+    victim = servers[2]
+    clients = [Client(addrs, "fow", r, world, chunk_bytes=16 << 10, window_chunks=2, timeout_s=60)
+               for r in range(world)]
+    try:
+        def round_all(rnd: int, before_wait=None) -> None:
+            xs = [[_values(rnd, r, n), _values(rnd + 100, r, n // 3)] for r in range(world)]
+            futs = [c.allreduce_async(x, op="sum", round=rnd, key=k) for c, x2 in zip(clients, xs)
+                    for k, x in enumerate(x2)]
+            if before_wait:
+                before_wait()
+            for f in futs:
+                f.result(timeout=45)  # an AggregationError or a stuck window fails the test
+            for x2 in xs:
+                np.testing.assert_array_equal(x2[0], _expected(rnd, world, n))
+                np.testing.assert_array_equal(x2[1], _expected(rnd + 100, world, n // 3))
+
+        round_all(0)
+
+        def kill_mid_round() -> None:
+            link0 = clients[0].links[victim.addr]
+            wait_until(lambda: link0.inflight, timeout=10, what="pushes in flight on the victim", interval=0.001)
+            victim.kill9()
+
+        round_all(1, kill_mid_round)
+        assert sum(c.retries for c in clients) > 0
+        assert all(c.window_from >= 3 for c in clients)  # round 1 (and the next) went on without windows
+        for rnd in range(2, 6):  # later rounds use the window again, on the two servers left
+            round_all(rnd)
+    finally:
+        for c in clients:
+            c.close()

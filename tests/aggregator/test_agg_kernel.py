@@ -127,3 +127,25 @@ def test_bad_arguments_raise():
         kernel.scale_(DType.F32, a, 0.0)
     with pytest.raises(ValueError):
         kernel.add_(DType.F32, np.zeros(3, np.uint8), np.zeros(3, np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16])
+def test_convert_narrows_as_torch_does_and_widens_exactly(path, dtype):
+    """The compressed wire's conversions: bit for bit torch's .to(), subnormals, overflow and signed
+    zeros included, with a ragged tail for the scalar remainder of the SIMD path."""
+    rng = np.random.default_rng(3)
+    n = 10_007
+    with np.errstate(over="ignore"):  # 1e39 overflows float32 to inf, on purpose
+        x = (rng.standard_normal(n) * rng.choice([1e-42, 1e-38, 1e-8, 1e-5, 1.0, 7e4, 1e39], n)).astype(np.float32)
+    x[:5] = [np.inf, -np.inf, 0.0, -0.0, 65519.996]
+    tdt = {DType.F16: torch.float16, DType.BF16: torch.bfloat16}[dtype]
+    narrow = np.empty(n, np.uint16)
+    kernel.convert(dtype, narrow, DType.F32, x)
+    want = torch.from_numpy(x).to(tdt).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(narrow, want)
+    wide = np.empty(n, np.float32)
+    kernel.convert(DType.F32, wide, dtype, narrow)
+    np.testing.assert_array_equal(wide.view(np.uint32),
+                                  torch.from_numpy(want.view(np.int16).copy()).view(tdt).float().numpy().view(np.uint32))
+    with pytest.raises(ValueError):
+        kernel.convert(dtype, np.empty(n - 1, np.uint16), DType.F32, x)
