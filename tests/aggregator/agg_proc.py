@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from nodesvc.bus.procs import free_port, stop_proc, wait_port
@@ -24,11 +25,22 @@ class ServerProc:
 
     def start(self) -> "ServerProc":
         self.log = open(self.log_path, "ab")
+        offset = self.log.tell()  # a restart appends: look for this start's line only
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aggregator.cli", "--listen", self.addr, "--broker", self.broker, "--id", self.sid,
              "--round-timeout-s", str(self.round_timeout_s), "--max-cores", "2"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         wait_port(self.port, proc=self.proc)
+        # The port accepts from the moment the server binds; its threads start after the metrics
+        # endpoint is up.  A test that counts threads or times the first round waits for this line.
+        deadline = time.monotonic() + 60
+        while b" listening on " not in self.log_path.read_bytes()[offset:]:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aggregation server {self.sid} exited with {self.proc.returncode} "
+                                   f"before it started (log: {self.log_path})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"aggregation server {self.sid} did not start within 60 s (log: {self.log_path})")
+            time.sleep(0.02)
         return self
 
     @property
