@@ -385,9 +385,7 @@ def _print(result: dict[str, Any]) -> None:
     print(report.markdown_table(rows, ["measure", "value"]))
     if m.get("calibration"):
         print(f"calibration ({m.get('calibration_path')}): {m['calibration']}")
-    print(report.markdown_table(result["targets"]))
-    for n in result["notes"]:
-        print(f"note: {n}")
+    report.print_targets_and_notes(result)
 
 
 def _plot(result: dict[str, Any], json_path: str | None) -> None:

@@ -507,9 +507,7 @@ def _print(result: dict[str, Any]) -> None:
     print(f"\n## memory ({'quick' if result['quick'] else 'full'}, broker {result['broker']})\n")
     print(report.markdown_table(rows, ["measure", "value", "unit"]))
     print(report.markdown_table([{"ratio": k, "value": v} for k, v in result["ratios"].items()]))
-    print(report.markdown_table(result["targets"]))
-    for n in result["notes"]:
-        print(f"note: {n}")
+    report.print_targets_and_notes(result)
 
 
 def _plot(result, raw, red, lat, c_lat, json_path) -> None:

@@ -524,9 +524,7 @@ def _print(result: dict[str, Any]) -> None:
     print(report.markdown_table(rng, ["ratio", "per round"]))
     for wl, sw in result["sweep"].items():
         print(f"sweep {wl}: units {sw['unit']}, policies {sw['policy']}")
-    print(report.markdown_table(result["targets"]))
-    for n in result["notes"]:
-        print(f"note: {n}")
+    report.print_targets_and_notes(result)
 
 
 def _plot(result: dict[str, Any], json_path: str | None) -> None:

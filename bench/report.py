@@ -86,6 +86,13 @@ def target_rows(checks: list[tuple[str, float | None, str, float | None]]) -> li
     return rows
 
 
+def print_targets_and_notes(result: dict[str, Any]) -> None:
+    """The target table, then each note on a line of its own: how every bench's printout ends."""
+    print(markdown_table(result["targets"]))
+    for n in result.get("notes", []):
+        print(f"note: {n}")
+
+
 _LIVE: list[Any] = []  # the one rich Progress on screen while steps run (steps nest as its tasks)
 
 
