@@ -473,6 +473,16 @@ def _run_token(args, cfg) -> int:
     return 0
 
 
+def _api_client_flags(p, token_help: str) -> None:
+    """The flags of a command that talks to the scheduler API: where it is, whose token, and JSON out."""
+    from nodesvc.cli import config_flag
+
+    config_flag(p, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
+    config_flag(p, "--token", "sched", "token", help=f"{token_help} (default $DLSHARE_SCHED_TOKEN or <db>.token)")
+    config_flag(p, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
+    p.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
+
+
 def register(sub) -> None:
     from nodesvc.cli import add_command, config_flag
 
@@ -486,10 +496,7 @@ def register(sub) -> None:
 
     j = add_command(sub, "job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
                     sections=["sched"], quiet=True)
-    config_flag(j, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
-    config_flag(j, "--token", "sched", "token", help="bearer token (default $DLSHARE_SCHED_TOKEN or <db>.token)")
-    config_flag(j, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
-    j.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
+    _api_client_flags(j, "bearer token")
     acts = j.add_subparsers(dest="action", metavar="ACTION", required=True)
     s = acts.add_parser("submit", help="submit a job: dlshare job submit --gpus 1 --model resnet50 -- python train.py")
     s.add_argument("--spec", metavar="FILE", help="JSON job spec (- for stdin); flags override its keys")
@@ -520,10 +527,7 @@ def register(sub) -> None:
 
     t = add_command(sub, "token", _run_token, "create, list or revoke users' API tokens (an admin's token)",
                     sections=["sched"], quiet=True)
-    config_flag(t, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
-    config_flag(t, "--token", "sched", "token", help="an admin's token (default $DLSHARE_SCHED_TOKEN or <db>.token)")
-    config_flag(t, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
-    t.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
+    _api_client_flags(t, "an admin's token")
     tacts = t.add_subparsers(dest="action", metavar="ACTION", required=True)
     tc = tacts.add_parser("create", help="a new token for a user: dlshare token create alice --account vision")
     tc.add_argument("user", help="the user it acts as: its jobs run as this user on the nodes")
