@@ -82,6 +82,14 @@ class SchedulerMetrics:
         """One batch handled: its decisions, the starts and ends it made, what it cost."""
         self.latency.observe(seconds)
         now = core.now
+        # A batch may hold several events, and the core's clock ends at the last one's time: a job
+        # that ended at an earlier event of the batch has finished_at < now.  Whatever ended within
+        # the batch's span ended in this batch (a job ends once).
+        start = min((e.now for e in events), default=now)
+
+        def ended_here(rec: Any) -> bool:
+            return not rec.job.state.active and rec.finished_at is not None and start <= rec.finished_at <= now
+
         for d in decisions:
             kind = type(d).__name__.lower()
             if kind != "wakeup":
@@ -89,15 +97,15 @@ class SchedulerMetrics:
             rec = core.records.get(getattr(d, "job", ""))
             if rec is None or rec.external:
                 continue
-            if isinstance(d, Place) and not d.resumed and rec.first_start == now:
+            if isinstance(d, Place) and not d.resumed and rec.first_start is not None and start <= rec.first_start <= now:
                 self.wait.observe(max(0.0, now - rec.job.arrival))
-            elif isinstance(d, (Reject, Release)) and not rec.job.state.active and rec.finished_at == now:
+            elif isinstance(d, (Reject, Release)) and ended_here(rec):
                 if not any(isinstance(e, (JobFinished, JobCancelled)) and e.job == d.job for e in events):
                     self._ended(rec, "done" if rec.job.state is JobState.DONE else "failed")
         for e in events:
             if isinstance(e, (JobFinished, JobCancelled)):
                 rec = core.records.get(e.job)
-                if rec is not None and not rec.external and not rec.job.state.active and rec.finished_at == now:
+                if rec is not None and not rec.external and ended_here(rec):
                     self._ended(rec, "cancelled" if isinstance(e, JobCancelled) else
                                 "done" if rec.job.state is JobState.DONE else "failed")
 

@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodesvc.bus.procs import until
+from scheduler import Job, JobArrived, JobFinished, Node, SchedulerState, Tick
 from scheduler.service.api import create_app
+from scheduler.service.metrics import SchedulerMetrics
 from scheduler.service.charts import line_chart
 from scheduler.service.history import FIELDS, ClusterHistory, downsample
 from scheduler.service.store import JobStore
@@ -67,6 +69,23 @@ async def test_the_metrics_follow_real_jobs(fake_node, live_service):
         assert "_created" not in text
     events = [e for e in svc.store.events(job=b.id) if e["kind"] == "waiting"]
     assert [(e["data"]["code"], e["data"]["reason"]) for e in events] == [("Resources", "needs 1 GPU; 0 free")]
+
+
+def test_an_end_counts_once_when_later_events_share_its_batch():
+    """The live loop hands the core a batch of events; the core's clock ends at the last one.  A job
+    that finished at an earlier event of the batch is counted once, with its JCT (under load the
+    batches grow: the counter missed such ends, seen in CI)."""
+    core = SchedulerState("fifo", [Node("n0", 1, 8, 1 << 30)])
+    m = SchedulerMetrics("fifo", "test")
+    for batch in ([JobArrived("a", 1.0, Job("x", "m", gpus=1)), Tick("t0", 1.5)],
+                  [JobFinished("f", 5.0, "x"), Tick("t1", 6.0), Tick("t2", 7.0)],
+                  [Tick("t3", 9.0)]):
+        m.batch(batch, core.handle(*batch), core, 0.001)
+    assert m.finished.labels("done")._value.get() == 1
+    rec = core.records["x"]
+    assert rec.finished_at == 5.0
+    assert m.jct._sum.get() == pytest.approx(5.0 - rec.job.arrival)  # one JCT, this job's
+    assert m.wait._sum.get() == pytest.approx(rec.first_start - rec.job.arrival)  # one wait
 
 
 async def test_the_history_is_bounded_kept_across_a_restart_and_served_as_columns(fake_node, live_service, tmp_path):
