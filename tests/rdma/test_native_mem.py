@@ -300,10 +300,14 @@ def test_responses_queue_correctly_when_the_reader_is_slow(served):
         reqs.append((i, segs))
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-        for i, segs in reqs:
-            s.sendall(wire.encode_request(wire.Request(wire.OP_READ, i, 2, tokens[2], segs, flags=wire.F_CRC)))
+        # All 24 requests (50 KB) in one send, so the server reads them in one go: once a response
+        # does not fit in the socket it stops reading its input until the peer takes some (back
+        # pressure), so requests sent one by one could leave it waiting with only the first few read
+        # (seen in CI: fewer than 6 served after 10 s).
+        s.sendall(b"".join(wire.encode_request(wire.Request(wire.OP_READ, i, 2, tokens[2], segs, flags=wire.F_CRC))
+                           for i, segs in reqs))
         # ~1 MiB per response: by the 6th the socket (64 KiB here, at most tcp_wmem's 4 MiB there) is
-        # full and the server queues what it cannot send; it stops reading at 8 MiB queued, so waiting
+        # full and the server queues what it cannot send; it stops serving at 8 MiB queued, so waiting
         # for 8 served would race the ceiling
         wait_until(lambda: srv.counters()["requests"] >= 6, 10, "the server to fill the socket")
         s.settimeout(10)
