@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from nodesvc.bus.procs import free_port, stop_proc, wait_port
+from nodesvc.bus.procs import free_port, stop_proc, wait_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,14 +32,13 @@ class ServerProc:
         wait_port(self.port, proc=self.proc)
         # The port accepts from the moment the server binds; its threads start after the metrics
         # endpoint is up.  A test that counts threads or times the first round waits for this line.
-        deadline = time.monotonic() + 60
-        while b" listening on " not in self.log_path.read_bytes()[offset:]:
+        def started() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"aggregation server {self.sid} exited with {self.proc.returncode} "
                                    f"before it started (log: {self.log_path})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"aggregation server {self.sid} did not start within 60 s (log: {self.log_path})")
-            time.sleep(0.02)
+            return b" listening on " in self.log_path.read_bytes()[offset:]
+
+        wait_until(started, 60, f"aggregation server {self.sid} to start (log: {self.log_path})", interval=0.02)
         return self
 
     @property
