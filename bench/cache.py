@@ -108,12 +108,7 @@ class Job:
 
     def until(self, stop_at: str | None = None, on=None) -> dict[str, Any]:
         """Read events until ``stop_at`` (or the end)."""
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            ev = msg.pop("event", None)
+        for ev, msg in report.json_events(self.proc.stdout):
             if ev == "ready":
                 self.out["base_charged"] = self.cg.usage()
                 self.out["limit_bytes"] = self.out["base_charged"] + self.limit_local + MARGIN

@@ -20,7 +20,6 @@ cgroups are torn down on every exit path.  Donors are real node daemons on a rea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -191,12 +190,7 @@ def run_program(workload: str, mode: str, share: float | None, ws: int, tmp: Pat
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     try:
-        for line in proc.stdout:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            ev = msg.pop("event", None)
+        for ev, msg in report.json_events(proc.stdout):
             if ev == "ready":
                 out["base_rss"] = msg["base_rss"]
                 local = 0

@@ -13,7 +13,7 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,18 @@ def target_rows(checks: list[tuple[str, float | None, str, float | None]]) -> li
         rows.append({"target": name, "value": value, "op": op, "bound": bound,
                      "met": "n/a" if met is None else ("yes" if met else "MISSED")})
     return rows
+
+
+def json_events(lines: Iterable[str]) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """(event, fields) for each JSON line a workload process prints (``{"event": ..., ...}``); other
+    lines (a library's warning on stdout) are skipped."""
+    for line in lines:
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(msg, dict):
+            yield msg.pop("event", None), msg
 
 
 def print_targets_and_notes(result: dict[str, Any]) -> None:
