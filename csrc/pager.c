@@ -17,6 +17,7 @@
 
 #include "pagecrc.h"
 #include "pager_core.h"
+#include "pager_queue.h"
 #include "wire.h"
 
 static int open_uffd(int extra) { return (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | extra); }
@@ -36,7 +37,12 @@ static int uffd_open(dls_pager *p, char *err, size_t err_len) {
         return -1;
     }
     struct uffdio_api probe = {.api = UFFD_API, .features = 0};
-    uint64_t have = ioctl(fd, UFFDIO_API, &probe) == 0 ? probe.features : 0;
+    if (ioctl(fd, UFFDIO_API, &probe) != 0) {
+        snprintf(err, err_len, "UFFDIO_API (probing the features): %s", strerror(errno));
+        close(fd);
+        return -1;
+    }
+    uint64_t have = probe.features;
     close(fd);
     fd = open_uffd(p->user_mode_only ? UFFD_USER_MODE_ONLY : 0);
     uint64_t want = UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID | UFFD_FEATURE_POISON;
@@ -81,7 +87,10 @@ static int check_config(const dls_pager_config *c, char *err, size_t err_len) {
 dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_len) {
     if (check_config(cfg, err, err_len)) return NULL;
     dls_pager *p = calloc(1, sizeof *p);
-    if (!p) return NULL;
+    if (!p) {
+        snprintf(err, err_len, "out of memory (the region engine's state)");
+        return NULL;
+    }
     p->cfg = *cfg;
     if (p->cfg.io_timeout_ms <= 0) p->cfg.io_timeout_ms = 5000;
     if (p->cfg.fault_threads <= 0) p->cfg.fault_threads = 2;
@@ -149,12 +158,22 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
         dls_pager_free(p);
         return NULL;
     }
-    madvise(p->base, p->size, MADV_NOHUGEPAGE); /* units are managed in 4 KiB pages */
+    /* units are managed in 4 KiB pages (EINVAL: a kernel without transparent huge pages, nothing to undo) */
+    if (madvise(p->base, p->size, MADV_NOHUGEPAGE) != 0 && errno != EINVAL) {
+        snprintf(err, err_len, "MADV_NOHUGEPAGE: %s", strerror(errno));
+        dls_pager_free(p);
+        return NULL;
+    }
     if (uffd_open(p, err, err_len) != 0) {
         dls_pager_free(p);
         return NULL;
     }
     p->wakefd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (p->wakefd < 0) {
+        snprintf(err, err_len, "eventfd (the fault threads' wake-up): %s", strerror(errno));
+        dls_pager_free(p);
+        return NULL;
+    }
     PG_STAT(p, user_mode_only) = (uint64_t)p->user_mode_only;
     PG_STAT(p, write_protect) = (uint64_t)p->wp;
     return p;
@@ -316,17 +335,19 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
             p->flags[u] |= UF_WAIT | (write ? UF_WRITE : 0);
         } else if (s == U_CLEAN && write && p->wp) {
             p->state[u] = U_DIRTY;
-            pg_protect(p, u, 1, 0); /* under the lock: no evictor may protect it again in between */
+            pg_make_writable(p, u); /* under the lock: no evictor may protect it again in between */
         }
         if ((s == U_CLEAN || s == U_DIRTY) && p->ref[u] < 3) p->ref[u]++; /* wanted soon: CLOCK keeps it */
         pg_unlock(p, u);
     }
+    uint64_t pushed = 0;
     if (nq) {
         pthread_mutex_lock(&p->q_mu);
-        for (uint64_t i = 0; i < nq; i++) pg_queue_push(&p->demand, (uint32_t)queue[i]);
+        while (pushed < nq && pg_queue_push(&p->demand, (uint32_t)queue[pushed]) == 0) pushed++;
         pthread_cond_broadcast(&p->q_cv);
         pthread_mutex_unlock(&p->q_mu);
     }
+    for (uint64_t i = pushed; i < nq; i++) pg_queue_demand(p, queue[i]); /* out of memory: that reports it */
     free(queue);
     if (timeout_ms <= 0) return 0;
     struct timespec end;
@@ -440,8 +461,14 @@ void dls_pager_close(dls_pager *p) {
         /* Then replace the mapping: its memory goes back, the registration with it; a thread blocked in
          * a fault is woken into the PROT_NONE range (SIGSEGV), and no later mapping can take the range
          * while views of it may still exist. */
-        mmap(p->base, p->size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p->uffd >= 0) pg_wake(p, p->base, p->size);
+        if (mmap(p->base, p->size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) ==
+            MAP_FAILED)
+            pg_fail(p, DLS_CALL_UNMAP, -errno, 0, p->nunits);
+        if (p->uffd >= 0) {
+            int rc = pg_wake(p, p->base, p->size);
+            /* ENOENT: the range was unregistered with the mapping it replaced; nobody is waiting on it */
+            if (rc && rc != -ENOENT) pg_fail(p, DLS_CALL_WAKE, rc, 0, p->nunits);
+        }
     }
 }
 

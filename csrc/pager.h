@@ -32,6 +32,17 @@
 
 #define DLS_EV_COPY_FAILED 1 /* a copy gave an I/O error or bytes that fail the unit's checksum */
 #define DLS_EV_UNITS_LOST 2  /* every copy of units [unit, unit+count) is gone: they are poisoned (SIGBUS) */
+#define DLS_EV_ENGINE_ERROR 3 /* a system call on units [unit, unit+count) failed: `call` says which, code is -errno */
+
+/* what failed, in a DLS_EV_ENGINE_ERROR event */
+#define DLS_CALL_PROTECT 1   /* write-protecting units before a write-back: they stay resident and dirty */
+#define DLS_CALL_UNPROTECT 2 /* making a unit writable: it stays dirty, the writer retries on its next fault */
+#define DLS_CALL_DROP 3      /* MADV_DONTNEED of evicted units: they stay resident */
+#define DLS_CALL_WAKE 4      /* UFFDIO_WAKE of threads waiting on units */
+#define DLS_CALL_POISON 5    /* poisoning or unmapping units whose every copy is gone */
+#define DLS_CALL_QUEUE 6     /* queueing units for a fetch or for eviction (out of memory) */
+#define DLS_CALL_UNMAP 7     /* replacing the mapping with PROT_NONE at close */
+#define DLS_CALL_THREAD 8    /* a fetch worker or evictor could not set up (out of memory): it did not run */
 
 /* unit states, as dls_pager_unit_state reports them */
 #define DLS_UNIT_ABSENT 0
@@ -62,8 +73,9 @@ typedef struct dls_pager_event {
     int32_t endpoint; /* COPY_FAILED: the copy */
     uint32_t slab;
     int32_t code;     /* a wire status (wire.h) */
-    uint64_t unit;    /* UNITS_LOST: the first unit, and how many */
+    uint64_t unit;    /* UNITS_LOST, ENGINE_ERROR: the first unit, and how many */
     uint64_t count;
+    int32_t call;     /* ENGINE_ERROR: DLS_CALL_* (code is then -errno) */
 } dls_pager_event;
 
 typedef struct dls_pager_stats {
@@ -100,6 +112,7 @@ typedef struct dls_pager_stats {
     uint64_t demand_runs;        /* batched reads for faults and prefetch calls */
     uint64_t stream_runs;        /* batched reads for sequential streams */
     uint64_t stream_cancelled;   /* units a stream asked for and gave up before a fetch (the reader left it) */
+    uint64_t engine_errors;      /* system calls on the mapping that failed (each one a DLS_EV_ENGINE_ERROR event) */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

@@ -1,4 +1,4 @@
-/* The region engine's shared pieces: queues, the copy map, events, per-thread connections,
+/* The region engine's shared pieces: the copy map, events, per-thread connections,
  * the residency budget and the userfaultfd calls every thread uses.  See pager_core.h. */
 #define _GNU_SOURCE
 #include "pager_core.h"
@@ -12,50 +12,6 @@
 #include <time.h>
 
 #include "wire.h"
-
-/* --- queues (the caller holds the lock that guards them) ------------------------------------- */
-
-int pg_queue_init(pg_queue *q, uint64_t cap) {
-    q->items = calloc(cap ? cap : 1, sizeof *q->items);
-    q->cap = cap ? cap : 1;
-    q->head = q->len = 0;
-    return q->items ? 0 : -ENOMEM;
-}
-
-void pg_queue_free(pg_queue *q) {
-    free(q->items);
-    q->items = NULL;
-}
-
-int pg_queue_push(pg_queue *q, uint32_t v) {
-    if (q->len == q->cap) { /* grow rather than drop: a dropped fault would hang its thread */
-        uint64_t cap = q->cap * 2;
-        uint32_t *items = malloc(cap * sizeof *items);
-        if (!items) return -1;
-        for (uint64_t i = 0; i < q->len; i++) items[i] = q->items[(q->head + i) % q->cap];
-        free(q->items);
-        q->items = items;
-        q->cap = cap;
-        q->head = 0;
-    }
-    q->items[(q->head + q->len) % q->cap] = v;
-    q->len++;
-    return 0;
-}
-
-int pg_queue_pop(pg_queue *q, uint32_t *v) {
-    if (!q->len) return -1;
-    *v = q->items[q->head];
-    q->head = (q->head + 1) % q->cap;
-    q->len--;
-    return 0;
-}
-
-int pg_queue_peek(const pg_queue *q, uint32_t *v) {
-    if (!q->len) return -1;
-    *v = q->items[q->head];
-    return 0;
-}
 
 /* --- the copy map ------------------------------------------------------------------------------ */
 
@@ -88,6 +44,15 @@ void pg_event(dls_pager *p, const dls_pager_event *ev) {
         pthread_cond_signal(&p->ev_cv);
     }
     pthread_mutex_unlock(&p->ev_mu);
+}
+
+void pg_fail(dls_pager *p, int call, int err, uint64_t u, uint64_t n) {
+    PG_ADD(p, engine_errors, 1);
+    uint32_t idx = 0;
+    if (p->next && u < p->nunits) pg_extent_of(p, u, &idx);
+    dls_pager_event ev = {.kind = DLS_EV_ENGINE_ERROR, .extent = idx, .endpoint = -1, .code = err, .unit = u,
+                          .count = n, .call = call};
+    pg_event(p, &ev);
 }
 
 void pg_copy_failed(dls_pager *p, uint32_t idx, const pg_copy *c, int code) {
@@ -236,6 +201,20 @@ int pg_wake(dls_pager *p, uint8_t *addr, uint64_t len) {
     return ioctl(p->uffd, UFFDIO_WAKE, &r) == 0 ? 0 : -errno;
 }
 
+void pg_wake_units(dls_pager *p, uint64_t u, uint64_t n) {
+    int rc = pg_wake(p, pg_addr(p, u), n * p->unit);
+    if (rc) pg_fail(p, DLS_CALL_WAKE, rc, u, n);
+}
+
+int pg_make_writable(dls_pager *p, uint64_t u) {
+    int rc = pg_protect(p, u, 1, 0);
+    if (rc) {
+        pg_fail(p, DLS_CALL_UNPROTECT, rc, u, 1);
+        pg_wake_units(p, u, 1);
+    }
+    return rc;
+}
+
 void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code) {
     uint8_t *a = pg_addr(p, u);
     uint64_t len = n * p->unit;
@@ -247,10 +226,12 @@ void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code) {
             else if (errno != EAGAIN && errno != EINTR) break;
         }
     }
+    if (!done && p->poison) pg_fail(p, DLS_CALL_POISON, -errno, u, n);
     if (!done && !p->closing) {
         /* no UFFDIO_POISON: make the range inaccessible instead (SIGSEGV), then wake the waiters */
-        mmap(a, len, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        pg_wake(p, a, len);
+        if (mmap(a, len, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) == MAP_FAILED)
+            pg_fail(p, DLS_CALL_POISON, -errno, u, n);
+        pg_wake_units(p, u, n);
     }
     for (uint64_t i = 0; i < n; i++) {
         pg_lock(p, u + i);

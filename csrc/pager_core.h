@@ -180,17 +180,11 @@ struct dls_pager {
     dls_pager_stats stats;
 };
 
-/* pager_core.c: locks, queues, events, the copy map */
+/* pager_core.c: locks, events, the copy map (the queues: pager_queue.h) */
 static inline pthread_mutex_t *pg_lock_of(dls_pager *p, uint64_t u) { return &p->stripe[u % PG_STRIPES]; }
 static inline void pg_lock(dls_pager *p, uint64_t u) { pthread_mutex_lock(pg_lock_of(p, u)); }
 static inline void pg_unlock(dls_pager *p, uint64_t u) { pthread_mutex_unlock(pg_lock_of(p, u)); }
 static inline uint8_t *pg_addr(dls_pager *p, uint64_t u) { return p->base + u * p->unit; }
-
-int pg_queue_init(pg_queue *q, uint64_t cap);
-void pg_queue_free(pg_queue *q);
-int pg_queue_push(pg_queue *q, uint32_t v);
-int pg_queue_pop(pg_queue *q, uint32_t *v);
-int pg_queue_peek(const pg_queue *q, uint32_t *v);
 
 pg_extent *pg_extent_of(dls_pager *p, uint64_t u, uint32_t *idx);
 /* The extent's copies at this moment. */
@@ -212,9 +206,18 @@ void pg_release(dls_pager *p, uint64_t n);
 /* Wake the threads waiting in dls_pager_prefetch for units to arrive, if there are any. */
 void pg_installed(dls_pager *p);
 
+/* A system call on units [u, u+n) failed with -errno err: count it and raise DLS_EV_ENGINE_ERROR. */
+void pg_fail(dls_pager *p, int call, int err, uint64_t u, uint64_t n);
+
 /* uffd helpers: 0 or -errno */
 int pg_protect(dls_pager *p, uint64_t u, uint64_t n, int on);
 int pg_wake(dls_pager *p, uint8_t *addr, uint64_t len);
+/* pg_wake of units [u, u+n), a failure reported (pg_fail). */
+void pg_wake_units(dls_pager *p, uint64_t u, uint64_t n);
+/* Unit u (DIRTY, under its lock) becomes writable, which wakes its writer.  On failure it is reported
+ * and the writer woken anyway: its write faults again, and that fault retries (a write fault on a DIRTY
+ * unit unprotects it).  0 or -errno. */
+int pg_make_writable(dls_pager *p, uint64_t u);
 /* Every copy of units [u, u+n) is gone: poison them (SIGBUS on touch) and say so. */
 void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code);
 
@@ -240,11 +243,8 @@ int pg_faulter_init(dls_pager *p, pg_faulter *f);
 void pg_faulter_free(pg_faulter *f);
 void *pg_fault_main(void *arg); /* arg: a pg_faulter */
 void *pg_worker_main(void *arg);
-/* Queue unit u for a fetch (it must be FETCHING, set by the caller under its lock). */
-void pg_queue_demand(dls_pager *p, uint64_t u);
 
 /* pager_evict.c */
 void *pg_evict_main(void *arg);
-void pg_ring_add(dls_pager *p, uint64_t u);
 int64_t pg_flush(dls_pager *p);
 #endif

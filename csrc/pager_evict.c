@@ -5,25 +5,15 @@
  * Dirty victims are write-protected and written back to every copy before their pages go with
  * MADV_DONTNEED; clean ones are dropped at once.  flush() writes dirty units back in place. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
 
 #include "pager_core.h"
+#include "pager_queue.h"
 #include "wire.h"
-
-void pg_ring_add(dls_pager *p, uint64_t u) {
-    pg_lock(p, u);
-    int add = !(p->flags[u] & UF_INRING);
-    int stream = (p->flags[u] & UF_STREAM) && p->young_max;
-    p->flags[u] |= UF_INRING;
-    pg_unlock(p, u);
-    if (!add) return;
-    pthread_mutex_lock(&p->ring_mu);
-    pg_queue_push(stream ? &p->young : &p->ring, (uint32_t)u);
-    pthread_mutex_unlock(&p->ring_mu);
-}
 
 /* Under ring_mu: a stream's units older than its young window move to the top of the spent stack. */
 static void age_streams(dls_pager *p) {
@@ -32,7 +22,7 @@ static void age_streams(dls_pager *p) {
         if (p->spent_len == p->spent_cap) {
             uint32_t *grown = realloc(p->spent, 2 * p->spent_cap * sizeof *grown);
             if (!grown) { /* keep it evictable the ordinary way */
-                pg_queue_push(&p->ring, u);
+                pg_ring_push_locked(p, u);
                 continue;
             }
             p->spent = grown;
@@ -71,7 +61,7 @@ static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) 
             out[n++] = u;
         }
         pg_unlock(p, u);
-        if (keep) pg_queue_push(&p->ring, u);
+        if (keep) pg_ring_push_locked(p, u);
     }
     uint64_t budget = 2 * p->ring.len + 16; /* CLOCK may pass every unit once before taking one */
     while (n < max && p->ring.len && budget--) {
@@ -101,7 +91,7 @@ static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) 
             out[n++] = u;
         }
         pg_unlock(p, u);
-        if (back) pg_queue_push(&p->ring, u);
+        if (back) pg_queue_push(&p->ring, u); /* just popped from it: there is room */
     }
     pthread_mutex_unlock(&p->ring_mu);
     return n;
@@ -133,7 +123,7 @@ static int keep_if_wanted(dls_pager *p, uint64_t u, int written) {
     if (keep) {
         p->state[u] = U_DIRTY;
         p->flags[u] &= (uint8_t)~UF_WAIT;
-        pg_protect(p, u, 1, 0); /* wakes the writer; under the lock, like every unprotect */
+        pg_make_writable(p, u); /* wakes the writer; under the lock, like every unprotect */
     } else {
         p->state[u] = U_EVICTING;
     }
@@ -162,30 +152,77 @@ static void settle_dropped(dls_pager *p, uint64_t u, int was_dirty) {
     if (refetch) pg_queue_demand(p, u);
 }
 
+/* MADV_DONTNEED failed: the units' pages (written back, or clean, and write-protected) are still
+ * there, so they stay resident as they are; a fault that came meanwhile finds them on its retry. */
+static void keep_undropped(dls_pager *p, const uint64_t *units, uint32_t n, int err) {
+    pg_fail(p, DLS_CALL_DROP, err, units[0], n);
+    for (uint32_t i = 0; i < n; i++) {
+        pg_lock(p, units[i]);
+        p->state[units[i]] = p->wp ? U_CLEAN : U_DIRTY; /* without write-protect every unit counts as dirty */
+        p->flags[units[i]] &= (uint8_t)~(UF_WAIT | UF_WRITE);
+        pg_unlock(p, units[i]);
+        pg_ring_add(p, units[i]);
+    }
+    pg_wake_units(p, units[0], n);
+}
+
 /* Drop sorted units (all EVICTING): one MADV_DONTNEED per run of adjacent units, and one release of
- * their slots for the whole batch (each release wakes every fetch waiting for room). */
-static void drop_sorted(dls_pager *p, const uint64_t *units, const uint8_t *was_dirty, uint32_t n) {
+ * their slots for the whole batch (each release wakes every fetch waiting for room).  Returns how many
+ * stayed because MADV_DONTNEED failed. */
+static uint32_t drop_sorted(dls_pager *p, const uint64_t *units, const uint8_t *was_dirty, uint32_t n) {
+    uint32_t dropped = 0;
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
         while (j < n && units[j] == units[j - 1] + 1) j++;
-        madvise(pg_addr(p, units[i]), (size_t)(j - i) * p->unit, MADV_DONTNEED);
-        for (uint32_t k = i; k < j; k++) settle_dropped(p, units[k], was_dirty[k]);
+        if (madvise(pg_addr(p, units[i]), (size_t)(j - i) * p->unit, MADV_DONTNEED) != 0) {
+            keep_undropped(p, units + i, j - i, -errno);
+        } else {
+            for (uint32_t k = i; k < j; k++) settle_dropped(p, units[k], was_dirty[k]);
+            dropped += j - i;
+        }
         i = j;
     }
-    if (n) pg_release(p, n);
+    if (dropped) pg_release(p, dropped);
+    return n - dropped;
 }
 
-/* Write-protect sorted units, one ioctl per run of adjacent units. */
-static void protect_sorted(dls_pager *p, const uint64_t *units, uint32_t n) {
+/* A unit that could not be write-protected for its write-back stays dirty and resident (a write
+ * could land while it is copied).  Under its lock, like every unprotect. */
+static void back_to_dirty(dls_pager *p, uint64_t u) {
+    pg_lock(p, u);
+    p->state[u] = U_DIRTY;
+    if (p->flags[u] & UF_WAIT) {
+        p->flags[u] &= (uint8_t)~UF_WAIT;
+        pg_make_writable(p, u);
+    }
+    pg_unlock(p, u);
+}
+
+/* Write-protect sorted units, one ioctl per run of adjacent units.  The units of a run that failed
+ * go back to DIRTY and out of the list; returns how many are left, in order. */
+static uint32_t protect_sorted(dls_pager *p, uint64_t *units, uint32_t n) {
+    uint32_t kept = 0;
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
         while (j < n && units[j] == units[j - 1] + 1) j++;
-        pg_protect(p, units[i], j - i, 1);
+        int rc = pg_protect(p, units[i], j - i, 1);
+        if (rc) {
+            pg_fail(p, DLS_CALL_PROTECT, rc, units[i], j - i);
+            for (uint32_t k = i; k < j; k++) {
+                back_to_dirty(p, units[k]);
+                pg_ring_add(p, units[k]); /* evictable later (a flush's units are in the ring already) */
+            }
+            PG_ADD(p, writeback_failures, j - i);
+        } else {
+            for (uint32_t k = i; k < j; k++) units[kept++] = units[k];
+        }
         i = j;
     }
+    return kept;
 }
 
-static void evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t *dirty, uint32_t n) {
+/* Returns how many victims could not be dropped (MADV_DONTNEED failed). */
+static uint32_t evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t *dirty, uint32_t n) {
     uint64_t wb[256], gone[256];
     uint8_t ok[256], gone_dirty[256];
     uint32_t nw = 0, ng = 0;
@@ -199,7 +236,7 @@ static void evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t *dir
     }
     if (nw) {
         qsort(wb, nw, sizeof *wb, cmp_u64);
-        protect_sorted(p, wb, nw); /* from here on a write faults */
+        nw = protect_sorted(p, wb, nw); /* from here on a write faults */
         write_back_sorted(p, io, wb, nw, ok);
         for (uint32_t i = 0; i < nw; i++)
             if (!keep_if_wanted(p, wb[i], ok[i])) {
@@ -217,13 +254,16 @@ static void evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t *dir
             gone_dirty[j] = gone_dirty[j - 1];
             gone_dirty[j - 1] = d;
         }
-    drop_sorted(p, gone, gone_dirty, ng);
+    return drop_sorted(p, gone, gone_dirty, ng);
 }
 
 void *pg_evict_main(void *arg) {
     dls_pager *p = arg;
     pg_io *io = pg_io_new(p);
-    if (!io) return NULL;
+    if (!io) {
+        pg_fail(p, DLS_CALL_THREAD, -ENOMEM, 0, 0);
+        return NULL;
+    }
     uint32_t batch = io->max_units > 256 ? 256 : io->max_units;
     if (batch > 64) batch = 64;
     uint64_t victims[256];
@@ -252,8 +292,13 @@ void *pg_evict_main(void *arg) {
                 break;
             }
             uint64_t t0 = pg_now_ns();
-            evict_batch(p, io, victims, dirty, n);
+            uint32_t stuck = evict_batch(p, io, victims, dirty, n);
             PG_ADD(p, evict_ns, pg_now_ns() - t0);
+            if (stuck) { /* the kernel refuses to drop pages (reported): try again later, not in a loop */
+                struct timespec ts = {0, 50 * 1000000L};
+                nanosleep(&ts, NULL);
+                break;
+            }
         }
     }
     pg_io_free(io);
@@ -262,7 +307,7 @@ void *pg_evict_main(void *arg) {
 
 int64_t pg_flush(dls_pager *p) {
     pg_io *io = pg_io_new(p);
-    if (!io) return -1;
+    if (!io) return -ENOMEM;
     uint32_t batch = io->max_units > 256 ? 256 : io->max_units;
     uint64_t units[256];
     uint8_t ok[256];
@@ -281,7 +326,9 @@ int64_t pg_flush(dls_pager *p) {
                 pg_unlock(p, u);
             }
             if (!n) continue;
-            for (uint32_t i = 0; i < n; i++) pg_protect(p, units[i], 1, 1);
+            uint32_t all = n;
+            n = protect_sorted(p, units, n);
+            failed += all - n;
             write_back_sorted(p, io, units, n, ok);
             for (uint32_t i = 0; i < n; i++) {
                 uint64_t v = units[i];
@@ -289,7 +336,7 @@ int64_t pg_flush(dls_pager *p) {
                 if (!ok[i] || (p->flags[v] & UF_WAIT)) {
                     p->state[v] = U_DIRTY;
                     p->flags[v] &= (uint8_t)~UF_WAIT;
-                    pg_protect(p, v, 1, 0);
+                    pg_make_writable(p, v);
                 } else {
                     p->state[v] = U_CLEAN;
                 }

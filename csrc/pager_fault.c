@@ -12,16 +12,10 @@
 #include <unistd.h>
 
 #include "pager_core.h"
+#include "pager_queue.h"
 #include "wire.h"
 
 #define PAGE 4096u
-
-void pg_queue_demand(dls_pager *p, uint64_t u) {
-    pthread_mutex_lock(&p->q_mu);
-    pg_queue_push(&p->demand, (uint32_t)u); /* room for every unit, each queued at most once (UF_QUEUED) */
-    pthread_cond_signal(&p->q_cv);
-    pthread_mutex_unlock(&p->q_mu);
-}
 
 static dls_trend *trend_for(dls_pager *p, uint32_t tid, uint64_t stamp) {
     int oldest = 0;
@@ -68,10 +62,22 @@ static uint32_t prefetch(dls_pager *p, int64_t first, int64_t stride, uint32_t c
     uint32_t run = PG_STREAM_RUN_BYTES / p->unit ? (uint32_t)(PG_STREAM_RUN_BYTES / p->unit) : 1;
     uint32_t wake = (k + run - 1) / run;
     pthread_mutex_lock(&p->q_mu);
-    for (uint32_t i = 0; i < k; i++) pg_queue_push(&p->pref, picked[i]);
+    uint32_t pushed = 0;
+    while (pushed < k && pg_queue_push(&p->pref, picked[pushed]) == 0) pushed++;
     for (uint32_t i = 0; i < wake && i < (uint32_t)p->nworkers; i++) pthread_cond_signal(&p->q_cv);
     pthread_mutex_unlock(&p->q_mu);
-    PG_ADD(p, prefetched_units, k);
+    PG_ADD(p, prefetched_units, pushed);
+    if (pushed < k) { /* out of memory: the rest was not asked for after all */
+        pg_fail(p, DLS_CALL_QUEUE, -ENOMEM, picked[pushed], k - pushed);
+        for (uint32_t i = pushed; i < k; i++) { /* (one a fault claimed meanwhile is that fault's) */
+            pg_lock(p, picked[i]);
+            if (p->state[picked[i]] == U_FETCHING && !(p->flags[picked[i]] & (UF_CLAIMED | UF_QUEUED | UF_WAIT))) {
+                p->state[picked[i]] = U_ABSENT;
+                p->flags[picked[i]] &= (uint8_t)~UF_WRITE;
+            }
+            pg_unlock(p, picked[i]);
+        }
+    }
     return covered;
 }
 
@@ -93,7 +99,7 @@ static void cancel_stream(dls_pager *p, int64_t from, int64_t to, int64_t stride
     if (n) PG_ADD(p, stream_cancelled, n);
 }
 
-enum { A_NONE, A_WAKE, A_UNPROTECT, A_FETCH };
+enum { A_NONE, A_WAKE, A_WOKEN, A_UNPROTECT, A_FETCH };
 
 /* One fault message.  Returns 1 when the caller (a fault thread) has claimed unit *out and must fetch
  * it itself; everything else is settled here (a wake, an unprotect, a wait for a unit in transit). */
@@ -105,14 +111,16 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
     pg_lock(p, u);
     uint8_t s = p->state[u];
     if (wp) {
-        if (s == U_CLEAN) {
+        if (s == U_CLEAN || s == U_DIRTY) {
+            /* CLEAN: the first write.  DIRTY: a second writer's stale fault, or a write after an unprotect
+             * that failed; unprotecting again (which wakes the writer) costs what a wake does, and retries. */
+            if (s == U_CLEAN && p->ref[u] < 3) p->ref[u]++; /* written: worth keeping (CLOCK) */
             p->state[u] = U_DIRTY;
-            if (p->ref[u] < 3) p->ref[u]++; /* written: worth keeping (CLOCK) */
             /* Unprotect (and wake the writer) before anyone can see DIRTY: an evictor that took the unit
              * between our unlock and a later unprotect would protect, copy and drop it, and the unprotect
              * would then let a write land that no write-back ever sees. */
-            pg_protect(p, u, 1, 0);
-            action = A_UNPROTECT;
+            pg_make_writable(p, u);
+            action = s == U_CLEAN ? A_UNPROTECT : A_WOKEN;
         } else if (s == U_ABSENT) { /* dropped after the write faulted: fetch it again, writable */
             p->state[u] = U_FETCHING;
             p->flags[u] |= UF_WRITE | UF_CLAIMED;
@@ -120,7 +128,7 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
         } else if (s == U_FETCHING || s == U_WRITEBACK || s == U_EVICTING) {
             p->flags[u] |= UF_WAIT | UF_WRITE;
         } else {
-            action = A_WAKE; /* DIRTY or LOST: resolved already */
+            action = A_WAKE; /* LOST: resolved already */
         }
     } else {
         if (s == U_ABSENT) {
@@ -145,9 +153,12 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
         }
     }
     pg_unlock(p, u);
-    if (action == A_WAKE) {
+    if (action == A_WAKE || action == A_WOKEN) {
         PG_ADD(p, faults_stale, 1);
-        pg_wake(p, (uint8_t *)(uintptr_t)(addr & ~(uint64_t)(PAGE - 1)), PAGE);
+        if (action == A_WAKE) {
+            int rc = pg_wake(p, (uint8_t *)(uintptr_t)(addr & ~(uint64_t)(PAGE - 1)), PAGE);
+            if (rc) pg_fail(p, DLS_CALL_WAKE, rc, u, 1);
+        }
         return 0;
     }
     if (wp) PG_ADD(p, faults_wp, 1);
@@ -187,15 +198,17 @@ static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n, 
  * While one fault thread waits on a donor, the others take the next faults. */
 int pg_faulter_init(dls_pager *p, pg_faulter *f) {
     f->p = p;
-    f->io = pg_io_new(p);
-    f->ep = epoll_create1(EPOLL_CLOEXEC);
+    f->ep = -1;
+    int e = 0;
     struct epoll_event uev = {.events = EPOLLIN | EPOLLEXCLUSIVE, .data.u32 = 0};
     struct epoll_event wev = {.events = EPOLLIN, .data.u32 = 1};
-    if (!f->io || f->ep < 0 || epoll_ctl(f->ep, EPOLL_CTL_ADD, p->uffd, &uev) ||
-        epoll_ctl(f->ep, EPOLL_CTL_ADD, p->wakefd, &wev)) {
-        int e = errno ? errno : ENOMEM;
+    if (!(f->io = pg_io_new(p))) e = -ENOMEM;
+    else if ((f->ep = epoll_create1(EPOLL_CLOEXEC)) < 0) e = -errno;
+    else if (epoll_ctl(f->ep, EPOLL_CTL_ADD, p->uffd, &uev) || epoll_ctl(f->ep, EPOLL_CTL_ADD, p->wakefd, &wev))
+        e = -errno;
+    if (e) {
         pg_faulter_free(f);
-        return -e;
+        return e;
     }
     f->io->spin_us = p->cfg.spin_us;
     return 0;
@@ -289,7 +302,7 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, i
         uint8_t st = writable[i] ? U_DIRTY : U_CLEAN;
         if (st == U_CLEAN && (p->flags[v] & (UF_WAIT | UF_WRITE))) { /* a write came (or was announced) meanwhile */
             st = U_DIRTY;
-            pg_protect(p, v, 1, 0);
+            pg_make_writable(p, v);
         }
         p->state[v] = st;
         p->flags[v] &= (uint8_t)~(UF_WAIT | UF_WRITE | UF_CLAIMED | UF_QUEUED);
@@ -300,7 +313,7 @@ static int install(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, i
     for (uint32_t i = 0; i < n;) { /* one wake per run of adjacent units */
         uint32_t j = i + 1;
         while (j < n && units[j] == units[j - 1] + 1) j++;
-        pg_wake(p, pg_addr(p, units[i]), (uint64_t)(j - i) * p->unit);
+        pg_wake_units(p, units[i], j - i);
         i = j;
     }
     pg_installed(p);
@@ -370,7 +383,10 @@ static void fetch_claimed(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n, 
 void *pg_worker_main(void *arg) {
     dls_pager *p = arg;
     pg_io *io = pg_io_new(p);
-    if (!io) return NULL;
+    if (!io) {
+        pg_fail(p, DLS_CALL_THREAD, -ENOMEM, 0, 0);
+        return NULL;
+    }
     uint32_t max = io->max_units > 256 ? 256 : io->max_units;
     uint32_t stream_max = PG_STREAM_RUN_BYTES / p->unit ? (uint32_t)(PG_STREAM_RUN_BYTES / p->unit) : 1;
     if (stream_max > max) stream_max = max;

@@ -63,7 +63,12 @@ _STATS = ("faults_missing", "faults_wp", "faults_stale", "faults_inflight", "fet
           "failovers", "copy_failures", "units_lost", "bytes_fetched", "bytes_written", "resident_units",
           "local_units", "budget_waits", "over_budget", "events_dropped", "user_mode_only", "write_protect",
           "fault_ns", "fetch_ns", "install_ns", "reserve_wait_ns", "evict_ns", "demand_runs", "stream_runs",
-          "stream_cancelled")
+          "stream_cancelled", "engine_errors")
+_CALLS = {lib.DLS_CALL_PROTECT: "write-protecting units for a write-back",
+          lib.DLS_CALL_UNPROTECT: "making a unit writable", lib.DLS_CALL_DROP: "MADV_DONTNEED of evicted units",
+          lib.DLS_CALL_WAKE: "waking threads that wait on units", lib.DLS_CALL_POISON: "poisoning lost units",
+          lib.DLS_CALL_QUEUE: "queueing units (out of memory)", lib.DLS_CALL_UNMAP: "unmapping the region at close",
+          lib.DLS_CALL_THREAD: "starting a fetch worker or evictor"}
 
 
 def default_fetch_workers() -> int:
@@ -144,6 +149,8 @@ class _Engine:
         self.nbytes = nbytes
         self.address = int(ffi.cast("uintptr_t", lib.dls_pager_base(p)))
         self.lost: list[tuple[int, int]] = []  # (first unit, count), from the engine's events
+        # (what, errno, first unit, count): system calls of the engine that failed, from its events
+        self.errors: list[tuple[str, int, int, int]] = []
         self._ep_ids: dict[str, int] = {}
         self._ep_addrs: dict[int, str] = {}
         self._mu = threading.Lock()
@@ -367,6 +374,11 @@ def _event_loop(engine: _Engine, buf: RegionBuffer) -> None:
                 if rep is not None and not buf.freed:
                     buf.io.copy_failed(buf, ext, rep, RemoteMemoryError(
                         ev.code, f"region copy of extent {ev.extent} on {rep.node} (slab {rep.slab})"))
+            elif ev.kind == lib.DLS_EV_ENGINE_ERROR:
+                what = _CALLS.get(ev.call, f"call {ev.call}")
+                engine.errors.append((what, -int(ev.code), int(ev.unit), int(ev.count)))
+                log.error("region engine: %s failed (%s) on units %d..%d", what, os.strerror(-ev.code), ev.unit,
+                          ev.unit + max(int(ev.count), 1) - 1)
             elif ev.kind == lib.DLS_EV_UNITS_LOST:
                 engine.lost.append((int(ev.unit), int(ev.count)))
                 log.error("units %d..%d of a region are lost: every copy is gone (%s); touching them is SIGBUS",
