@@ -40,9 +40,10 @@ int dls_region_map(uint64_t size, int flags, dls_region *r, char *reason, size_t
         p = mmap(NULL, psize, PROT_READ | PROT_WRITE, base_flags, -1, 0);
         if (p == MAP_FAILED) return -errno;
         r->size = psize;
-        if (flags & DLS_REGION_HUGE) {
-            /* transparent huge pages as the next best thing */
-            madvise(p, psize, MADV_HUGEPAGE);
+        if ((flags & DLS_REGION_HUGE) && madvise(p, psize, MADV_HUGEPAGE) != 0 && reason_len) {
+            /* transparent huge pages as the next best thing, when the kernel has them */
+            size_t n = strlen(reason);
+            snprintf(reason + n, reason_len - n, "%sMADV_HUGEPAGE refused (%s)", n ? "; " : "", strerror(errno));
         }
     }
     r->base = p;
@@ -61,7 +62,7 @@ int dls_region_map(uint64_t size, int flags, dls_region *r, char *reason, size_t
 
 int dls_region_unmap(dls_region *r) {
     if (!r->base) return 0;
-    if (r->flags & DLS_REGION_LOCK) munlock(r->base, r->size);
+    /* munmap unlocks a locked range itself */
     int rc = munmap(r->base, r->size) == 0 ? 0 : -errno;
     if (rc == 0) {
         r->base = NULL;

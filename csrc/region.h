@@ -20,7 +20,7 @@ typedef struct dls_region {
  * plain mapping fails.  A refused huge-page mapping or mlock is not an error:
  * it is left out of r->flags and explained in `reason` (empty otherwise). */
 int dls_region_map(uint64_t size, int flags, dls_region *r, char *reason, size_t reason_len);
-/* munmap (after munlock if it was locked); returns 0 or -errno. */
+/* munmap (which unlocks it if it was locked); returns 0 or -errno. */
 int dls_region_unmap(dls_region *r);
 uint64_t dls_page_size(void);
 /* 16 bytes from the kernel CSPRNG (getrandom); 0 or -errno. */

@@ -42,12 +42,19 @@ int dls_reserve(uint8_t **buf, size_t *cap, size_t need) {
 
 int dls_slabs_init(dls_slab_table *t) {
     t->slabs = calloc(DLS_MAX_SLAB_ID, sizeof(dls_slab *));
-    if (!t->slabs) return -1;
+    if (!t->slabs) return -ENOMEM;
     pthread_rwlockattr_t attr;
-    pthread_rwlockattr_init(&attr);
-    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
-    pthread_rwlock_init(&t->lock, &attr);
-    pthread_rwlockattr_destroy(&attr);
+    int rc = pthread_rwlockattr_init(&attr);
+    if (!rc) {
+        rc = pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+        if (!rc) rc = pthread_rwlock_init(&t->lock, &attr);
+        pthread_rwlockattr_destroy(&attr);
+    }
+    if (rc) {
+        free(t->slabs);
+        t->slabs = NULL;
+        return -rc;
+    }
     return 0;
 }
 

@@ -120,8 +120,11 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
         int pr = poll(&p, 1, timeout_ms);
         int soerr = 0;
         socklen_t sl = sizeof soerr;
-        if (pr == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
-        else soerr = pr == 0 ? ETIMEDOUT : errno;
+        if (pr == 1) {
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl)) soerr = errno;
+        } else {
+            soerr = pr == 0 ? ETIMEDOUT : errno;
+        }
         rc = soerr ? -1 : 0;
         errno = soerr;
     }
@@ -131,13 +134,20 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
         return NULL;
     }
     int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     /* Blocking from here on: the pipelined path passes MSG_DONTWAIT and polls,
      * while a lone small request sleeps in recv itself (one system call fewer
      * on the latency path), bounded by SO_RCVTIMEO. */
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    int fl = fcntl(fd, F_GETFL);
+    const char *what = NULL;
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one)) what = "TCP_NODELAY";
+    else if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK)) what = "making the socket blocking";
+    else if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv)) what = "SO_RCVTIMEO";
+    if (what) {
+        if (err_len) snprintf(err, err_len, "connection to %s:%d: %s: %s", host, port, what, strerror(errno));
+        close(fd);
+        return NULL;
+    }
     tcp_conn *c = calloc(1, sizeof *c);
     if (c) {
         c->req = malloc(DLS_REQ_HDR_LEN + DLS_SEG_LEN * DLS_MAX_SEGS);

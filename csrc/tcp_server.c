@@ -80,8 +80,7 @@ struct dls_server {
 static char LISTEN_TAG, STOP_TAG;
 
 static void conn_close(worker *w, conn *c) {
-    epoll_ctl(w->epfd, EPOLL_CTL_DEL, c->st.fd, NULL);
-    close(c->st.fd);
+    close(c->st.fd); /* which takes it out of the epoll set: nothing else holds the descriptor */
     dls_peers_leave(&w->s->peers, &c->peer);
     if (c->prev) c->prev->next = c->next;
     else w->conns = c->next;
@@ -115,11 +114,13 @@ static int flush_out(dls_server *s, conn *cn) {
     return 0;
 }
 
-static void set_interest(worker *w, conn *c, int want_out) {
-    if (c->want_out == want_out) return;
+/* 0, or -errno when epoll refused (the caller closes the connection: it would never be served again). */
+static int set_interest(worker *w, conn *c, int want_out) {
+    if (c->want_out == want_out) return 0;
     struct epoll_event ev = {.events = want_out ? EPOLLOUT : (EPOLLIN | EPOLLRDHUP), .data.ptr = c};
-    epoll_ctl(w->epfd, EPOLL_CTL_MOD, c->st.fd, &ev);
+    if (epoll_ctl(w->epfd, EPOLL_CTL_MOD, c->st.fd, &ev)) return -errno;
     c->want_out = want_out;
+    return 0;
 }
 
 static void conn_event(worker *w, conn *c, uint32_t events) {
@@ -138,14 +139,13 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
             return;
         }
         if (fr == 1) {
-            set_interest(w, c, 1);
+            if (set_interest(w, c, 1)) conn_close(w, c);
             return;
         }
-        if (st->closing) {
+        if (st->closing || set_interest(w, c, 0)) {
             conn_close(w, c);
             return;
         }
-        set_interest(w, c, 0);
         if (more) continue; /* parse the rest before reading more */
         /* Everything read so far is served: level-triggered epoll reports the
          * next bytes, so skip the recv that would most likely say EAGAIN. */
@@ -174,7 +174,10 @@ static void conn_event(worker *w, conn *c, uint32_t events) {
 }
 
 static void pause_listener(worker *w) {
-    if (w->listening) epoll_ctl(w->epfd, EPOLL_CTL_DEL, w->s->lfd, NULL);
+    /* A failed removal (only ENOENT: not in the set) changes nothing below: the listener counts as
+     * paused, and resume_listener's EPOLL_CTL_ADD takes EEXIST as success. */
+    if (w->listening && epoll_ctl(w->epfd, EPOLL_CTL_DEL, w->s->lfd, NULL) && errno != ENOENT)
+        DLS_ADD(&w->s->n.errors, 1);
     w->listening = 0;
     w->resume_ns = dls_monotonic_ns() + DLS_ACCEPT_PAUSE_NS;
 }
@@ -241,7 +244,11 @@ static void accept_all(worker *w) {
             continue;
         }
         int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one)) { /* the socket is unusable */
+            close(fd);
+            dls_peers_leave(&s->peers, &key);
+            continue;
+        }
         conn *c = calloc(1, sizeof *c);
         if (!c || dls_reserve(&c->st.in, &c->st.incap, IN_INITIAL)) {
             free(c);
