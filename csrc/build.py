@@ -11,11 +11,18 @@ every ``.c`` into one extension, ``rdma._dlshare_c``.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
+
+# -Werror: a warning is a bug to fix, in our sources and in the module cffi generates.
+CFLAGS = ["-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fno-strict-aliasing"]
+# DLSHARE_SANITIZE=1 (make sanitize): AddressSanitizer and UndefinedBehaviorSanitizer, every finding fatal.
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+_sanitize = os.environ.get("DLSHARE_SANITIZE") == "1"
 
 ffibuilder = FFI()
 
@@ -32,7 +39,8 @@ ffibuilder.set_source(
     depends=[str(h.relative_to(HERE.parent)) for h in sorted(HERE.glob("*.h"))],
     include_dirs=[str(HERE)],
     libraries=["pthread"],
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing"],
+    extra_compile_args=(["-O1", "-g", *SANITIZE] if _sanitize else ["-O3"]) + CFLAGS,
+    extra_link_args=SANITIZE if _sanitize else [],
 )
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 #ifndef DLSHARE_PROVIDER_H
 #define DLSHARE_PROVIDER_H
 /* The transport seam of remote memory.  A provider moves batches of slab
- * segments between a local buffer and a donor: `tcp` (tcp_client.c) always,
- * `verbs` (verbs_provider.c) only when built against libibverbs.  Callers go
- * through dls_ep_*, which picks the provider by name. */
+ * segments between a local buffer and a donor.  Callers go through dls_ep_*,
+ * which picks the provider by name.  There is one provider: `tcp`
+ * (tcp_client.c).  The RDMA verbs provider is not written yet; provider.c's
+ * lookup has its place behind DLS_HAVE_VERBS (a build against libibverbs that
+ * defines dls_verbs_provider), and until then asking for `verbs` fails with
+ * that reason. */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,6 +50,9 @@ typedef struct dls_provider {
 } dls_provider;
 
 extern const dls_provider dls_tcp_provider;
+#ifdef DLS_HAVE_VERBS
+extern const dls_provider dls_verbs_provider;
+#endif
 
 typedef struct dls_ep dls_ep;
 /* NULL and a reason in err when the provider is unknown or not built, or the
