@@ -14,7 +14,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge prometheus
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-stress lint deps sysdeps ext bench bench-quick clean
+.PHONY: all demo test test-stress sanitize lint deps sysdeps ext bench bench-quick clean
 
 all: deps
 
@@ -53,6 +53,29 @@ ext: | $(VENV)/.installed
 test: deps
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+
+# The C core under AddressSanitizer and UndefinedBehaviorSanitizer: built apart (build/sanitize; the
+# in-place extension is untouched), then the tests that run the C in-process, with the sanitized
+# build loaded in every Python process of the run (tests/sanitize/sitecustomize.py).  Any finding
+# aborts the run.  detect_leaks=0: the interpreter itself keeps memory until exit.  handle_segv=0,
+# handle_sigbus=0: the tests that expect a SIGSEGV or SIGBUS (a lost unit, a closed region) see the
+# signal itself.  Left out: the test that measures RSS falling after the server frees a buffer
+# (ASan's quarantine keeps freed memory on purpose).
+SANITIZE_TESTS ?= tests/test_c_layout.py tests/rdma/test_wire.py tests/rdma/test_crc32c.py \
+	tests/rdma/test_native_mem.py tests/rdma/test_tcp_server.py tests/rdma/test_buffer.py \
+	tests/rdma/test_pager.py tests/rdma/test_pager_errors.py tests/adversarial/test_slab_server.py \
+	tests/aggregator/test_agg_kernel.py tests/aggregator/test_agg_sockio.py
+sanitize: | $(VENV)/.installed
+	rm -rf build/sanitize
+	DLSHARE_SANITIZE=1 $(BIN)/python setup.py -q build_ext --build-lib build/sanitize/lib \
+	  --build-temp build/sanitize/tmp >/dev/null
+	ext=$$(ls build/sanitize/lib/rdma/_dlshare_c*.so) && \
+	env DLSHARE_SANITIZED_EXT=$$PWD/$$ext PYTHONPATH=$$PWD/tests/sanitize PYTHONMALLOC=malloc \
+	  LD_PRELOAD=$$($(CC) -print-file-name=libasan.so) \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:handle_segv=0:handle_sigbus=0 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $(SANITIZE_TESTS) \
+	  --deselect tests/adversarial/test_slab_server.py::test_a_token_holder_gives_big_buffers_back_when_it_idles
 
 # The flake hunt: the suite (or PYTEST_ARGS, a selection) with one core held busy by a pinned busy
 # loop, each test STRESS_COUNT times (tests/stress.py starts the loop and stops it by pid).

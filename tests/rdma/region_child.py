@@ -52,7 +52,10 @@ def copies_of(region, index: int) -> list[dict]:
 def lost(broker: str) -> None:
     region, owner = open_region(broker, 4 << 20, 16 * UNIT)
     a = region.array(np.uint32)
-    a[:] = np.arange(len(a), dtype=np.uint32) + 0x5A5A0000  # never zeros: a silent-zeros read cannot pass
+    data = np.arange(len(a), dtype=np.uint32) + 0x5A5A0000  # never zeros: a silent-zeros read cannot pass
+    per = UNIT // 4
+    for i in range(0, len(a), per):  # unit by unit, first to last, whichever way memmove runs
+        a[i:i + per] = data[i:i + per]
     region.flush()
     region.prefetch(2 << 20, 2 << 20)  # the second half in: the first is written back and evicted
     say("state", region.unit_state(0))
