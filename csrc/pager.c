@@ -23,6 +23,7 @@
 static int open_uffd(int extra) { return (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK | extra); }
 
 /* The features this kernel offers (UFFDIO_API may be called once per descriptor: ask on a spare one). */
+/* 0, or -errno and the reason in err. */
 static int uffd_open(dls_pager *p, char *err, size_t err_len) {
     int fd = open_uffd(0);
     if (fd < 0 && errno == EPERM) {
@@ -32,15 +33,16 @@ static int uffd_open(dls_pager *p, char *err, size_t err_len) {
         p->user_mode_only = fd >= 0;
     }
     if (fd < 0) {
-        snprintf(err, err_len, "userfaultfd: %s (run as root, or set vm.unprivileged_userfaultfd = 1)",
-                 strerror(errno));
-        return -1;
+        int e = errno;
+        snprintf(err, err_len, "userfaultfd: %s (run as root, or set vm.unprivileged_userfaultfd = 1)", strerror(e));
+        return -e;
     }
     struct uffdio_api probe = {.api = UFFD_API, .features = 0};
     if (ioctl(fd, UFFDIO_API, &probe) != 0) {
-        snprintf(err, err_len, "UFFDIO_API (probing the features): %s", strerror(errno));
+        int e = errno;
+        snprintf(err, err_len, "UFFDIO_API (probing the features): %s", strerror(e));
         close(fd);
-        return -1;
+        return -e;
     }
     uint64_t have = probe.features;
     close(fd);
@@ -48,9 +50,10 @@ static int uffd_open(dls_pager *p, char *err, size_t err_len) {
     uint64_t want = UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID | UFFD_FEATURE_POISON;
     struct uffdio_api api = {.api = UFFD_API, .features = want & have};
     if (fd < 0 || ioctl(fd, UFFDIO_API, &api) != 0) {
-        snprintf(err, err_len, "UFFDIO_API: %s", strerror(errno));
+        int e = errno;
+        snprintf(err, err_len, "UFFDIO_API: %s", strerror(e));
         if (fd >= 0) close(fd);
-        return -1;
+        return -e;
     }
     p->uffd = fd;
     p->poison = (api.features & UFFD_FEATURE_POISON) != 0;
@@ -60,8 +63,9 @@ static int uffd_open(dls_pager *p, char *err, size_t err_len) {
     if (!p->wp) { /* no write-protect on anonymous memory: every installed unit counts as dirty */
         reg.mode = UFFDIO_REGISTER_MODE_MISSING;
         if (ioctl(fd, UFFDIO_REGISTER, &reg) != 0) {
-            snprintf(err, err_len, "UFFDIO_REGISTER: %s", strerror(errno));
-            return -1;
+            int e = errno;
+            snprintf(err, err_len, "UFFDIO_REGISTER: %s", strerror(e));
+            return -e;
         }
     }
     if (!(reg.ioctls & (1ull << 0x08))) p->poison = 0; /* _UFFDIO_POISON */
@@ -81,15 +85,23 @@ static int check_config(const dls_pager_config *c, char *err, size_t err_len) {
     else if (c->spin_us > 10000) why = "spin_us must be at most 10000";
     else if (!c->nextents) why = "no extents";
     if (why) snprintf(err, err_len, "%s", why);
-    return why ? -1 : 0;
+    return why ? -EINVAL : 0;
 }
 
-dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_len) {
-    if (check_config(cfg, err, err_len)) return NULL;
+/* Free the half-made pager p and return -errno e, the reason in err already. */
+static int create_failed(dls_pager *p, int e) {
+    dls_pager_free(p);
+    return -e;
+}
+
+int dls_pager_create(const dls_pager_config *cfg, dls_pager **out, char *err, size_t err_len) {
+    *out = NULL;
+    int rc = check_config(cfg, err, err_len);
+    if (rc) return rc;
     dls_pager *p = calloc(1, sizeof *p);
     if (!p) {
         snprintf(err, err_len, "out of memory (the region engine's state)");
-        return NULL;
+        return -ENOMEM;
     }
     p->cfg = *cfg;
     if (p->cfg.io_timeout_ms <= 0) p->cfg.io_timeout_ms = 5000;
@@ -139,44 +151,41 @@ dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_l
         pg_queue_init(&p->pref, 4096) || pg_queue_init(&p->ring, p->nunits < 65536 ? p->nunits : 65536) ||
         pg_queue_init(&p->young, 4096) || !(p->spent = malloc((p->spent_cap = 4096) * sizeof *p->spent))) {
         snprintf(err, err_len, "out of memory");
-        dls_pager_free(p);
-        return NULL;
+        return create_failed(p, ENOMEM);
     }
     memset(p->zeros, 0, p->unit);
     p->zero_crc = dls_crc32c_pages(0, p->zeros, p->unit);
     p->base = mmap(NULL, p->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p->base == MAP_FAILED) {
-        snprintf(err, err_len, "mmap of %llu bytes: %s", (unsigned long long)p->size, strerror(errno));
+        int e = errno;
+        snprintf(err, err_len, "mmap of %llu bytes: %s", (unsigned long long)p->size, strerror(e));
         p->base = NULL;
-        dls_pager_free(p);
-        return NULL;
+        return create_failed(p, e);
     }
     /* A forked child gets no mapping at all (SIGSEGV on touch), never unregistered pages that would
      * read as zeros. */
     if (madvise(p->base, p->size, MADV_DONTFORK) != 0) {
-        snprintf(err, err_len, "MADV_DONTFORK: %s", strerror(errno));
-        dls_pager_free(p);
-        return NULL;
+        int e = errno;
+        snprintf(err, err_len, "MADV_DONTFORK: %s", strerror(e));
+        return create_failed(p, e);
     }
     /* units are managed in 4 KiB pages (EINVAL: a kernel without transparent huge pages, nothing to undo) */
     if (madvise(p->base, p->size, MADV_NOHUGEPAGE) != 0 && errno != EINVAL) {
-        snprintf(err, err_len, "MADV_NOHUGEPAGE: %s", strerror(errno));
-        dls_pager_free(p);
-        return NULL;
+        int e = errno;
+        snprintf(err, err_len, "MADV_NOHUGEPAGE: %s", strerror(e));
+        return create_failed(p, e);
     }
-    if (uffd_open(p, err, err_len) != 0) {
-        dls_pager_free(p);
-        return NULL;
-    }
+    if ((rc = uffd_open(p, err, err_len)) != 0) return create_failed(p, -rc);
     p->wakefd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (p->wakefd < 0) {
-        snprintf(err, err_len, "eventfd (the fault threads' wake-up): %s", strerror(errno));
-        dls_pager_free(p);
-        return NULL;
+        int e = errno;
+        snprintf(err, err_len, "eventfd (the fault threads' wake-up): %s", strerror(e));
+        return create_failed(p, e);
     }
     PG_STAT(p, user_mode_only) = (uint64_t)p->user_mode_only;
     PG_STAT(p, write_protect) = (uint64_t)p->wp;
-    return p;
+    *out = p;
+    return 0;
 }
 
 void *dls_pager_base(dls_pager *p) { return p->base; }
@@ -261,27 +270,27 @@ int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
     if (p->started) return 0;
     if (p->next != p->cfg.nextents || p->ext[p->next - 1].first_unit + p->ext[p->next - 1].nunits != p->nunits) {
         snprintf(err, err_len, "the extents do not cover the region");
-        return DLS_E_ARG;
+        return -EINVAL;
     }
     p->faulters = calloc((size_t)p->cfg.fault_threads, sizeof(pthread_t));
     p->faulter_ctx = calloc((size_t)p->cfg.fault_threads, sizeof *p->faulter_ctx);
     if (!p->faulter_ctx) {
         snprintf(err, err_len, "out of memory");
-        return DLS_E_INTERNAL;
+        return -ENOMEM;
     }
     for (int i = 0; i < p->cfg.fault_threads; i++) p->faulter_ctx[i].ep = -1;
     for (int i = 0; i < p->cfg.fault_threads; i++) {
         int e = pg_faulter_init(p, &p->faulter_ctx[i]);
         if (e) {
             snprintf(err, err_len, "fault thread set-up (epoll on the userfaultfd): %s", strerror(-e));
-            return DLS_E_INTERNAL;
+            return e;
         }
     }
     p->workers = calloc((size_t)p->cfg.fetch_workers, sizeof(pthread_t));
     p->evictors = calloc((size_t)p->cfg.evict_threads, sizeof(pthread_t));
     if (!p->faulters || !p->workers || !p->evictors) {
         snprintf(err, err_len, "out of memory");
-        return DLS_E_INTERNAL;
+        return -ENOMEM;
     }
     p->started = 1;
     int rc = 0; /* count only the threads that started: close() joins those */
@@ -294,7 +303,7 @@ int dls_pager_start(dls_pager *p, char *err, size_t err_len) {
     if (rc) {
         snprintf(err, err_len, "pthread_create: %s", strerror(rc));
         dls_pager_close(p);
-        return DLS_E_INTERNAL;
+        return -rc;
     }
     return 0;
 }
@@ -311,11 +320,11 @@ static int not_ready(dls_pager *p, const uint64_t *units, uint64_t n, int *lost)
 }
 
 int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int write, int timeout_ms) {
-    if (!p->started || p->closing) return -1;
+    if (!p->started || p->closing) return -ESHUTDOWN;
     for (uint64_t i = 0; i < n; i++)
-        if (units[i] >= p->nunits) return -2;
+        if (units[i] >= p->nunits) return -EINVAL;
     uint64_t *queue = malloc((n ? n : 1) * sizeof *queue), nq = 0;
-    if (!queue) return -1;
+    if (!queue) return -ENOMEM;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t u = units[i];
         pg_lock(p, u);
@@ -375,11 +384,11 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
     }
     __atomic_sub_fetch(&p->inst_waiters, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&p->inst_mu);
-    return p->closing ? -1 : waiting + lost;
+    return p->closing ? -ESHUTDOWN : waiting + lost;
 }
 
 int64_t dls_pager_flush(dls_pager *p) {
-    if (!p->started || p->closing) return -1;
+    if (!p->started || p->closing) return -ESHUTDOWN;
     return pg_flush(p);
 }
 
@@ -401,14 +410,14 @@ int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms) {
         }
         pthread_cond_timedwait(&p->ev_cv, &p->ev_mu, &ts);
     }
-    int rc = 0;
+    int rc = -EAGAIN;
     if (p->ev_len) {
         *ev = p->ev[p->ev_head];
         p->ev_head = (p->ev_head + 1) % PG_EV_CAP;
         p->ev_len--;
-        rc = 1;
+        rc = 0;
     } else if (p->closing) {
-        rc = -1;
+        rc = -ESHUTDOWN;
     }
     pthread_mutex_unlock(&p->ev_mu);
     return rc;

@@ -117,11 +117,12 @@ typedef struct dls_pager_stats {
 
 typedef struct dls_pager dls_pager;
 
-/* Map and register the region (nothing runs yet).  NULL and a reason in err. */
-dls_pager *dls_pager_create(const dls_pager_config *cfg, char *err, size_t err_len);
+/* Map and register the region (nothing runs yet) into *out.  0, or -errno and the reason in err. */
+int dls_pager_create(const dls_pager_config *cfg, dls_pager **out, char *err, size_t err_len);
 void *dls_pager_base(dls_pager *p);
 uint64_t dls_pager_size(dls_pager *p);
-/* The id of a donor's slab server (the same host:port gives the same id); <0 when the table is full. */
+/* The id of a donor's slab server (the same host:port gives the same id); -EINVAL for a bad address or
+ * when the table is full. */
 int dls_pager_endpoint(dls_pager *p, const char *host, int port);
 /* Define or replace the copies of extent idx: units [first_unit, first_unit+nunits), unit i of it at
  * byte (i * unit) of each copy's slab.  tokens: 16 bytes per copy.  A copy that failed before keeps
@@ -129,28 +130,30 @@ int dls_pager_endpoint(dls_pager *p, const char *host, int port);
 int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64_t nunits, uint32_t ncopies,
                          const int32_t *eps, const uint32_t *slabs, const uint8_t *tokens, const uint8_t *roles);
 /* The engine's copies of extent idx as they are now (at most max): their endpoint, slab, role and
- * whether they failed.  The number of copies, or <0 for a bad extent. */
+ * whether they failed.  The number of copies, or -EINVAL for a bad extent. */
 int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *slabs, uint8_t *roles,
                             uint8_t *failed, uint32_t max);
 /* Testing only: pause this long between mapping fetched units in and settling their states (with
  * streams_only, only in the fetch workers' stream runs). */
 void dls_pager_set_install_delay(dls_pager *p, uint32_t us, int streams_only);
-/* Start the fault thread, fetch workers and evictors (every extent must be defined). */
+/* Start the fault thread, fetch workers and evictors (every extent must be defined).  0, or -errno and
+ * the reason in err. */
 int dls_pager_start(dls_pager *p, char *err, size_t err_len);
 /* Bring units in (write: installed writable and dirty, so the writes that follow take no fault).
  * timeout_ms > 0: wait until they are resident; returns how many are not (lost or still on
- * their way), 0 when all are in; < 0 on a closed pager or a bad unit. */
+ * their way), 0 when all are in; -ESHUTDOWN on a closed pager, -EINVAL for a bad unit. */
 int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int write, int timeout_ms);
-/* Write every dirty unit back to every copy (they stay resident, clean).  0, or the number of
- * units that no durable copy took. */
+/* Write every dirty unit back to every copy (they stay resident, clean).  0, the number of units
+ * that no durable copy took, or -ESHUTDOWN / -ENOMEM. */
 int64_t dls_pager_flush(dls_pager *p);
 /* Copy every unit of extent idx that holds data from a readable copy into the copy (ep, slab,
  * token), which must already be in the extent's map (as REBUILDING: writes reach it meanwhile).
- * 0, or a wire status. */
+ * 0, -errno, or the status a donor answered (wire.h). */
 int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
-/* 1 and an event, 0 after timeout_ms, -1 once the pager is closed and no event is left. */
+/* 0 and an event, -EAGAIN after timeout_ms, -ESHUTDOWN once the pager is closed and no event is left. */
 int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms);
 void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st);
+/* DLS_UNIT_*, or -EINVAL for a unit outside the region. */
 int dls_pager_unit_state(dls_pager *p, uint64_t unit);
 /* How many of units [first, first+n) lost every copy (poisoned). */
 uint64_t dls_pager_lost_in(dls_pager *p, uint64_t first, uint64_t n);

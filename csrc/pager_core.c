@@ -114,8 +114,8 @@ dls_ep *pg_io_conn(dls_pager *p, pg_io *io, int32_t ep) {
     int known = ep < p->neps;
     pthread_mutex_unlock(&p->ep_mu);
     if (!known) return NULL;
-    char err[256];
-    io->conn[ep] = dls_ep_connect("tcp", e.host, e.port, p->cfg.io_timeout_ms, err, sizeof err);
+    char err[256]; /* the caller reports the copy failed (DLS_E_IO): the reason is not needed */
+    if (dls_ep_connect("tcp", e.host, e.port, p->cfg.io_timeout_ms, &io->conn[ep], err, sizeof err)) return NULL;
     return io->conn[ep];
 }
 

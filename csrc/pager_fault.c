@@ -334,7 +334,7 @@ static void fetch_group(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t
     PG_ADD(p, fetch_ns, t1 - t0);
     if (stream) PG_ADD(p, stream_runs, 1);
     else PG_ADD(p, demand_runs, 1);
-    if (rc == DLS_OK && install(p, io, units, n, stream) < 0) rc = DLS_E_INTERNAL;
+    if (rc == DLS_OK) rc = install(p, io, units, n, stream); /* -errno: the range is gone (closing) */
     PG_ADD(p, install_ns, pg_now_ns() - t1);
     if (rc == DLS_OK) return;
     pg_release(p, n);

@@ -3,6 +3,7 @@
  * copy, and fill a new copy during a rebuild.  Each call runs on its own pg_io (connections
  * and a bounce buffer), so fetch workers and evictors never share a socket. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -154,7 +155,7 @@ int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const 
     if (idx >= p->next) return DLS_E_ARG;
     pg_extent *e = &p->ext[idx];
     pg_io *io = pg_io_new(p);
-    if (!io) return DLS_E_INTERNAL;
+    if (!io) return -ENOMEM;
     pg_copy target = {.ep = ep, .slab = slab, .role = DLS_COPY_REBUILDING};
     memcpy(target.token, token, 16);
     int rc = DLS_OK;

@@ -1,6 +1,7 @@
 /* Connections per peer address; see peer_limit.h. */
 #include "peer_limit.h"
 
+#include <errno.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,25 +62,25 @@ static dls_peer **find(dls_peer_table *t, const dls_peer_key *k) {
 }
 
 int dls_peers_admit(dls_peer_table *t, const dls_peer_key *key) {
-    int ok = 0;
+    int rc = -EUSERS;
     pthread_mutex_lock(&t->mu);
     dls_peer **pp = find(t, key);
     if (*pp) {
         if ((*pp)->count < t->limit) {
             (*pp)->count++;
-            ok = 1;
+            rc = 0;
         }
     } else if (t->limit > 0) {
         dls_peer *p = calloc(1, sizeof *p);
+        rc = p ? 0 : -ENOMEM;
         if (p) {
             p->key = *key;
             p->count = 1;
             *pp = p;
-            ok = 1;
         }
     }
     pthread_mutex_unlock(&t->mu);
-    return ok;
+    return rc;
 }
 
 void dls_peers_leave(dls_peer_table *t, const dls_peer_key *key) {

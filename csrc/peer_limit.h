@@ -27,8 +27,8 @@ void dls_peers_init(dls_peer_table *t, int limit);
 void dls_peers_destroy(dls_peer_table *t);
 /* The key of a peer address (AF_INET or AF_INET6; others map to one shared key). */
 dls_peer_key dls_peer_key_of(const struct sockaddr_storage *ss);
-/* Count one more connection from key: 1, or 0 when the address is at its limit
- * (then nothing is counted) or out of memory. */
+/* Count one more connection from key: 0, or -EUSERS when the address is at its
+ * limit, -ENOMEM out of memory (then nothing is counted). */
 int dls_peers_admit(dls_peer_table *t, const dls_peer_key *key);
 /* One connection from key closed. */
 void dls_peers_leave(dls_peer_table *t, const dls_peer_key *key);

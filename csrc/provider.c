@@ -1,16 +1,17 @@
 /* Provider registry and the dls_ep indirection; see provider.h. */
 #include "provider.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "wire.h"
 
-/* The RDMA verbs provider (one-sided READ/WRITE on RC queue pairs) is a later
- * issue: when it exists it lives in its own file, built only where
- * <infiniband/verbs.h> is present, and registers itself here behind
- * DLS_HAVE_VERBS.  Until then asking for "verbs" fails with a clear reason. */
+/* The RDMA verbs provider (one-sided READ/WRITE on RC queue pairs) is not
+ * written yet: when it is, it lives in its own file, built only where
+ * <infiniband/verbs.h> is present, and is found here behind DLS_HAVE_VERBS.
+ * Until then asking for "verbs" fails with that reason (-EOPNOTSUPP). */
 
 struct dls_ep {
     const dls_provider *p;
@@ -27,24 +28,28 @@ static const dls_provider *lookup(const char *name) {
 
 int dls_provider_available(const char *name) { return lookup(name) != NULL; }
 
-dls_ep *dls_ep_connect(const char *provider, const char *host, int port, int timeout_ms, char *err, size_t err_len) {
+int dls_ep_connect(const char *provider, const char *host, int port, int timeout_ms, dls_ep **out, char *err,
+                   size_t err_len) {
+    *out = NULL;
     const dls_provider *p = lookup(provider);
     if (!p) {
         if (err_len)
-            snprintf(err, err_len, "provider %s is not built in (verbs needs <infiniband/verbs.h> at build time)",
-                     provider);
-        return NULL;
+            snprintf(err, err_len, "provider %s is not built in (the verbs provider is not written yet)", provider);
+        return -EOPNOTSUPP;
     }
-    void *c = p->connect(host, port, timeout_ms, err, err_len);
-    if (!c) return NULL;
+    void *c = NULL;
+    int rc = p->connect(host, port, timeout_ms, &c, err, err_len);
+    if (rc) return rc;
     dls_ep *ep = malloc(sizeof *ep);
     if (!ep) {
         p->close(c);
-        return NULL;
+        if (err_len) snprintf(err, err_len, "out of memory");
+        return -ENOMEM;
     }
     ep->p = p;
     ep->conn = c;
-    return ep;
+    *out = ep;
+    return 0;
 }
 
 int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len) { return ep->p->register_region(ep->conn, base, len); }

@@ -10,6 +10,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The calls that move a batch (read, write, ping) return 0, a negative errno for
+ * a local failure (DLS_E_IO, DLS_E_TIMEOUT, ... in wire.h are such errnos), or
+ * the positive status the donor answered (wire.h: DLS_E_TOKEN, ...). */
+
 /* One batch: nseg segments (offs[i], lens[i]) of slab `slab`, laid out back to
  * back in `buf` (read: filled; write: taken).  With DLS_F_CRC in flags each
  * segment is CRC-32C checked end to end and its CRC stored in crcs[i]. */
@@ -36,7 +40,8 @@ typedef struct dls_batch {
 
 typedef struct dls_provider {
     const char *name;
-    void *(*connect)(const char *host, int port, int timeout_ms, char *err, size_t err_len);
+    /* The connection in *out; 0, or -errno and the reason in err. */
+    int (*connect)(const char *host, int port, int timeout_ms, void **out, char *err, size_t err_len);
     /* Make [base, base+len) usable as a batch buffer (RDMA memory registration;
      * a no-op for tcp).  0 or an error status. */
     int (*register_region)(void *conn, void *base, uint64_t len);
@@ -55,9 +60,10 @@ extern const dls_provider dls_verbs_provider;
 #endif
 
 typedef struct dls_ep dls_ep;
-/* NULL and a reason in err when the provider is unknown or not built, or the
- * donor cannot be reached. */
-dls_ep *dls_ep_connect(const char *provider, const char *host, int port, int timeout_ms, char *err, size_t err_len);
+/* The endpoint in *out; 0, or -errno and the reason in err: -EOPNOTSUPP when the
+ * provider is unknown or not built, another when the donor cannot be reached. */
+int dls_ep_connect(const char *provider, const char *host, int port, int timeout_ms, dls_ep **out, char *err,
+                   size_t err_len);
 int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len);
 int dls_ep_read(dls_ep *ep, dls_batch *b);
 int dls_ep_write(dls_ep *ep, dls_batch *b);

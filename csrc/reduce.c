@@ -6,6 +6,7 @@
  * same bits.  The AVX2+F16C path is chosen at run time. */
 #include "reduce.h"
 
+#include <errno.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -185,8 +186,8 @@ int dls_reduce_simd(void) {
 void dls_reduce_force_scalar(int on) { __atomic_store_n(&force_scalar, on ? 1 : 0, __ATOMIC_RELEASE); }
 
 int dls_reduce_sum(int dtype, void *dst, const void *const *srcs, size_t nsrc, size_t count, float divisor) {
-    if (dtype != DLS_DT_F32 && dtype != DLS_DT_F16 && dtype != DLS_DT_BF16) return -1;
-    if (nsrc == 0 || divisor == 0.0f) return -1;
+    if (dtype != DLS_DT_F32 && dtype != DLS_DT_F16 && dtype != DLS_DT_BF16) return -EINVAL;
+    if (nsrc == 0 || divisor == 0.0f) return -EINVAL;
     size_t done = 0;
 #if defined(__x86_64__)
     if (dls_reduce_simd()) done = sum_avx2(dtype, dst, srcs, nsrc, count, divisor);
@@ -206,7 +207,7 @@ int dls_reduce_scale(int dtype, void *dst, size_t count, float divisor) {
 }
 
 int dls_reduce_convert(int dst_dt, void *dst, int src_dt, const void *src, size_t count) {
-    if (dst_dt < DLS_DT_F32 || dst_dt > DLS_DT_BF16 || src_dt < DLS_DT_F32 || src_dt > DLS_DT_BF16) return -1;
+    if (dst_dt < DLS_DT_F32 || dst_dt > DLS_DT_BF16 || src_dt < DLS_DT_F32 || src_dt > DLS_DT_BF16) return -EINVAL;
     size_t i = 0;
 #if defined(__x86_64__)
     if (dls_reduce_simd()) i = convert_avx2(dst_dt, dst, src_dt, src, count);

@@ -11,14 +11,14 @@
 /* dst[i] = (srcs[0][i] + srcs[1][i] + ... + srcs[nsrc-1][i]) / divisor.
  * The sum runs left to right (rank order) in fp32 for every dtype, so results are
  * reproducible; fp16/bf16 are rounded to nearest-even once, at the end.  divisor 1
- * skips the division.  dst may alias srcs[0].  Returns 0, or -1 for a bad dtype. */
+ * skips the division.  dst may alias srcs[0].  Returns 0, or -EINVAL for a bad dtype, no source or a zero divisor. */
 int dls_reduce_sum(int dtype, void *dst, const void *const *srcs, size_t nsrc, size_t count, float divisor);
 /* dst[i] += src[i] (fp32 arithmetic, one rounding for fp16/bf16). */
 int dls_reduce_add(int dtype, void *dst, const void *src, size_t count);
 /* dst[i] /= divisor. */
 int dls_reduce_scale(int dtype, void *dst, size_t count, float divisor);
 /* dst[i] = src[i] in another dtype (widening is exact; narrowing rounds to nearest even, as torch's
- * .to() does).  dst and src must not overlap.  Returns 0, or -1 for a bad dtype. */
+ * .to() does).  dst and src must not overlap.  Returns 0, or -EINVAL for a bad dtype. */
 int dls_reduce_convert(int dst_dt, void *dst, int src_dt, const void *src, size_t count);
 /* 1 when the AVX2+F16C path is in use. */
 int dls_reduce_simd(void);

@@ -32,7 +32,7 @@ int dls_reserve(uint8_t **buf, size_t *cap, size_t need) {
     size_t nc = *cap ? *cap : 4096;
     while (nc < need) nc *= 2;
     uint8_t *nb = realloc(*buf, nc);
-    if (!nb) return -1;
+    if (!nb) return -ENOMEM;
     *buf = nb;
     *cap = nc;
     return 0;
@@ -67,9 +67,9 @@ void dls_slabs_destroy(dls_slab_table *t) {
 }
 
 int dls_slabs_add(dls_slab_table *t, uint32_t id, void *base, uint64_t size, const uint8_t *token) {
-    if (id >= DLS_MAX_SLAB_ID || !base || !size) return DLS_E_NOSLAB;
+    if (id >= DLS_MAX_SLAB_ID || !base || !size) return -EINVAL;
     dls_slab *sl = calloc(1, sizeof *sl);
-    if (!sl) return DLS_E_INTERNAL;
+    if (!sl) return -ENOMEM;
     sl->base = base;
     sl->size = size;
     memcpy(sl->token, token, DLS_TOKEN_LEN);
@@ -79,25 +79,25 @@ int dls_slabs_add(dls_slab_table *t, uint32_t id, void *base, uint64_t size, con
     pthread_rwlock_unlock(&t->lock);
     if (old) {
         free(sl);
-        return DLS_E_INTERNAL; /* id in use */
+        return -EEXIST;
     }
-    return DLS_OK;
+    return 0;
 }
 
 int dls_slabs_remove(dls_slab_table *t, uint32_t id) {
-    if (id >= DLS_MAX_SLAB_ID) return DLS_E_NOSLAB;
+    if (id >= DLS_MAX_SLAB_ID) return -ENOENT;
     pthread_rwlock_wrlock(&t->lock); /* waits for every request that holds it shared */
     dls_slab *sl = t->slabs[id];
     t->slabs[id] = NULL;
     pthread_rwlock_unlock(&t->lock);
-    if (!sl) return DLS_E_NOSLAB;
+    if (!sl) return -ENOENT;
     free(sl);
-    return DLS_OK;
+    return 0;
 }
 
 int dls_slabs_stats(dls_slab_table *t, uint32_t id, dls_slab_stats *out) {
     memset(out, 0, sizeof *out);
-    if (id >= DLS_MAX_SLAB_ID) return DLS_E_NOSLAB;
+    if (id >= DLS_MAX_SLAB_ID) return -ENOENT;
     pthread_rwlock_rdlock(&t->lock);
     dls_slab *sl = t->slabs[id];
     if (sl) {
@@ -109,14 +109,14 @@ int dls_slabs_stats(dls_slab_table *t, uint32_t id, dls_slab_stats *out) {
         out->bytes_written = DLS_LOAD(&sl->bytes_written);
     }
     pthread_rwlock_unlock(&t->lock);
-    return sl ? DLS_OK : DLS_E_NOSLAB;
+    return sl ? 0 : -ENOENT;
 }
 
 /* --- checks ---------------------------------------------------------------------------- */
 
 /* Append a bodiless response. */
 static int respond_status(dls_stream *c, uint8_t op, uint8_t flags, uint8_t status, uint64_t req_id) {
-    if (dls_reserve(&c->out, &c->outcap, c->outlen + DLS_RESP_HDR_LEN)) return -1;
+    if (dls_reserve(&c->out, &c->outcap, c->outlen + DLS_RESP_HDR_LEN)) return -ENOMEM;
     dls_wire_put_resp_hdr(c->out + c->outlen, op, flags, status, req_id, 0, 0);
     c->outlen += DLS_RESP_HDR_LEN;
     return 0;
@@ -202,7 +202,7 @@ static int serve_read_direct(dls_server_counters *ctr, dls_stream *c, const dls_
     }
     if (sent >= total) return 0;
     /* queue the rest: the unsent part of the header, then of the segments */
-    if (dls_reserve(&c->out, &c->outcap, c->outlen + (total - sent))) return -1;
+    if (dls_reserve(&c->out, &c->outcap, c->outlen + (total - sent))) return -ENOMEM;
     size_t skip = sent, hl = DLS_RESP_HDR_LEN + crc_bytes;
     if (skip < hl) {
         memcpy(c->out + c->outlen, head + skip, hl - skip);
@@ -229,7 +229,7 @@ static int serve_read_direct(dls_server_counters *ctr, dls_stream *c, const dls_
 /* A READ response copied whole into the output queue. */
 static int serve_read_queued(dls_stream *c, const dls_slab *sl, const dls_req_view *v, uint8_t flags,
                              size_t crc_bytes, size_t body, size_t total) {
-    if (dls_reserve(&c->out, &c->outcap, c->outlen + total)) return -1;
+    if (dls_reserve(&c->out, &c->outcap, c->outlen + total)) return -ENOMEM;
     uint8_t *h = c->out + c->outlen;
     dls_wire_put_resp_hdr(h, v->op, flags, DLS_OK, v->req_id, (uint32_t)body, v->nseg);
     uint8_t *crcs = h + DLS_RESP_HDR_LEN;

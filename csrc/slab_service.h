@@ -47,9 +47,10 @@ typedef struct dls_stream {
     uint64_t partial_since; /* when the incomplete frame now pending began; 0: none */
 } dls_stream;
 
-/* Grow *buf to at least `need` bytes (doubling); 0, or -1 out of memory. */
+/* Grow *buf to at least `need` bytes (doubling); 0, or -ENOMEM. */
 int dls_reserve(uint8_t **buf, size_t *cap, size_t need);
 
+/* 0 or -errno (the add, remove and stats calls: as dls_server_add_slab and the others, tcp_server.h). */
 int dls_slabs_init(dls_slab_table *t);
 void dls_slabs_destroy(dls_slab_table *t);
 int dls_slabs_add(dls_slab_table *t, uint32_t id, void *base, uint64_t size, const uint8_t *token);

@@ -97,21 +97,24 @@ static int fail(run *r, int code) {
     return code;
 }
 
-static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, size_t err_len) {
+static int tcp_connect(const char *host, int port, int timeout_ms, void **out, char *err, size_t err_len) {
+    *out = NULL;
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV};
     char ps[16];
     snprintf(ps, sizeof ps, "%d", port);
     struct addrinfo *ai = NULL;
     int g = getaddrinfo(host, ps, &hints, &ai);
     if (g) {
+        int e = g == EAI_SYSTEM ? errno : (g == EAI_MEMORY ? ENOMEM : EINVAL);
         if (err_len) snprintf(err, err_len, "cannot resolve %s: %s", host, gai_strerror(g));
-        return NULL;
+        return -e;
     }
     int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
-        if (err_len) snprintf(err, err_len, "socket: %s", strerror(errno));
+        int e = errno;
+        if (err_len) snprintf(err, err_len, "socket: %s", strerror(e));
         freeaddrinfo(ai);
-        return NULL;
+        return -e;
     }
     int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
     freeaddrinfo(ai);
@@ -129,9 +132,10 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
         errno = soerr;
     }
     if (rc) {
-        if (err_len) snprintf(err, err_len, "cannot connect to %s:%d: %s", host, port, strerror(errno));
+        int e = errno;
+        if (err_len) snprintf(err, err_len, "cannot connect to %s:%d: %s", host, port, strerror(e));
         close(fd);
-        return NULL;
+        return -e;
     }
     int one = 1;
     /* Blocking from here on: the pipelined path passes MSG_DONTWAIT and polls,
@@ -144,9 +148,10 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
     else if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK)) what = "making the socket blocking";
     else if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv)) what = "SO_RCVTIMEO";
     if (what) {
-        if (err_len) snprintf(err, err_len, "connection to %s:%d: %s: %s", host, port, what, strerror(errno));
+        int e = errno;
+        if (err_len) snprintf(err, err_len, "connection to %s:%d: %s: %s", host, port, what, strerror(e));
         close(fd);
-        return NULL;
+        return -e;
     }
     tcp_conn *c = calloc(1, sizeof *c);
     if (c) {
@@ -161,13 +166,14 @@ static void *tcp_connect(const char *host, int port, int timeout_ms, char *err, 
         free(c);
         close(fd);
         if (err_len) snprintf(err, err_len, "out of memory");
-        return NULL;
+        return -ENOMEM;
     }
     c->fd = fd;
     c->next_id = 1;
     c->rcv_timeout_ms = timeout_ms;
     pthread_mutex_init(&c->mu, NULL);
-    return c;
+    *out = c;
+    return 0;
 }
 
 static int tcp_register_region(void *conn, void *base, uint64_t len) {

@@ -91,7 +91,7 @@ static void conn_close(worker *w, conn *c) {
     DLS_ADD(&w->s->n.open_connections, (uint64_t)-1);
 }
 
-/* Send queued output; 0 when drained, 1 when the socket is full, -1 on error. */
+/* Send queued output; 0 when drained, 1 when the socket is full, -errno on error. */
 static int flush_out(dls_server *s, conn *cn) {
     dls_stream *c = &cn->st;
     while (c->outoff < c->outlen) {
@@ -99,7 +99,7 @@ static int flush_out(dls_server *s, conn *cn) {
         if (n < 0) {
             if (errno == EINTR) continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK) return 1;
-            return -1;
+            return -errno;
         }
         c->outoff += (size_t)n;
         cn->sent += (uint64_t)n;
@@ -237,7 +237,7 @@ static void accept_all(worker *w) {
             continue;
         }
         dls_peer_key key = dls_peer_key_of(&ss);
-        if (!dls_peers_admit(&s->peers, &key)) {
+        if (dls_peers_admit(&s->peers, &key)) { /* at the address's limit (or out of memory) */
             DLS_ADD(&s->n.refused, 1);
             DLS_ADD(&s->n.refused_per_peer, 1);
             close(fd); /* nor may one address take every place */
@@ -284,7 +284,7 @@ static int shrink_idle(dls_server *s, conn *c, uint64_t now) {
         free(st->in);
         st->in = NULL;
         st->incap = 0;
-        if (dls_reserve(&st->in, &st->incap, IN_INITIAL)) return -1;
+        if (dls_reserve(&st->in, &st->incap, IN_INITIAL)) return -ENOMEM;
     }
     if (st->outlen == st->outoff && st->outcap > SHRINK_ABOVE) {
         free(st->out);
@@ -362,25 +362,37 @@ out:
     return NULL;
 }
 
-static void set_err(char *err, size_t len, const char *what, int e) {
+/* The reason in err; returns -e. */
+static int set_err(char *err, size_t len, const char *what, int e) {
     if (len) snprintf(err, len, "%s: %s", what, strerror(e));
+    return -e;
 }
 
-dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len) {
-    return dls_server_start_ex(host, port, nthreads, max_conns, 0, DLS_IDLE_TIMEOUT_MS, DLS_FRAME_TIMEOUT_MS, err,
-                               err_len);
+int dls_server_start(const char *host, int port, int nthreads, int max_conns, dls_server **out, char *err,
+                     size_t err_len) {
+    return dls_server_start_ex(host, port, nthreads, max_conns, 0, DLS_IDLE_TIMEOUT_MS, DLS_FRAME_TIMEOUT_MS, out,
+                               err, err_len);
 }
 
-dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int max_per_peer,
-                                int64_t idle_timeout_ms, int64_t frame_timeout_ms, char *err, size_t err_len) {
+int dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int max_per_peer,
+                        int64_t idle_timeout_ms, int64_t frame_timeout_ms, dls_server **out, char *err,
+                        size_t err_len) {
+    *out = NULL;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     dls_server *s = calloc(1, sizeof *s);
-    if (!s) return NULL;
+    if (!s) return set_err(err, err_len, "the server's state", ENOMEM);
     s->lfd = -1;
-    if (dls_slabs_init(&s->slabs)) goto fail;
+    int rc = dls_slabs_init(&s->slabs);
+    if (rc) {
+        rc = set_err(err, err_len, "the slab table", -rc);
+        goto fail;
+    }
     s->workers = calloc((size_t)nthreads, sizeof(worker));
-    if (!s->workers) goto fail;
+    if (!s->workers) {
+        rc = set_err(err, err_len, "the worker table", ENOMEM);
+        goto fail;
+    }
     s->max_conns = max_conns > 0 ? max_conns : DLS_MAX_CONNECTIONS;
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
@@ -409,20 +421,24 @@ dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int ma
     int gai = getaddrinfo(host && *host ? host : NULL, portstr, &hints, &ai);
     if (gai) {
         if (err_len) snprintf(err, err_len, "cannot resolve %s: %s", host, gai_strerror(gai));
+        rc = gai == EAI_SYSTEM ? -errno : -EINVAL;
         goto fail;
     }
     s->lfd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     int one = 1;
-    if (s->lfd >= 0) setsockopt(s->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (s->lfd < 0 || bind(s->lfd, ai->ai_addr, ai->ai_addrlen) || listen(s->lfd, 512)) {
-        set_err(err, err_len, "cannot listen", errno);
+    if (s->lfd < 0 || setsockopt(s->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) ||
+        bind(s->lfd, ai->ai_addr, ai->ai_addrlen) || listen(s->lfd, 512)) {
+        rc = set_err(err, err_len, "cannot listen", errno);
         freeaddrinfo(ai);
         goto fail;
     }
     freeaddrinfo(ai);
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
-    getsockname(s->lfd, (struct sockaddr *)&ss, &sl);
+    if (getsockname(s->lfd, (struct sockaddr *)&ss, &sl)) {
+        rc = set_err(err, err_len, "getsockname", errno);
+        goto fail;
+    }
     s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                             : ((struct sockaddr_in *)&ss)->sin_port);
     s->nthreads = nthreads;
@@ -434,25 +450,27 @@ dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int ma
         w->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
         w->listening = 1;
         if (w->epfd < 0 || w->stopfd < 0 || w->spare_fd < 0) {
-            set_err(err, err_len, "epoll/eventfd", errno);
+            rc = set_err(err, err_len, "epoll/eventfd", errno);
             goto fail;
         }
         struct epoll_event ev = {.events = EPOLLIN | EPOLLEXCLUSIVE, .data.ptr = &LISTEN_TAG};
         struct epoll_event sev = {.events = EPOLLIN, .data.ptr = &STOP_TAG};
         if (epoll_ctl(w->epfd, EPOLL_CTL_ADD, s->lfd, &ev) || epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->stopfd, &sev)) {
-            set_err(err, err_len, "epoll_ctl", errno);
+            rc = set_err(err, err_len, "epoll_ctl", errno);
             goto fail;
         }
-        if (pthread_create(&w->th, NULL, worker_main, w)) {
-            set_err(err, err_len, "pthread_create", errno);
+        int e = pthread_create(&w->th, NULL, worker_main, w);
+        if (e) { /* (pthread_create returns its error: errno is not set) */
+            rc = set_err(err, err_len, "pthread_create", e);
             goto fail;
         }
         w->started = 1;
     }
-    return s;
+    *out = s;
+    return 0;
 fail:
     dls_server_stop(s);
-    return NULL;
+    return rc;
 }
 
 int dls_server_port(const dls_server *s) { return s->port; }
@@ -464,8 +482,9 @@ void dls_server_stop(dls_server *s) {
             worker *w = &s->workers[i];
             if (w->started) {
                 uint64_t one = 1;
-                ssize_t r = write(w->stopfd, &one, sizeof one);
-                (void)r;
+                /* An eventfd write of 1 fails only on a counter at its maximum, which nothing here adds up
+                 * to; joining without the wake would wait for ever, so a failure is a bug to see at once. */
+                if (write(w->stopfd, &one, sizeof one) != (ssize_t)sizeof one) abort();
                 pthread_join(w->th, NULL);
             }
             if (w->epfd > 0) close(w->epfd);

@@ -32,8 +32,10 @@ typedef struct dls_server_counters {
 
 /* Listen on host:port (port 0 picks a free one) with `nthreads` workers, closing
  * connections beyond `max_conns` on accept (0: DLS_MAX_CONNECTIONS; never more
- * than RLIMIT_NOFILE - DLS_FD_RESERVE). */
-dls_server *dls_server_start(const char *host, int port, int nthreads, int max_conns, char *err, size_t err_len);
+ * than RLIMIT_NOFILE - DLS_FD_RESERVE).  The server in *out; 0, or -errno and
+ * the reason in err. */
+int dls_server_start(const char *host, int port, int nthreads, int max_conns, dls_server **out, char *err,
+                     size_t err_len);
 /* The same, with a per-address cap and the timeouts that free places held by
  * idle or stalled peers (dls_server_start uses the defaults above):
  * - max_per_peer: connections from one peer address beyond this are closed on
@@ -51,17 +53,20 @@ dls_server *dls_server_start(const char *host, int port, int nthreads, int max_c
  * descriptors are in; a refused one gets its error status and its payload is
  * dropped as it arrives, unbuffered, so a peer without a valid token never
  * makes the server hold more than a small fixed buffer. */
-dls_server *dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int max_per_peer,
-                                int64_t idle_timeout_ms, int64_t frame_timeout_ms, char *err, size_t err_len);
+int dls_server_start_ex(const char *host, int port, int nthreads, int max_conns, int max_per_peer,
+                        int64_t idle_timeout_ms, int64_t frame_timeout_ms, dls_server **out, char *err,
+                        size_t err_len);
 int dls_server_port(const dls_server *s);
 /* The connection cap in force (max_conns after the RLIMIT_NOFILE bound). */
 int dls_server_max_connections(const dls_server *s);
 void dls_server_stop(dls_server *s);
-/* Serve [base, base+size) as slab `id` under `token` (16 bytes).  0, or an error status. */
+/* Serve [base, base+size) as slab `id` under `token` (16 bytes).  0, -EINVAL (a bad id or range),
+ * -EEXIST (the id is in use) or -ENOMEM. */
 int dls_server_add_slab(dls_server *s, uint32_t id, void *base, uint64_t size, const uint8_t *token);
 /* Stop serving slab `id`; returns once no request touches it any more, so the
- * caller may unmap it.  0, or DLS_E_NOSLAB. */
+ * caller may unmap it.  0, or -ENOENT (no such slab). */
 int dls_server_remove_slab(dls_server *s, uint32_t id);
+/* 0, or -ENOENT (no such slab). */
 int dls_server_slab_stats(dls_server *s, uint32_t id, dls_slab_stats *out);
 void dls_server_get_counters(dls_server *s, dls_server_counters *out);
 /* Connections closed by the idle or frame timeout. */

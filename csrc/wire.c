@@ -1,7 +1,14 @@
 /* Wire framing and validation of remote-memory requests; see wire.h. */
 #include "wire.h"
 
+#include <errno.h>
 #include <string.h>
+
+/* The local outcomes are negative errnos (wire.h spells the numbers out for cffi). */
+_Static_assert(DLS_NEED_MORE == -EAGAIN && DLS_E_IO == -EIO && DLS_E_TIMEOUT == -ETIMEDOUT &&
+                   DLS_E_PROTO == -EPROTO && DLS_E_ARG == -EINVAL && DLS_E_CLOSED == -ESHUTDOWN &&
+                   DLS_E_UNSUPPORTED == -EOPNOTSUPP,
+               "wire.h's local status codes must be the negative errnos they name");
 
 int dls_wire_parse_req(const uint8_t *buf, size_t len, dls_req_view *v) {
     memset(v, 0, sizeof *v);

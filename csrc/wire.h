@@ -33,8 +33,11 @@
 #define DLS_F_CRC 1u
 #define DLS_F_KNOWN (DLS_F_CRC)
 
-/* Status codes: 0 ok; 1..63 sent by the server in responses; negative ones are
- * the client's local outcomes.  DLS_NEED_MORE is the parser asking for bytes. */
+/* Status codes: 0 ok; 1..63 sent by the server in responses (the donor's answer,
+ * on the wire); negative ones are local outcomes, each a negative errno, as every
+ * C function of dlshare returns them (README, Development: the C core).  The
+ * numbers are spelled out for cffi; wire.c checks each against <errno.h>.
+ * DLS_NEED_MORE is the parser asking for more bytes (-EAGAIN). */
 #define DLS_OK 0
 #define DLS_E_MAGIC 1
 #define DLS_E_VERSION 2
@@ -48,13 +51,13 @@
 #define DLS_E_BOUNDS 10
 #define DLS_E_CRC 11
 #define DLS_E_INTERNAL 12
-#define DLS_NEED_MORE (-1)
-#define DLS_E_IO (-2)
-#define DLS_E_TIMEOUT (-3)
-#define DLS_E_PROTO (-4)
-#define DLS_E_ARG (-5)
-#define DLS_E_CLOSED (-6)
-#define DLS_E_UNSUPPORTED (-7)
+#define DLS_NEED_MORE (-11)      /* -EAGAIN */
+#define DLS_E_IO (-5)            /* -EIO: the connection failed, or no copy could serve */
+#define DLS_E_TIMEOUT (-110)     /* -ETIMEDOUT */
+#define DLS_E_PROTO (-71)        /* -EPROTO: the peer broke the protocol */
+#define DLS_E_ARG (-22)          /* -EINVAL */
+#define DLS_E_CLOSED (-108)      /* -ESHUTDOWN: the object is closed */
+#define DLS_E_UNSUPPORTED (-95)  /* -EOPNOTSUPP */
 
 typedef struct dls_req_view {
     uint8_t version, op;

@@ -118,12 +118,13 @@ class SlabServer:
                         ("max_connections_per_peer", max_connections_per_peer)):
             if not 0 <= int(n) < 1 << 31:
                 raise ValueError(f"{name} must be between 0 and 2**31-1, got {n}")
-        err = ffi.new("char[256]")
-        self._s = lib.dls_server_start_ex(host.encode(), int(port), int(threads), int(max_connections),
-                                          int(max_connections_per_peer), ms(idle_timeout_s), ms(frame_timeout_s),
-                                          err, 256)
-        if self._s == ffi.NULL:
-            raise OSError(f"slab server on {host}:{port}: {ffi.string(err).decode()}")
+        err, out = ffi.new("char[256]"), ffi.new("dls_server **")
+        rc = lib.dls_server_start_ex(host.encode(), int(port), int(threads), int(max_connections),
+                                     int(max_connections_per_peer), ms(idle_timeout_s), ms(frame_timeout_s),
+                                     out, err, 256)
+        if rc:
+            raise OSError(-rc, f"slab server on {host}:{port}: {ffi.string(err).decode()}")
+        self._s = out[0]
         self.host = host
         self.port = int(lib.dls_server_port(self._s))
         self.max_connections = int(lib.dls_server_max_connections(self._s))
@@ -181,10 +182,11 @@ class Endpoint:
     """
 
     def __init__(self, host: str, port: int, provider: str = "tcp", timeout_ms: int = 5000) -> None:
-        err = ffi.new("char[256]")
-        self._ep = lib.dls_ep_connect(provider.encode(), host.encode(), int(port), int(timeout_ms), err, 256)
-        if self._ep == ffi.NULL:
-            raise ConnectionError(ffi.string(err).decode())
+        err, out = ffi.new("char[256]"), ffi.new("dls_ep **")
+        rc = lib.dls_ep_connect(provider.encode(), host.encode(), int(port), int(timeout_ms), out, err, 256)
+        if rc:
+            raise ConnectionError(-rc, ffi.string(err).decode())
+        self._ep = out[0]
         self.host, self.port, self.provider = host, port, provider
         self.timeout_ms = timeout_ms
         self.broken = False

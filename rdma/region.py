@@ -30,6 +30,7 @@ Behaviour a caller can rely on:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -140,10 +141,11 @@ class _Engine:
             "fetch_workers": fetch_workers, "evict_threads": evict_threads, "prefetch_bytes": prefetch_bytes,
             "io_timeout_ms": io_timeout_ms, "nextents": nextents, "fault_threads": fault_threads,
             "spin_us": spin_us})
-        err = ffi.new("char[512]")
-        p = lib.dls_pager_create(cfg, err, 512)
-        if p == ffi.NULL:
-            raise OSError(f"region of {nbytes} bytes: {ffi.string(err).decode()}")
+        err, out = ffi.new("char[512]"), ffi.new("dls_pager **")
+        rc = lib.dls_pager_create(cfg, out, err, 512)
+        if rc:
+            raise OSError(-rc, f"region of {nbytes} bytes: {ffi.string(err).decode()}")
+        p = out[0]
         self._p = p
         self.unit = unit
         self.nbytes = nbytes
@@ -245,7 +247,7 @@ class _Engine:
         finally:
             self._leave()
         if rc:
-            raise OSError(f"region engine: {ffi.string(err).decode()}")
+            raise OSError(-rc, f"region engine: {ffi.string(err).decode()}")
 
     def prefetch(self, units: np.ndarray, write: bool, timeout_ms: int) -> int:
         units = np.ascontiguousarray(units, dtype=np.uint64)
@@ -255,18 +257,25 @@ class _Engine:
                                         int(write), int(timeout_ms))
         finally:
             self._leave()
-        if rc == -2:
+        if rc == -errno.EINVAL:
             raise IndexError("unit outside the region")
-        if rc < 0:
+        if rc == -errno.ESHUTDOWN:
             raise ValueError("the region is closed")
+        if rc < 0:
+            raise OSError(-rc, "region prefetch")
         return int(rc)
 
     def flush(self) -> int:
         p = self._enter()
         try:
-            return int(lib.dls_pager_flush(p))
+            rc = int(lib.dls_pager_flush(p))
         finally:
             self._leave()
+        if rc == -errno.ESHUTDOWN:
+            raise ValueError("the region is closed")
+        if rc < 0:
+            raise OSError(-rc, "region flush")
+        return rc
 
     def copy_extent(self, ext: Extent, new: Replica) -> int | None:
         ep = self.endpoint(new.addr)
@@ -284,14 +293,16 @@ class _Engine:
         return ext.npages * 4096
 
     def next_event(self, ev, timeout_ms: int) -> int:
+        """1 and an event in ``ev``, 0 after ``timeout_ms``, -1 once closed with no event left."""
         try:
             p = self._enter(closed_ok=True)
         except ValueError:
             return -1
         try:
-            return int(lib.dls_pager_next_event(p, ev, timeout_ms))
+            rc = int(lib.dls_pager_next_event(p, ev, timeout_ms))
         finally:
             self._leave()
+        return 1 if rc == 0 else 0 if rc == -errno.EAGAIN else -1
 
     def stats(self) -> dict[str, int]:
         st = ffi.new("dls_pager_stats *")

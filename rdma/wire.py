@@ -7,6 +7,7 @@ All integers are little-endian; see csrc/wire.h for the layout.
 
 from __future__ import annotations
 
+import errno
 import struct
 from dataclasses import dataclass, field
 
@@ -27,7 +28,9 @@ F_CRC = 1
 OK = 0
 E_MAGIC, E_VERSION, E_OP, E_FLAGS, E_NSEG, E_SEGLEN, E_SIZE = 1, 2, 3, 4, 5, 6, 7
 E_NOSLAB, E_TOKEN, E_BOUNDS, E_CRC, E_INTERNAL = 8, 9, 10, 11, 12
-NEED_MORE, E_IO, E_TIMEOUT, E_PROTO, E_ARG, E_CLOSED, E_UNSUPPORTED = -1, -2, -3, -4, -5, -6, -7
+# Local outcomes: negative errnos, as every C function returns them.
+NEED_MORE, E_IO, E_TIMEOUT, E_PROTO = -errno.EAGAIN, -errno.EIO, -errno.ETIMEDOUT, -errno.EPROTO
+E_ARG, E_CLOSED, E_UNSUPPORTED = -errno.EINVAL, -errno.ESHUTDOWN, -errno.EOPNOTSUPP
 
 STATUS_NAMES = {
     OK: "ok", E_MAGIC: "bad_magic", E_VERSION: "bad_version", E_OP: "bad_op", E_FLAGS: "bad_flags",
@@ -39,7 +42,10 @@ STATUS_NAMES = {
 
 
 def status_name(code: int) -> str:
-    return STATUS_NAMES.get(code, "unknown")
+    """A status's short name; another negative errno by its errno name (``enomem``)."""
+    if code in STATUS_NAMES:
+        return STATUS_NAMES[code]
+    return errno.errorcode.get(-code, "unknown").lower() if code < 0 else "unknown"
 
 
 @dataclass(frozen=True)

@@ -431,10 +431,12 @@ def test_write_many_writes_every_copy_at_once_and_reports_each_one():
     tokens = [random_token() for _ in servers]
     for s, r, t in zip(servers, regions, tokens):
         s.add_slab(7, r, t)
-    err = ffi.new("char[256]")
-    eps = [lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, err, 256) for s in servers]
+    err, out = ffi.new("char[256]"), ffi.new("dls_ep **")
+    eps = []
+    for s in servers:
+        assert lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, out, err, 256) == 0, ffi.string(err)
+        eps.append(out[0])
     try:
-        assert all(e != ffi.NULL for e in eps), ffi.string(err)
         n = 64
         data = np.random.default_rng(2).integers(0, 256, n * PAGE, dtype=np.uint8)
         offs = np.arange(n, dtype=np.uint64)[::-1].copy() * PAGE  # scattered: back to front
