@@ -24,7 +24,9 @@ command/reply correlator).  Never a shell (``nodesvc.daemon``, a server, a CLI)
 nor ``bench``; the donor side (nodesvc.daemon.donor) imports rdma, not the reverse.
 
 Inside, each module imports only modules listed before it: native, wire,
-placement and replica (none imports another); native_mem; buffer (which
+placement and replica (none imports another); errors, slab_token, clock and slab_memory
+(the C data plane's handles, one concept each); slab_server; endpoint; native_mem
+(their old names, for callers that import them from there); buffer (which
 declares the ReplicaIO it needs); dataplane (which provides it); control;
 region (the mapping and its C engine); remote; spill; sample_codec, cache_manifest,
 cache_state and cache_bus (none imports another); cache_remote; cache_keeper; sample_cache; env
@@ -48,7 +50,7 @@ _LAZY = {
     "RemoteMemory": "rdma.remote",
     "RemoteBuffer": "rdma.buffer",
     "DataLostError": "rdma.buffer",
-    "RemoteMemoryError": "rdma.native_mem",
+    "RemoteMemoryError": "rdma.errors",
     "ReplicaState": "rdma.replica",
     "SpillCache": "rdma.spill",
     "RemoteRegion": "rdma.region",

@@ -22,7 +22,7 @@ import numpy as np
 
 from rdma import wire
 from rdma.native import crc32c
-from rdma.native_mem import RemoteMemoryError
+from rdma.errors import RemoteMemoryError
 from rdma.replica import EVICTING, LIVE, REBUILDING, Extent, Replica
 
 log = logging.getLogger("dlshare.rdma")

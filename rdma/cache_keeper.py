@@ -26,7 +26,7 @@ from nodesvc.bus import messages
 from rdma.cache_bus import CacheBus, cache_topic
 from rdma.cache_manifest import CopyRef, Manifest, ManifestError, check_manifest, copy_list, open_sealed, seal
 from rdma.cache_state import FULL, H, SPARE, UNMAPPED, SharedState
-from rdma.native_mem import RemoteMemoryError
+from rdma.errors import RemoteMemoryError
 from rdma.remote import RemoteMemory
 from rdma.replica import EVICTING, LIVE, LOST, REBUILDING
 

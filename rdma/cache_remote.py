@@ -2,7 +2,7 @@
 servers, and reads and writes of entries on the copies the shared segment table lists.
 
 Every process (the job's main process and each forked DataLoader worker) opens its own
-:class:`~rdma.native_mem.Endpoint` per slab server, on first use in that process; a parent's
+:class:`~rdma.endpoint.Endpoint` per slab server, on first use in that process; a parent's
 connections, inherited by a fork, are never used nor closed by the child (their C state may be mid-call
 in the parent's threads).  The copies of each segment come from the table the owner keeps in the
 shared state (rdma.cache_state), parsed again only when its version changes.
@@ -20,8 +20,9 @@ import numpy as np
 from rdma import wire
 from rdma.cache_manifest import CopyRef
 from rdma.cache_state import SharedState
+from rdma.endpoint import Endpoint
+from rdma.errors import RemoteMemoryError
 from rdma.native import crc32c
-from rdma.native_mem import Endpoint, RemoteMemoryError
 
 log = logging.getLogger("dlshare.rdma.cache")
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rdma.native_mem import Endpoint, RemoteMemoryError
+from rdma.endpoint import Endpoint
+from rdma.errors import RemoteMemoryError
 from rdma.replica import Extent, Replica
 
 if TYPE_CHECKING:  # pragma: no cover

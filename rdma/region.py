@@ -42,7 +42,7 @@ import numpy as np
 from rdma import wire
 from rdma.buffer import DataLostError, RemoteBuffer, ReplicaIO
 from rdma.native import ffi, lib
-from rdma.native_mem import RemoteMemoryError
+from rdma.errors import RemoteMemoryError
 from rdma.replica import EVICTING, LIVE, LOST, REBUILDING, Extent, Replica
 
 log = logging.getLogger("dlshare.rdma.region")
@@ -131,7 +131,7 @@ class RegionBuffer(RemoteBuffer):
 
 class _Engine:
     """The C engine's handle.  Calls may race close() (the C side returns at once); free() waits
-    until no call is in flight, as rdma.native_mem.Endpoint does."""
+    until no call is in flight, as rdma.endpoint.Endpoint does."""
 
     def __init__(self, nbytes: int, unit: int, local_bytes: int, policy: str, nextents: int,
                  fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int,

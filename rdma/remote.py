@@ -25,7 +25,8 @@ from nodesvc.bus.rpc import CommandError
 from rdma.buffer import RemoteBuffer
 from rdma.control import ControlPlane
 from rdma.dataplane import DataPlane
-from rdma.native_mem import Endpoint, RemoteMemoryError
+from rdma.endpoint import Endpoint
+from rdma.errors import RemoteMemoryError
 from rdma.placement import DonorView, NoDonorError, choose_one, place_replicas
 from rdma.region import DEFAULT_POLICY, DEFAULT_UNIT, RegionBuffer, RemoteRegion, check_geometry
 from rdma.replica import EVICTING, LIVE, LOST, REBUILDING, Extent, Replica, ReplicaState

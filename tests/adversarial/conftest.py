@@ -24,7 +24,9 @@ PY = sys.executable
 def slab_server():
     """``slab_server(**SlabServer options)``: a slab server with one 1 MiB slab (id 1); returns
     ``(server, token)``.  Defaults: 1 s idle window, 0.5 s frame timeout."""
-    from rdma.native_mem import Region, SlabServer, random_token
+    from rdma.slab_memory import SlabMemory
+    from rdma.slab_server import SlabServer
+    from rdma.slab_token import random_token
 
     made = []
 
@@ -32,7 +34,7 @@ def slab_server():
         kw.setdefault("idle_timeout_s", 1.0)
         kw.setdefault("frame_timeout_s", 0.5)
         srv = SlabServer("127.0.0.1", 0, **kw)
-        reg = Region(1 << 20)
+        reg = SlabMemory(1 << 20)
         tok = random_token()
         srv.add_slab(1, reg, tok)
         made.append((srv, reg))

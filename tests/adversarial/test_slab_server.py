@@ -20,7 +20,7 @@ import pytest
 from nodesvc.bus.procs import wait_until
 from rdma import wire
 from rdma.native import lib
-from rdma.native_mem import Endpoint
+from rdma.endpoint import Endpoint
 from tests.adversarial.conftest import ROOT
 from tests.rdma.rawsock import closed_within, recv_exact
 
@@ -147,7 +147,7 @@ def test_one_peer_address_cannot_take_more_than_its_share(slab_server):
 
 _FD_STARVED = r"""
 import os, sys
-from rdma.native_mem import SlabServer
+from rdma.slab_server import SlabServer
 srv = SlabServer("127.0.0.1", 0, threads=2, idle_timeout_s=0, frame_timeout_s=0)
 filler = []
 try:
@@ -344,7 +344,7 @@ def test_descriptor_ceiling_follows_the_process_limit():
     """Promise: the server never admits more connections than RLIMIT_NOFILE leaves room for (the
     soft limit minus a reserve for the rest of the process), whatever max_connections says."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    from rdma.native_mem import SlabServer
+    from rdma.slab_server import SlabServer
 
     srv = SlabServer(max_connections=1 << 30, idle_timeout_s=0)
     try:
@@ -356,10 +356,11 @@ def test_descriptor_ceiling_follows_the_process_limit():
 def test_a_token_holder_gives_big_buffers_back_when_it_idles(slab_server):
     """Promise: the input buffer a single 16 MiB WRITE grew is given back once the connection idles
     (about a second), so a peer between bursts pins a 64 KiB buffer, not 16 MiB and more."""
-    from rdma.native_mem import Region, random_token
+    from rdma.slab_memory import SlabMemory
+    from rdma.slab_token import random_token
 
     srv, _ = slab_server(idle_timeout_s=0, frame_timeout_s=0)  # no timeouts: the sweep runs each second
-    big, tok = Region(16 * MiB), random_token()
+    big, tok = SlabMemory(16 * MiB), random_token()
     srv.add_slab(2, big, tok)
     big.view()[:] = 1  # the slab's own pages are in before the measure
     segs = tuple(wire.Segment(i * MiB, MiB) for i in range(16))

@@ -7,7 +7,9 @@ slab servers are the real C servers; only the MQTT control plane is left out.
 
 from __future__ import annotations
 
-from rdma.native_mem import Region, SlabServer, random_token
+from rdma.slab_memory import SlabMemory
+from rdma.slab_server import SlabServer
+from rdma.slab_token import random_token
 from rdma.region import RegionBuffer, RemoteRegion
 from rdma.replica import LIVE, LOST, Extent, Replica
 
@@ -40,13 +42,13 @@ class LocalCluster:
 
     def __init__(self, n: int = 3) -> None:
         self.servers = [SlabServer(threads=2, idle_timeout_s=None) for _ in range(n)]
-        self._keep: list[Region] = []  # slab memory, alive as long as the servers serve it
+        self._keep: list[SlabMemory] = []  # alive as long as the servers serve it
         self._next_slab = 0
 
     def slab(self, k: int, nbytes: int = SLAB, initial=LIVE) -> Replica:
         sid = self._next_slab
         self._next_slab += 1
-        reg, tok = Region(nbytes), random_token()
+        reg, tok = SlabMemory(nbytes), random_token()
         self.servers[k].add_slab(sid, reg, tok)
         self._keep.append(reg)
         return Replica(f"s{k}", f"127.0.0.1:{self.servers[k].port}", sid, tok, nbytes, initial)
@@ -66,7 +68,7 @@ class LocalCluster:
         """The bytes a copy holds, read straight from its server."""
         import numpy as np
 
-        from rdma.native_mem import Endpoint
+        from rdma.endpoint import Endpoint
 
         host, _, port = rep.addr.rpartition(":")
         out = np.empty(nbytes, np.uint8)

@@ -15,7 +15,7 @@ import pytest
 from rdma import wire
 from rdma.buffer import DataLostError, RemoteBuffer
 from rdma.native import crc32c
-from rdma.native_mem import RemoteMemoryError
+from rdma.errors import RemoteMemoryError
 from rdma.replica import LIVE, LOST, REBUILDING, Extent, Replica
 
 PAGE = 4096

@@ -14,8 +14,12 @@ import pytest
 
 from nodesvc.bus.procs import wait_until
 from rdma import wire
+from rdma.endpoint import Endpoint, provider_available
+from rdma.errors import RemoteMemoryError
 from rdma.native import crc32c, ffi, lib
-from rdma.native_mem import Endpoint, Region, RemoteMemoryError, SlabServer, provider_available, random_token
+from rdma.slab_memory import SlabMemory
+from rdma.slab_server import SlabServer
+from rdma.slab_token import random_token
 from tests.rdma.rawsock import recv_exact
 
 PAGE = 4096
@@ -27,7 +31,7 @@ def served():
     regions = {}
     tokens = {}
     for sid, size in ((1, 1 << 20), (2, 4 << 20)):
-        regions[sid] = Region(size)
+        regions[sid] = SlabMemory(size)
         tokens[sid] = random_token()
         srv.add_slab(sid, regions[sid], tokens[sid])
     yield srv, regions, tokens
@@ -206,7 +210,7 @@ def test_removed_slab_is_no_longer_served(served):
 
 def test_server_death_is_an_io_error_not_a_hang():
     srv = SlabServer()
-    reg = Region(1 << 20)
+    reg = SlabMemory(1 << 20)
     tok = random_token()
     srv.add_slab(0, reg, tok)
     ep = Endpoint("127.0.0.1", srv.port, timeout_ms=3000)
@@ -244,7 +248,7 @@ def test_unknown_provider_says_why():
 def test_region_memory_returns_to_the_os_on_release():
     proc = psutil.Process(os.getpid())
     base = proc.memory_info().rss
-    reg = Region(64 << 20)
+    reg = SlabMemory(64 << 20)
     reg.view()[:] = 1  # touch every page
     grown = proc.memory_info().rss
     assert grown - base > 60 << 20
@@ -254,7 +258,7 @@ def test_region_memory_returns_to_the_os_on_release():
 
 
 def test_region_hugepages_and_mlock_fall_back_with_a_reason():
-    reg = Region(4 << 20, huge=True, lock=True)
+    reg = SlabMemory(4 << 20, huge=True, lock=True)
     try:
         assert reg.address % 4096 == 0 and reg.size >= 4 << 20
         if not reg.huge or not reg.locked:
@@ -327,7 +331,7 @@ def test_responses_queue_correctly_when_the_reader_is_slow(served):
 
 def test_connection_flood_is_capped_and_served_clients_carry_on():
     srv = SlabServer(max_connections=4)
-    reg = Region(1 << 20)
+    reg = SlabMemory(1 << 20)
     tok = random_token()
     srv.add_slab(0, reg, tok)
     try:
@@ -427,7 +431,7 @@ def test_write_many_writes_every_copy_at_once_and_reports_each_one():
     """dls_ep_write_many: the same batch to several copies in one wait (the region engine's
     write-back); a copy that refuses (a wrong token) fails alone, the others hold the bytes."""
     servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(3)]
-    regions = [Region(1 << 20) for _ in servers]
+    regions = [SlabMemory(1 << 20) for _ in servers]
     tokens = [random_token() for _ in servers]
     for s, r, t in zip(servers, regions, tokens):
         s.add_slab(7, r, t)
@@ -474,3 +478,14 @@ def test_write_many_writes_every_copy_at_once_and_reports_each_one():
             s.stop()
         for r in regions:
             r.release()
+
+
+def test_the_old_names_in_native_mem_are_the_split_modules_own():
+    """rdma.native_mem was split by concept; a caller that imports from it gets the same objects."""
+    from rdma import clock, endpoint, errors, native_mem, slab_memory, slab_server, slab_token
+
+    assert native_mem.Region is slab_memory.SlabMemory is native_mem.SlabMemory
+    assert native_mem.SlabServer is slab_server.SlabServer and native_mem.Endpoint is endpoint.Endpoint
+    assert native_mem.RemoteMemoryError is errors.RemoteMemoryError and native_mem.random_token is slab_token.random_token
+    assert native_mem.monotonic_ns is clock.monotonic_ns and native_mem.REGION_HUGE == slab_memory.HUGE
+    assert set(native_mem.__all__) <= set(dir(native_mem))

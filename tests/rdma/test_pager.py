@@ -288,7 +288,7 @@ def test_a_corrupt_copy_is_caught_by_the_unit_checksum(local_cluster):
     region.prefetch(SLAB // 2, SLAB // 2)
     ext = region.buffer.extents[0]
     bad = ext.replicas[0]  # the engine reads copy (extent + unit) % 2 first: unit 0 -> this one
-    from rdma.native_mem import Endpoint
+    from rdma.endpoint import Endpoint
 
     host, _, port = bad.addr.rpartition(":")
     with Endpoint(host, int(port)) as ep:

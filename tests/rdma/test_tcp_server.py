@@ -12,7 +12,10 @@ import pytest
 
 from rdma import wire
 from rdma.native import lib
-from rdma.native_mem import Endpoint, Region, SlabServer, random_token
+from rdma.endpoint import Endpoint
+from rdma.slab_memory import SlabMemory
+from rdma.slab_server import SlabServer
+from rdma.slab_token import random_token
 from tests.rdma.rawsock import closed_within, recv_exact, still_open
 
 MiB = 1 << 20
@@ -22,7 +25,7 @@ MiB = 1 << 20
 def quick():
     """A server with short timeouts: 0.3 s for an incomplete frame, 1 s idle."""
     srv = SlabServer("127.0.0.1", 0, threads=2, idle_timeout_s=1.0, frame_timeout_s=0.3)
-    reg = Region(1 << 20)
+    reg = SlabMemory(1 << 20)
     tok = random_token()
     srv.add_slab(1, reg, tok)
     yield srv, reg, tok
@@ -157,7 +160,7 @@ def test_unauthenticated_writes_do_not_grow_server_memory():
     """Four connections each declare and send a 16 MiB WRITE under a wrong token: the
     server must not buffer them (before the fix each kept a 16 MiB buffer)."""
     srv = SlabServer("127.0.0.1", 0, threads=2)
-    reg = Region(16 * MiB)
+    reg = SlabMemory(16 * MiB)
     tok = random_token()
     srv.add_slab(1, reg, tok)
     proc = psutil.Process()
