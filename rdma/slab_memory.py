@@ -1,4 +1,4 @@
-"""A donor's slab memory: the mappings the slab server serves (csrc/region.c)."""
+"""A donor's slab memory: the mappings the slab server serves (csrc/slab_memory.c)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 
 from rdma.native import ffi, lib
 
-HUGE = lib.DLS_REGION_HUGE
-LOCK = lib.DLS_REGION_LOCK
-POPULATE = lib.DLS_REGION_POPULATE
+HUGE = lib.DLS_SLAB_MEM_HUGE
+LOCK = lib.DLS_SLAB_MEM_LOCK
+POPULATE = lib.DLS_SLAB_MEM_POPULATE
 
 
 class SlabMemory:
@@ -16,10 +16,10 @@ class SlabMemory:
     :meth:`release` munmaps it.  (A consumer's paged mapping is :class:`rdma.region.RemoteRegion`.)"""
 
     def __init__(self, nbytes: int, huge: bool = False, lock: bool = False, populate: bool = False) -> None:
-        self._r = ffi.new("dls_region *")
+        self._r = ffi.new("dls_slab_mem *")
         reason = ffi.new("char[512]")
         flags = (HUGE if huge else 0) | (LOCK if lock else 0) | (POPULATE if populate else 0)
-        rc = lib.dls_region_map(int(nbytes), flags, self._r, reason, 512)
+        rc = lib.dls_slab_mem_map(int(nbytes), flags, self._r, reason, 512)
         if rc:
             raise OSError(-rc, f"mmap of {nbytes} bytes failed")
         self.requested = int(nbytes)
@@ -50,6 +50,6 @@ class SlabMemory:
 
     def release(self) -> None:
         if not self.released:
-            rc = lib.dls_region_unmap(self._r)
+            rc = lib.dls_slab_mem_unmap(self._r)
             if rc:
                 raise OSError(-rc, "munmap failed")
