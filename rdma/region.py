@@ -563,6 +563,11 @@ class RemoteRegion:
     def unit_state(self, unit: int) -> str:
         return self._engine.unit_state(unit)
 
+    def engine_errors(self) -> list[tuple[str, int, int, int]]:
+        """The engine's system calls that failed, oldest first: (what, errno, first unit, count).  The
+        units they concern stay correct (each is logged too, and counted in ``stats()["engine_errors"]``)."""
+        return list(self._engine.errors)
+
     def engine_copies(self, extent: int) -> list[dict[str, Any]]:
         """The copies the engine reads and writes for extent ``extent`` (``addr``, ``slab``, ``role``,
         ``failed``): :meth:`placement` is RemoteMemory's view, this is the engine's."""

@@ -32,7 +32,7 @@ def munlock(addr: int, size: int) -> int:
 
 
 def _drop_errors(region):
-    return [e for e in region._engine.errors if e[0].startswith("MADV_DONTNEED")]
+    return [e for e in region.engine_errors() if e[0].startswith("MADV_DONTNEED")]
 
 
 def test_pages_the_kernel_will_not_drop_stay_resident_are_reported_and_evicted_once_it_will(local_cluster):
