@@ -131,7 +131,7 @@ def _drain_cmd(args, cfg) -> int:
 
 def register(cli) -> None:
     p = cli.add("agg", _run, "run a shared gradient aggregation server (one elastic CPU pool), "
-                    "or drain one", sections=["agg"])
+                "or drain one", sections=["agg"])
     p.add_argument("action", nargs="?", choices=["serve", "drain"], default="serve",
                    help="serve (default) or drain a running server")
     p.add_argument("server", nargs="?", help="drain: the server's id (its --id)")

@@ -40,7 +40,7 @@ def _run(args, cfg) -> int:
 
 def register(cli) -> None:
     p = cli.add("broker", _run, "run the embedded MQTT broker (amqtt) for single-machine use",
-                    sections=["broker"])
+                sections=["broker"])
     cli.config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")
     cli.config_flag(p, "--password-file", "broker", "password_file",
                 help="mosquitto_passwd file of users; anonymous clients are then refused")

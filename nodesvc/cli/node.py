@@ -49,7 +49,7 @@ def _run(args, cfg) -> int:
 
 def register(cli) -> None:
     p = cli.add("node", _run, "run the node daemon: telemetry, enforcement, memory lending",
-                    sections=["node", "donor"])
+                sections=["node", "donor"])
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL, mqtt://HOST:PORT")
     cli.config_flag(p, "--node-id", "node", "id", help="this node's id (default: host name)")
     cli.config_flag(p, "--interval", "node", "interval", type=float, help="telemetry period in seconds")

@@ -358,7 +358,7 @@ def _run(args, cfg) -> int:
 
 def register(cli) -> None:
     p = cli.add("up", _run, "run the whole stack on this machine (broker, nodes, aggregation, scheduler)",
-                    sections=["up"])
+                sections=["up"])
     cli.config_flag(p, "--nodes", "up", "nodes", type=int, help="number of node daemons (default 2)")
     cli.config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
     cli.config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")

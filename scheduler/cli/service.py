@@ -483,7 +483,7 @@ def _api_client_flags(cli, p, token_help: str) -> None:
 
 def register(cli) -> None:
     p = cli.add("sched", _run_sched, "run the scheduler service: job API, live loop, Kubernetes extender",
-                    sections=["sched"])
+                sections=["sched"])
     cli.config_flag(p, "--listen", "sched", "listen", help="HOST:PORT of the HTTP API (default 127.0.0.1:7800)")
     cli.config_flag(p, "--db", "sched", "db", help="SQLite database path")
     cli.config_flag(p, "--token", "sched", "token", help="bearer token (default: generated, stored in <db>.token)")
@@ -491,7 +491,7 @@ def register(cli) -> None:
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
 
     j = cli.add("job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
-                    sections=["sched"], quiet=True)
+                sections=["sched"], quiet=True)
     _api_client_flags(cli, j, "bearer token")
     acts = j.add_subparsers(dest="action", metavar="ACTION", required=True)
     s = acts.add_parser("submit", help="submit a job: dlshare job submit --gpus 1 --model resnet50 -- python train.py")
@@ -522,7 +522,7 @@ def register(cli) -> None:
     acts.add_parser("whoami", help="the user, account and rights of your token")
 
     t = cli.add("token", _run_token, "create, list or revoke users' API tokens (an admin's token)",
-                    sections=["sched"], quiet=True)
+                sections=["sched"], quiet=True)
     _api_client_flags(cli, t, "an admin's token")
     tacts = t.add_subparsers(dest="action", metavar="ACTION", required=True)
     tc = tacts.add_parser("create", help="a new token for a user: dlshare token create alice --account vision")

@@ -185,7 +185,7 @@ def register(cli) -> None:
     from scheduler.sim import RESTART_COST_S
 
     p = cli.add("sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; "
-                    "sim replay --db)", quiet=True)
+                "sim replay --db)", quiet=True)
     p.add_argument("action", nargs="?", choices=["run", "predictor", "replay"], default="run")
     p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")

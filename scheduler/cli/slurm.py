@@ -119,7 +119,7 @@ def _run(args, cfg) -> int:
 
 def register(cli) -> None:
     p = cli.add("slurm", _run, "schedule the GPU jobs of a Slurm partition (held jobs, placed and "
-                    "released with scontrol)", sections=["slurm"])
+                "released with scontrol)", sections=["slurm"])
     cli.config_flag(p, "--partition", "slurm", "partition", help="the partition dlshare schedules (default dlshare)")
     cli.config_flag(p, "--profile", "slurm", "profile", help="scheduling profile (default dlshare)")
     cli.config_flag(p, "--journal", "slurm", "journal", help="the shell's journal (replayed at start)")
