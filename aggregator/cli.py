@@ -129,23 +129,21 @@ def _drain_cmd(args, cfg) -> int:
     return 0
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
-
-    p = add_command(sub, "agg", _run, "run a shared gradient aggregation server (one elastic CPU pool), "
-                    "or drain one", sections=["agg"])
+def register(cli) -> None:
+    p = cli.add("agg", _run, "run a shared gradient aggregation server (one elastic CPU pool), "
+                "or drain one", sections=["agg"])
     p.add_argument("action", nargs="?", choices=["serve", "drain"], default="serve",
                    help="serve (default) or drain a running server")
     p.add_argument("server", nargs="?", help="drain: the server's id (its --id)")
-    config_flag(p, "--listen", "agg", "listen", help="HOST:PORT for workers (default 127.0.0.1:7700)")
-    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL ('' for none when serving)")
-    config_flag(p, "--id", "agg", "id", help="server id in MQTT topics (default agg0)")
-    config_flag(p, "--min-cores", "agg", "min_cores", help="smallest pool size")
-    config_flag(p, "--max-cores", "agg", "max_cores", help="largest pool size (0: all CPUs)")
-    config_flag(p, "--round-timeout-s", "agg", "round_timeout_s", help="fail a round after this many seconds")
-    config_flag(p, "--trace-file", "agg", "trace_file",
+    cli.config_flag(p, "--listen", "agg", "listen", help="HOST:PORT for workers (default 127.0.0.1:7700)")
+    cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL ('' for none when serving)")
+    cli.config_flag(p, "--id", "agg", "id", help="server id in MQTT topics (default agg0)")
+    cli.config_flag(p, "--min-cores", "agg", "min_cores", help="smallest pool size")
+    cli.config_flag(p, "--max-cores", "agg", "max_cores", help="largest pool size (0: all CPUs)")
+    cli.config_flag(p, "--round-timeout-s", "agg", "round_timeout_s", help="fail a round after this many seconds")
+    cli.config_flag(p, "--trace-file", "agg", "trace_file",
                 help="record every chunk's stage times and write them to this JSON file at exit")
-    config_flag(p, "--metrics-listen", "agg", "metrics_listen",
+    cli.config_flag(p, "--metrics-listen", "agg", "metrics_listen",
                 help="HOST:PORT for Prometheus metrics (default 127.0.0.1:9466; port -1: none)")
     p.add_argument("--no-wait", action="store_true", help="drain: return once the server is draining")
     p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
@@ -154,7 +152,6 @@ def register(sub) -> None:
 
 if __name__ == "__main__":
     # Only this command, so that a server starts whatever other optional parts are installed.
-    from nodesvc import cli
+    from nodesvc.bus import commands
 
-    cli.COMMAND_MODULES = ["aggregator.cli"]
-    sys.exit(cli.main(["agg", *sys.argv[1:]]))
+    sys.exit(commands.main([register], ["agg", *sys.argv[1:]]))

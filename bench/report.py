@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from nodesvc.cli.output import markdown_table  # noqa: F401  (every bench prints one)
+from nodesvc.bus.text import markdown_table  # noqa: F401  (every bench prints one)
 
 
 def machine() -> dict[str, Any]:

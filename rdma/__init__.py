@@ -44,36 +44,29 @@ __all__ = ["crc32c", "RemoteMemory", "RemoteBuffer", "RemoteMemoryError", "DataL
            "SpillCache", "RemoteRegion", "region_from_env", "spill_cache_from_env", "place_embeddings",
            "place_tensors", "prefetch_lookups", "SampleCache", "CachedDataset", "sample_cache_from_env"]
 
-# Imported on first use: the consumer pulls in the MQTT stack, which the donor side
-# and the C-only tools (aggregator kernels, crc32c) do not need.
-_LAZY = {
-    "RemoteMemory": "rdma.remote",
-    "RemoteBuffer": "rdma.buffer",
-    "DataLostError": "rdma.buffer",
-    "RemoteMemoryError": "rdma.errors",
-    "ReplicaState": "rdma.replica",
-    "SpillCache": "rdma.spill",
-    "RemoteRegion": "rdma.region",
-    "region_from_env": "rdma.env",
-    "spill_cache_from_env": "rdma.env",
-    "place_embeddings": "rdma.torch",
-    "place_tensors": "rdma.torch",
-    "prefetch_lookups": "rdma.torch",
-    "SampleCache": "rdma.sample_cache",
-    "CachedDataset": "rdma.dataset",
-    "sample_cache_from_env": "rdma.env",
-}
+# Imported on first use: the consumer side pulls in the MQTT stack, which the donor side
+# and the C-only tools (aggregator kernels, crc32c) do not need.  Plain imports (not names in
+# strings), so that the import graph, and lint-imports, see them.
+def _consumer_side() -> dict[str, object]:
+    from rdma.buffer import DataLostError, RemoteBuffer
+    from rdma.dataset import CachedDataset
+    from rdma.env import region_from_env, sample_cache_from_env, spill_cache_from_env
+    from rdma.errors import RemoteMemoryError
+    from rdma.region import RemoteRegion
+    from rdma.remote import RemoteMemory
+    from rdma.replica import ReplicaState
+    from rdma.sample_cache import SampleCache
+    from rdma.spill import SpillCache
+    from rdma.torch import place_embeddings, place_tensors, prefetch_lookups
+
+    return dict(locals())
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in __all__ or name in globals():
         raise AttributeError(f"module 'rdma' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once is enough
-    return value
+    globals().update(_consumer_side())  # once is enough
+    return globals()[name]
 
 
 def __dir__() -> list[str]:

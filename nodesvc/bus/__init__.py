@@ -6,7 +6,8 @@
 - :mod:`~nodesvc.bus.broker`: the embedded amqtt broker for one machine;
 - :mod:`~nodesvc.bus.config`: layered TOML/environment/flag configuration;
 - :mod:`~nodesvc.bus.logs`: plain or JSON-lines logging;
-- :mod:`~nodesvc.bus.procs`: free ports, waiting for ports and conditions, stopping children, addresses.
+- :mod:`~nodesvc.bus.procs`: free ports, waiting for ports and conditions, stopping children, addresses;
+- :mod:`~nodesvc.bus.text`: Markdown tables, which commands and benchmarks print.
 
 May import: the standard library and its own third-party dependencies (aiomqtt, paho-mqtt,
 amqtt). Nothing else of dlshare: every other package may import this one, and the import

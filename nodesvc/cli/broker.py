@@ -38,12 +38,10 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
-
-    p = add_command(sub, "broker", _run, "run the embedded MQTT broker (amqtt) for single-machine use",
-                    sections=["broker"])
-    config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")
-    config_flag(p, "--password-file", "broker", "password_file",
+def register(cli) -> None:
+    p = cli.add("broker", _run, "run the embedded MQTT broker (amqtt) for single-machine use",
+                sections=["broker"])
+    cli.config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")
+    cli.config_flag(p, "--password-file", "broker", "password_file",
                 help="mosquitto_passwd file of users; anonymous clients are then refused")
-    config_flag(p, "--acl-file", "broker", "acl_file", help="mosquitto ACL file of topic rights")
+    cli.config_flag(p, "--acl-file", "broker", "acl_file", help="mosquitto ACL file of topic rights")

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 
 from nodesvc.bus import config, jobenv, messages
 
-# Optional parts of the daemon register their config sections on import, and
-# the config is loaded before the daemon starts: import them here.
-for _mod in ("nodesvc.daemon.donor",):
-    try:
-        importlib.import_module(_mod)
-    except ModuleNotFoundError as _exc:
-        if _exc.name is None or not _mod.startswith(_exc.name):
-            raise
+import nodesvc.daemon.donor  # noqa: F401  (registers the [donor] config section, read before the daemon starts)
 
 config.register_section("node", {
     "id": "",  # default: the host name
@@ -55,20 +47,18 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
-
-    p = add_command(sub, "node", _run, "run the node daemon: telemetry, enforcement, memory lending",
-                    sections=["node", "donor"])
-    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL, mqtt://HOST:PORT")
-    config_flag(p, "--node-id", "node", "id", help="this node's id (default: host name)")
-    config_flag(p, "--interval", "node", "interval", type=float, help="telemetry period in seconds")
-    config_flag(p, "--metrics-listen", "node", "metrics_listen", help="HOST:PORT for Prometheus metrics")
-    config_flag(p, "--lend", "node", "lend", action="store_const", const=True, help="lend idle memory")
-    config_flag(p, "--fake-gpus", "node", "fake_gpus", type=int, help="simulate N GPUs (for GPU-less demos)")
-    config_flag(p, "--allow-run", "node", "allow_run", action="store_const", const=True,
+def register(cli) -> None:
+    p = cli.add("node", _run, "run the node daemon: telemetry, enforcement, memory lending",
+                sections=["node", "donor"])
+    cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL, mqtt://HOST:PORT")
+    cli.config_flag(p, "--node-id", "node", "id", help="this node's id (default: host name)")
+    cli.config_flag(p, "--interval", "node", "interval", type=float, help="telemetry period in seconds")
+    cli.config_flag(p, "--metrics-listen", "node", "metrics_listen", help="HOST:PORT for Prometheus metrics")
+    cli.config_flag(p, "--lend", "node", "lend", action="store_const", const=True, help="lend idle memory")
+    cli.config_flag(p, "--fake-gpus", "node", "fake_gpus", type=int, help="simulate N GPUs (for GPU-less demos)")
+    cli.config_flag(p, "--allow-run", "node", "allow_run", action="store_const", const=True,
                 help="start job processes on request (the run command); restrict the broker's ACLs")
-    config_flag(p, "--no-enforce", "node", "enforce", action="store_const", const=False,
+    cli.config_flag(p, "--no-enforce", "node", "enforce", action="store_const", const=False,
                 help="do not apply allocations through cgroups")
-    config_flag(p, "--allow-root-jobs", "node", "allow_root_jobs", action="store_const", const=True,
+    cli.config_flag(p, "--allow-root-jobs", "node", "allow_root_jobs", action="store_const", const=True,
                 help="let run start jobs as root (uid 0); by default a job whose owner is root is refused")

@@ -204,10 +204,8 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
-
-    p = add_command(sub, "status", _run, "show nodes, lent memory, aggregation load and schedulers", quiet=True)
-    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
+def register(cli) -> None:
+    p = cli.add("status", _run, "show nodes, lent memory, aggregation load and schedulers", quiet=True)
+    cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for retained state")

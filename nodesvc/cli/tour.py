@@ -2,14 +2,13 @@
 
 It shows the foundation at work on the running stack (nodes online, a job held
 to half a core by its cgroup, a job over its memory limit stopped by the
-kernel), then hands over to the scheduler service's tour when that part is
-installed, and ends with the status table.
+kernel), then hands over to the other parts' tours (entry-point group ``dlshare.tour``: the
+scheduler service's, when that part is installed), and ends with the status table.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import sys
 import time
@@ -18,7 +17,7 @@ from typing import Any
 import aiomqtt
 
 from nodesvc.bus import messages
-from nodesvc.cli import status
+from nodesvc.cli import TOUR_GROUP, load_entry_points, status
 from nodesvc.bus.mqtt import parse_broker_url
 from nodesvc.bus.rpc import CommandError, NodeClient
 
@@ -114,14 +113,8 @@ async def run_tour(st, console) -> bool:
     console.print("\n[bold]0. The cluster[/bold] (dlshare status)")
     status.render(status.summarize(await status.gather(st.broker_url)), console)
     ok = await enforcement_demo(st, console)
-    try:
-        svc = importlib.import_module("scheduler.cli.tour")
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not "scheduler.cli.tour".startswith(exc.name):
-            raise
-        svc = None
-    if svc is not None and st.sched_url:
-        res = svc.run_tour(st, console)
+    for _name, part in load_entry_points(TOUR_GROUP) if st.sched_url else ():
+        res = part(st, console)
         if inspect.isawaitable(res):
             res = await res
         ok &= res is not False

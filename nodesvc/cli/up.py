@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-import importlib.util
 import logging
 import os
 import pwd
@@ -59,11 +58,11 @@ config.register_section("up", {
 })
 
 
-def _has(mod: str) -> bool:
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except ModuleNotFoundError:
-        return False
+def _commands() -> set[str]:
+    """The parts installed: the ``dlshare`` subcommands their entry points add."""
+    from nodesvc.cli import COMMANDS_GROUP, load_entry_points
+
+    return {name for name, _ in load_entry_points(COMMANDS_GROUP)}
 
 
 def _die_with_parent() -> None:
@@ -251,7 +250,8 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
     else:
         raise config.ConfigError(f"up.broker must be amqtt or mosquitto, not {u['broker']!r}")
     wait_port(port, p, timeout=30, host=host)
-    lend = st.lending = _has("nodesvc.daemon.donor")
+    parts = _commands()
+    lend = st.lending = True  # every node daemon lends: the remote-memory part ships in nodesvc
     bhost = st.net.gateway if st.net else host  # how the nodes (and their jobs) reach the broker
     st.job_broker = users.url("dlshare-memory", bhost, port)
     me = getpass.getuser()  # the bootstrap token's user: its jobs run as the user who started the stack
@@ -270,7 +270,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         st.spawn(nid, argv, env=env, prefix=st.net.prefix(nid) if st.net else [])
         st.node_ids.append(nid)
         st.node_addrs[nid] = addr
-    if _has("aggregator.cli"):
+    if "agg" in parts:
         ahost, aport = split_hostport(u["agg_listen"], 7700)
         if st.net:
             ahost = st.net.gateway  # reachable from every node's namespace and from here
@@ -282,7 +282,7 @@ def _start(st: Stack, u: dict, log_json: bool) -> None:
         wait_port(aport, p, timeout=30, host=ahost)
         st.agg_addr = f"{ahost}:{aport}"
         st.agg_metrics = f"{ahost}:{mport}"
-    if _has("scheduler.cli.service"):
+    if "sched" in parts:
         shost, sport = split_hostport(u["sched_listen"], 7800)
         sport = _pick(shost, sport)
         token = os.environ.get("DLSHARE_SCHED_TOKEN") or os.urandom(16).hex()
@@ -356,18 +356,16 @@ def _run(args, cfg) -> int:
         console.print("stopped")
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
-
-    p = add_command(sub, "up", _run, "run the whole stack on this machine (broker, nodes, aggregation, scheduler)",
-                    sections=["up"])
-    config_flag(p, "--nodes", "up", "nodes", type=int, help="number of node daemons (default 2)")
-    config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
-    config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
-    config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
-    config_flag(p, "--broker", "up", "broker", choices=["amqtt", "mosquitto"],
+def register(cli) -> None:
+    p = cli.add("up", _run, "run the whole stack on this machine (broker, nodes, aggregation, scheduler)",
+                sections=["up"])
+    cli.config_flag(p, "--nodes", "up", "nodes", type=int, help="number of node daemons (default 2)")
+    cli.config_flag(p, "--broker-listen", "up", "broker_listen", help="HOST:PORT for the embedded broker")
+    cli.config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
+    cli.config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
+    cli.config_flag(p, "--broker", "up", "broker", choices=["amqtt", "mosquitto"],
                 help="which MQTT broker to run (default amqtt, the embedded one)")
-    config_flag(p, "--netns", "up", "netns", choices=["auto", "on", "off"],
+    cli.config_flag(p, "--netns", "up", "netns", choices=["auto", "on", "off"],
                 help="node daemons in network namespaces, as separate hosts (default auto)")
     p.add_argument("--tour", action="store_true", help="run the scripted tour, then stop")
     p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: until Ctrl-C)")

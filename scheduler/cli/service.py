@@ -473,30 +473,26 @@ def _run_token(args, cfg) -> int:
     return 0
 
 
-def _api_client_flags(p, token_help: str) -> None:
+def _api_client_flags(cli, p, token_help: str) -> None:
     """The flags of a command that talks to the scheduler API: where it is, whose token, and JSON out."""
-    from nodesvc.cli import config_flag
-
-    config_flag(p, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
-    config_flag(p, "--token", "sched", "token", help=f"{token_help} (default $DLSHARE_SCHED_TOKEN or <db>.token)")
-    config_flag(p, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
+    cli.config_flag(p, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
+    cli.config_flag(p, "--token", "sched", "token", help=f"{token_help} (default $DLSHARE_SCHED_TOKEN or <db>.token)")
+    cli.config_flag(p, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
     p.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
+def register(cli) -> None:
+    p = cli.add("sched", _run_sched, "run the scheduler service: job API, live loop, Kubernetes extender",
+                sections=["sched"])
+    cli.config_flag(p, "--listen", "sched", "listen", help="HOST:PORT of the HTTP API (default 127.0.0.1:7800)")
+    cli.config_flag(p, "--db", "sched", "db", help="SQLite database path")
+    cli.config_flag(p, "--token", "sched", "token", help="bearer token (default: generated, stored in <db>.token)")
+    cli.config_flag(p, "--profile", "sched", "profile", help="scheduling profile (scheduler/profiles/NAME.toml)")
+    cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
 
-    p = add_command(sub, "sched", _run_sched, "run the scheduler service: job API, live loop, Kubernetes extender",
-                    sections=["sched"])
-    config_flag(p, "--listen", "sched", "listen", help="HOST:PORT of the HTTP API (default 127.0.0.1:7800)")
-    config_flag(p, "--db", "sched", "db", help="SQLite database path")
-    config_flag(p, "--token", "sched", "token", help="bearer token (default: generated, stored in <db>.token)")
-    config_flag(p, "--profile", "sched", "profile", help="scheduling profile (scheduler/profiles/NAME.toml)")
-    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
-
-    j = add_command(sub, "job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
-                    sections=["sched"], quiet=True)
-    _api_client_flags(j, "bearer token")
+    j = cli.add("job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
+                sections=["sched"], quiet=True)
+    _api_client_flags(cli, j, "bearer token")
     acts = j.add_subparsers(dest="action", metavar="ACTION", required=True)
     s = acts.add_parser("submit", help="submit a job: dlshare job submit --gpus 1 --model resnet50 -- python train.py")
     s.add_argument("--spec", metavar="FILE", help="JSON job spec (- for stdin); flags override its keys")
@@ -525,9 +521,9 @@ def register(sub) -> None:
             a.add_argument("--json", dest="json_sub", action="store_true", help="print JSON")
     acts.add_parser("whoami", help="the user, account and rights of your token")
 
-    t = add_command(sub, "token", _run_token, "create, list or revoke users' API tokens (an admin's token)",
-                    sections=["sched"], quiet=True)
-    _api_client_flags(t, "an admin's token")
+    t = cli.add("token", _run_token, "create, list or revoke users' API tokens (an admin's token)",
+                sections=["sched"], quiet=True)
+    _api_client_flags(cli, t, "an admin's token")
     tacts = t.add_subparsers(dest="action", metavar="ACTION", required=True)
     tc = tacts.add_parser("create", help="a new token for a user: dlshare token create alice --account vision")
     tc.add_argument("user", help="the user it acts as: its jobs run as this user on the nodes")

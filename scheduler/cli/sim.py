@@ -37,7 +37,7 @@ def _sim(args, cfg) -> int:
             print(f"dlshare sim: {exc}", file=sys.stderr)
             return 2
         results.append(r.metrics())
-    from nodesvc.cli.output import markdown_table
+    from nodesvc.bus.text import markdown_table
 
     print(markdown_table(results, ["trace", "cluster", "policy", "avg_jct_h", "median_jct_h", "p99_jct_h",
                                    "p99_slowdown", "worst_slowdown", "makespan_h", "avg_queueing_h", "gpu_util", "cpu_util", "mem_util",
@@ -181,12 +181,11 @@ def _overhead_s(text: str) -> float:
     return v
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command
+def register(cli) -> None:
     from scheduler.sim import RESTART_COST_S
 
-    p = add_command(sub, "sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; "
-                    "sim replay --db)", quiet=True)
+    p = cli.add("sim", _sim, "trace-driven scheduler simulation (or: sim predictor --train --test; "
+                "sim replay --db)", quiet=True)
     p.add_argument("action", nargs="?", choices=["run", "predictor", "replay"], default="run")
     p.add_argument("--trace", default="vc_0e4a51", help="trace CSV path or name (vc_0e4a51, vc_103959, static_100job)")
     p.add_argument("--synthetic", type=int, default=0, metavar="N", help="a synthetic trace of N jobs instead")
@@ -207,6 +206,6 @@ def register(sub) -> None:
     p.add_argument("--db", metavar="PATH", help="replay: the scheduler service's database")
     p.add_argument("--predictors", choices=["default", "data"], default="default",
                    help="replay without a snapshot: the predictors the service started with (sched.predictors)")
-    d = add_command(sub, "data", _data, "shared data files for the scheduler", quiet=True)
+    d = cli.add("data", _data, "shared data files for the scheduler", quiet=True)
     d.add_argument("action", choices=["fetch"])
     d.add_argument("--dest", metavar="DIR", help="where to write (default: the user cache)")

@@ -117,22 +117,20 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def register(sub) -> None:
-    from nodesvc.cli import add_command, config_flag
-
-    p = add_command(sub, "slurm", _run, "schedule the GPU jobs of a Slurm partition (held jobs, placed and "
-                    "released with scontrol)", sections=["slurm"])
-    config_flag(p, "--partition", "slurm", "partition", help="the partition dlshare schedules (default dlshare)")
-    config_flag(p, "--profile", "slurm", "profile", help="scheduling profile (default dlshare)")
-    config_flag(p, "--journal", "slurm", "journal", help="the shell's journal (replayed at start)")
-    config_flag(p, "--slurm-conf", "slurm", "slurm_conf", help="SLURM_CONF for Slurm's commands")
-    config_flag(p, "--poll", "slurm", "poll_s", type=float, help="seconds between reads of the queue (default 1)")
-    config_flag(p, "--gpu-slots", "slurm", "gpu_slots", type=int,
+def register(cli) -> None:
+    p = cli.add("slurm", _run, "schedule the GPU jobs of a Slurm partition (held jobs, placed and "
+                "released with scontrol)", sections=["slurm"])
+    cli.config_flag(p, "--partition", "slurm", "partition", help="the partition dlshare schedules (default dlshare)")
+    cli.config_flag(p, "--profile", "slurm", "profile", help="scheduling profile (default dlshare)")
+    cli.config_flag(p, "--journal", "slurm", "journal", help="the shell's journal (replayed at start)")
+    cli.config_flag(p, "--slurm-conf", "slurm", "slurm_conf", help="SLURM_CONF for Slurm's commands")
+    cli.config_flag(p, "--poll", "slurm", "poll_s", type=float, help="seconds between reads of the queue (default 1)")
+    cli.config_flag(p, "--gpu-slots", "slurm", "gpu_slots", type=int,
                 help="count-only gpu GRES per physical GPU on the partition's nodes (default 2)")
-    config_flag(p, "--telemetry", "slurm", "telemetry", action="store_const", const=True,
+    cli.config_flag(p, "--telemetry", "slurm", "telemetry", action="store_const", const=True,
                 help="feed telemetry of `dlshare node` beside slurmd (from --broker) to the core")
-    config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL (for --telemetry)")
-    config_flag(p, "--predictors", "slurm", "predictors", choices=["data", "default"],
+    cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL (for --telemetry)")
+    cli.config_flag(p, "--predictors", "slurm", "predictors", choices=["data", "default"],
                 help="predictors at start (default data)")
     p.add_argument("--once", action="store_true", help="one poll and its actions, then exit")
     p.add_argument("--release-held", action="store_true",

@@ -1,4 +1,7 @@
-"""What commands print: Markdown tables (``dlshare sim``, ``dlshare bench``)."""
+"""Text every floor prints: Markdown tables (``dlshare sim``, ``dlshare bench``, the benchmarks).
+
+Pure formatting, kept on the bottom floor so that a command module prints a table without
+importing the CLI package (which imports every command module through its entry points)."""
 
 from __future__ import annotations
 

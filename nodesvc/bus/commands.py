@@ -1,0 +1,117 @@
+"""Floor 0: the command framework every ``dlshare`` command module is written against.
+
+A command module defines ``register(cli)`` and receives a :class:`Commands` registry: ``cli.add``
+adds a subcommand, ``cli.config_flag`` a flag that sets a config key, so that the precedence
+defaults < file < environment < flags holds everywhere.  :func:`main` parses, loads the config,
+sets up logging and runs the command.  The console script (:mod:`nodesvc.cli`) finds the modules
+through their entry points; a module may also run on its own (``python -m aggregator.cli``) with
+``main([register], argv)``.  Nothing here knows any command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from nodesvc.bus import config, logs
+
+_FLAG_PREFIX = "cfg__"
+
+RunFn = Callable[[argparse.Namespace, dict[str, dict[str, Any]]], int | None]
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("common options")
+    g.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
+                   help="TOML config file (also $DLSHARE_CONFIG)")
+    g.add_argument("--print-config", action="store_true", default=argparse.SUPPRESS,
+                   help="print the effective config as TOML and exit")
+    config_flag(g, "--log-json", config.GLOBAL, "log_json", action="store_const", const=True,
+                help="structured logs: one JSON object a line")
+    config_flag(g, "--log-level", config.GLOBAL, "log_level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_flag(parser, flag: str, section: str, key: str, **kwargs) -> None:
+    """Add a flag whose value, when given, overrides config ``section.key``."""
+    kwargs.setdefault("default", None)
+    if "action" not in kwargs and "metavar" not in kwargs:
+        kwargs["metavar"] = key.upper()
+    parser.add_argument(flag, dest=f"{_FLAG_PREFIX}{section}__{key}", **kwargs)
+
+
+def add_command(sub, name: str, run: RunFn, help: str, sections: Sequence[str] = (),
+                quiet: bool = False) -> argparse.ArgumentParser:
+    """Add subcommand ``name``; ``sections`` are the config sections it prints and uses.  ``quiet``:
+    a command whose output is its answer (``job``, ``status``, ``sim``...): library logs below
+    warning (httpx's request lines, ...) stay out of it unless ``--log-level`` asks for them."""
+    p = sub.add_parser(name, help=help, description=help, parents=[_common()])
+    p.set_defaults(_run=run, _sections=[config.GLOBAL, *sections], _quiet=quiet)
+    return p
+
+
+class Commands:
+    """What a command module's ``register(cli)`` receives: the one way it adds to ``dlshare``."""
+
+    config_flag = staticmethod(config_flag)
+
+    def __init__(self, sub) -> None:
+        self._sub = sub
+
+    def add(self, name: str, run: RunFn, help: str, sections: Sequence[str] = (),
+            quiet: bool = False) -> argparse.ArgumentParser:
+        """See :func:`add_command`."""
+        return add_command(self._sub, name, run, help, sections, quiet)
+
+
+def _flags(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(ns).items():
+        if dest.startswith(_FLAG_PREFIX) and value is not None:
+            sec, key = dest[len(_FLAG_PREFIX):].split("__", 1)
+            out.setdefault(sec, {})[key] = value
+    return out
+
+
+def build_parser(registers: Iterable[Callable[[Commands], None]], prog: str = "dlshare",
+                 description: str | None = None, version: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    if version:
+        parser.add_argument("--version", action="version", version=f"{prog} {version}")
+    cli = Commands(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    for register in registers:
+        register(cli)
+    return parser
+
+
+def main(registers: Iterable[Callable[[Commands], None]] | argparse.ArgumentParser,
+         argv: Sequence[str] | None = None) -> int:
+    """Run one command line: ``registers`` (or a parser built from them), then ``argv``."""
+    parser = registers if isinstance(registers, argparse.ArgumentParser) else build_parser(registers)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        cfg = config.load(getattr(args, "config", None), flags=_flags(args))
+    except config.ConfigError as exc:
+        print(f"dlshare: config error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "print_config", False):
+        sys.stdout.write(config.to_toml(cfg, [s for s in args._sections if s in cfg]))
+        return 0
+    level = cfg[config.GLOBAL]["log_level"]
+    if getattr(args, "_quiet", False) and getattr(args, f"{_FLAG_PREFIX}{config.GLOBAL}__log_level", None) is None:
+        level = "warning"
+    logs.setup(cfg[config.GLOBAL]["log_json"], level)
+    try:
+        rc = args._run(args, cfg)
+    except KeyboardInterrupt:
+        return 130
+    except config.ConfigError as exc:
+        print(f"dlshare: config error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
