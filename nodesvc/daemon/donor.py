@@ -45,6 +45,7 @@ from typing import Any
 import psutil
 
 from nodesvc.bus import config, messages
+from nodesvc.bus.ids import stimulus_id
 from nodesvc.extension import NodeContext
 from nodesvc.bus.messages import PayloadError
 from nodesvc.reclaim import (
@@ -161,7 +162,6 @@ class DonorExtension:
         self.stats = DonorStats()
         self.server = None
         self.ctx: NodeContext | None = None
-        self._ids = itertools.count(1)
         self._slab_ids = itertools.count(0)
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -362,7 +362,7 @@ class DonorExtension:
     # --- reclaim shell -------------------------------------------------------------------
 
     def _sid(self, what: str) -> str:
-        return f"{what}-{next(self._ids)}"
+        return stimulus_id(f"donor:{what}")
 
     def _release(self, slab: int, why: str, count_unmap: bool = True) -> None:
         held = self.slabs.pop(slab, None)
