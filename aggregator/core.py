@@ -75,7 +75,7 @@ class Drain:
     now: float
 
 
-Event = Register | ChunkArrived | ConnectionLost | Tick | Drain
+Event = Register | ChunkArrived | ConnectionLost | Tick | Drain | DrainAck  # DrainAck: aggregator.membership's
 
 
 # --- decisions ------------------------------------------------------------------------------

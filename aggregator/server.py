@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import json
 import os
 import logging
@@ -49,6 +48,7 @@ from aggregator.stages import ServerStages
 from aggregator.telemetry import run_telemetry
 from aggregator.sockio import IDLE, SOCK_BUF, recv_frame
 from nodesvc.bus import config
+from nodesvc.bus.ids import stimulus_id
 from nodesvc.bus.procs import split_hostport
 
 log = logging.getLogger("dlshare.agg")
@@ -158,7 +158,6 @@ class AggregationServer:
         self.budget = RecvBudget(max_receiving_bytes, max_receiving_bytes_per_peer)
         # at most one reader and one sender task per connection: the cap never starves a connection
         self.workers = Workers(server_id, 2 * max_connections + 2)
-        self._eids = itertools.count(1)  # the core's stimulus ids: a counter, unique per server
         self._tick_s = tick_s
         self._stop = threading.Event()
         self._conns: dict[int, Conn] = {}  # by descriptor
@@ -206,7 +205,7 @@ class AggregationServer:
 
     def drain(self) -> None:
         """Move every job's future rounds to the other servers (clients re-route)."""
-        self._handle(Drain(str(next(self._eids)), time.monotonic()))
+        self._handle(Drain(stimulus_id("agg"), time.monotonic()))
 
     # --- core plumbing ---
 
@@ -393,7 +392,7 @@ class AggregationServer:
             except ProtocolError as exc:
                 conn.send(error("bad_message", str(exc)))
                 raise _Gone() from None
-            self._handle(Register(str(next(self._eids)), time.monotonic(), conn, hello, conn.ip))
+            self._handle(Register(stimulus_id("agg"), time.monotonic(), conn, hello, conn.ip))
             with self._lock:
                 conn.registered = conn in self.core.conn_job
             if conn.registered:
@@ -401,7 +400,7 @@ class AggregationServer:
         elif h.mtype == MsgType.BYE:
             raise _Gone(orderly=True)
         elif h.mtype == MsgType.DRAINED:
-            self._handle(DrainAck(str(next(self._eids)), time.monotonic(), conn))
+            self._handle(DrainAck(stimulus_id("agg"), time.monotonic(), conn))
         else:
             conn.send(error("bad_message", f"a server does not accept {h.mtype.name} messages"))
             raise _Gone()
@@ -438,7 +437,7 @@ class AggregationServer:
             who = self.core.conn_job.get(conn)
             if who is not None:
                 self.stages.arrived(who[0], h.unit, h.rank, t_hdr, time.time())
-        self._handle(ChunkArrived(str(next(self._eids)), time.monotonic(), conn, h, buf))
+        self._handle(ChunkArrived(stimulus_id("agg"), time.monotonic(), conn, h, buf))
 
     def _end(self, conn: Conn, orderly: bool) -> None:
         if conn.ended:
@@ -450,7 +449,7 @@ class AggregationServer:
             pass
         with self._lock:
             who = self.core.conn_job.get(conn)
-        self._handle(ConnectionLost(str(next(self._eids)), time.monotonic(), conn, orderly))
+        self._handle(ConnectionLost(stimulus_id("agg"), time.monotonic(), conn, orderly))
         if who is not None and self.order is not None:
             with self._lock:
                 if who[0] not in self.core.jobs:
@@ -483,7 +482,7 @@ class AggregationServer:
         last_obs = 0.0
         while not self._stop.wait(self._tick_s):
             now = time.monotonic()
-            self._handle(Tick(str(next(self._eids)), now))
+            self._handle(Tick(stimulus_id("agg"), now))
             if now - last_obs >= 0.25:
                 self.pool.observe(now)
                 last_obs = now

@@ -101,6 +101,9 @@ class JobSample:
     speed: float | None = None
 
 
+Payload = JobSample  # a value events carry, not an event (tests/core_conventions.py)
+
+
 @dataclass(frozen=True)
 class NodeReport(Event):
     """A node's resources and telemetry.  The first report registers the node;

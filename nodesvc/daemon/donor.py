@@ -45,15 +45,21 @@ from typing import Any
 import psutil
 
 from nodesvc.bus import config, messages
+from nodesvc.bus.ids import stimulus_id
 from nodesvc.extension import NodeContext
 from nodesvc.bus.messages import PayloadError
 from nodesvc.reclaim import (
     ForceUnmap,
-    LeaseBook,
+    Lease,
+    MapGranted,
+    MapRefused,
+    MapRequested,
     NotifyEvict,
     PressureSample,
     ReclaimCore,
     ReclaimRequested,
+    RenewRequested,
+    Renewed,
     SlabAccessed,
     SlabLent,
     SlabReturned,
@@ -107,14 +113,11 @@ def read_pressure() -> tuple[int, float | None]:
 
 
 @dataclass
-class Lease:
-    slab: int
-    consumer: str
+class Slab:
+    """What the shell holds for a lent slab: its memory and its token (the lease is the core's)."""
+
     token: bytes
-    region: Any  # rdma.native_mem.Region
-    nbytes: int
-    mapped_at: float
-    evicting: bool = False
+    memory: Any  # rdma.native_mem.Region: the mmapped bytes the slab server serves
 
 
 @dataclass
@@ -153,19 +156,21 @@ class DonorExtension:
         self.max_slabs = int(d["max_slabs"])
         self.pressure = pressure
         self.clock = clock
-        self.core = ReclaimCore(self.headroom, float(d["psi_threshold"]), float(d["reclaim_deadline_s"]))
-        self.lease_book = LeaseBook()
-        self.leases: dict[int, Lease] = {}
-        self._cut_off = False
+        self.core = ReclaimCore(self.headroom, float(d["psi_threshold"]), float(d["reclaim_deadline_s"]),
+                                slab_bytes=self.slab_bytes, max_slabs=self.max_slabs, lend_reserved=self.lend_reserved)
+        self.slabs: dict[int, Slab] = {}
         self.stats = DonorStats()
         self.server = None
         self.ctx: NodeContext | None = None
-        self._ids = itertools.count(1)
         self._slab_ids = itertools.count(0)
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self.addr = ""
-        self.paused_until = float("-inf")
+
+    @property
+    def leases(self) -> dict[int, Lease]:
+        """The slabs lent, as the core records them."""
+        return self.core.leases
 
     # --- NodeExtension -------------------------------------------------------------------
 
@@ -191,9 +196,10 @@ class DonorExtension:
                 pass
         if self.server:
             self.server.stop()
-        for lease in list(self.leases.values()):
-            lease.region.release()
-        self.leases.clear()
+        for slab in list(self.slabs.values()):
+            slab.memory.release()
+        self.slabs.clear()
+        self.core.leases.clear()
 
     def commands(self) -> dict[str, Callable]:
         return {"map": self.cmd_map, "unmap": self.cmd_unmap, "renew": self.cmd_renew, "reclaim": self.cmd_reclaim,
@@ -202,10 +208,7 @@ class DonorExtension:
     def telemetry(self) -> dict[str, Any]:
         lendable = self.lendable_bytes()
         lent = len(self.leases)
-        total = lent + self._slabs_available(lendable)
-        lent_to: dict[str, int] = {}
-        for lease in self.leases.values():
-            lent_to[lease.consumer] = lent_to.get(lease.consumer, 0) + lease.nbytes
+        total = lent + self.core.slabs_available(self.clock(), lendable)
         return {
             "enabled": True,
             "addr": self.addr,
@@ -216,8 +219,8 @@ class DonorExtension:
             "lent_bytes": lent * self.slab_bytes,
             "lendable_bytes": lendable,
             "reserved_unused_bytes": self._ctx_bytes("reserved_unused_bytes"),
-            "lent_to": lent_to,
-            "evicting": sorted(s for s, x in self.leases.items() if x.evicting),
+            "lent_to": self.core.lent_to(),
+            "evicting": self.core.evicting,
             "last_reclaim_s": self.stats.last_reclaim_s,
             # Counters since the daemon started (Prometheus: dlshare_donor_*_total).
             "maps": self.stats.maps, "refused_maps": self.stats.refused_maps,
@@ -235,27 +238,17 @@ class DonorExtension:
             log.exception("reading %s from the daemon failed", name)
             return 0
 
+    def _written(self) -> dict[int, int]:
+        """Bytes written into each lent slab (the slab server's counters)."""
+        out = {}
+        for slab in list(self.slabs):
+            st = self.server.slab_stats(slab) if self.server is not None else None
+            out[slab] = st.bytes_written if st else 0
+        return out
+
     def lendable_bytes(self) -> int:
         avail, _ = self.pressure()
-        kept = 0 if self.lend_reserved else self._ctx_bytes("reserved_unused_bytes")
-        return max(0, avail - self.headroom - kept - self.lent_untouched_bytes())
-
-    def lent_untouched_bytes(self) -> int:
-        """Lent memory not written yet.  Slabs are mapped lazily (MAP_NORESERVE), so their pages
-        leave MemAvailable only as consumers write them: without this, two consumers could be
-        promised the same free memory.  Bytes written count once even if rewritten, so this may
-        undercount slightly; reclaim (PSI, MemAvailable under the headroom) covers the rest."""
-        untouched = 0
-        for slab, lease in list(self.leases.items()):
-            st = self.server.slab_stats(slab) if self.server is not None else None
-            written = st.bytes_written if st else 0
-            untouched += max(0, lease.nbytes - written)
-        return untouched
-
-    def _slabs_available(self, lendable: int) -> int:
-        if self.clock() < self.paused_until:
-            return 0
-        return max(0, min(self.max_slabs - len(self.leases), lendable // self.slab_bytes))
+        return self.core.lendable_bytes(avail, self._ctx_bytes("reserved_unused_bytes"), self._written())
 
     # --- commands ------------------------------------------------------------------------
 
@@ -268,12 +261,16 @@ class DonorExtension:
         lease_s = messages.bounded(args, "lease_s", 0.0, MAX_LEASE_S, required=False, default=0.0)
         granted: list[tuple[int, bytes, Any]] = []
         async with self._lock:
-            available = self._slabs_available(self.lendable_bytes())
-            if available < count:
+            avail, _ = self.pressure()
+            (decision,) = self.core.handle(MapRequested(
+                self._sid("map"), self.clock(), consumer, count, avail, self._ctx_bytes("reserved_unused_bytes"),
+                tuple(self._written().items())))
+            if isinstance(decision, MapRefused):
                 self.stats.refused_maps += 1
-                raise PayloadError(f"no free slab: {count} asked, {available} lendable on this node")
+                raise PayloadError(decision.reason)
+            assert isinstance(decision, MapGranted)
             try:
-                for _ in range(count):
+                for _ in range(decision.count):
                     slab = self._next_slab_id()
                     region = Region(self.slab_bytes, huge=bool(self.cfg["hugepages"]), lock=bool(self.cfg["mlock"]))
                     token = random_token()
@@ -282,17 +279,16 @@ class DonorExtension:
                     except Exception:
                         region.release()
                         raise
-                    self.leases[slab] = Lease(slab, consumer, token, region, self.slab_bytes, self.clock())
+                    self.slabs[slab] = Slab(token, region)
                     granted.append((slab, token, region))
             except Exception:
                 for slab, _, _ in granted:
                     self._release(slab, "map failed", count_unmap=False)
                 raise
-            if lease_s:
-                self.lease_book.renew(consumer, self.clock(), lease_s)
             for slab, _, _ in granted:
                 self.stats.maps += 1
-                self.core.handle(SlabLent(self._sid("map"), self.clock(), slab, consumer, self.slab_bytes))
+                self.core.handle(SlabLent(decision.stimulus_id, self.clock(), slab, consumer, self.slab_bytes,
+                                          lease_s))
         region = granted[0][2]
         if region.reason:
             log.warning("slabs of %s: %s", consumer, region.reason)
@@ -305,7 +301,7 @@ class DonorExtension:
 
         for _ in range(lib.DLS_MAX_SLAB_ID):
             sid = next(self._slab_ids) % lib.DLS_MAX_SLAB_ID
-            if sid not in self.leases:
+            if sid not in self.slabs:
                 return sid
         raise PayloadError("slab ids exhausted")
 
@@ -321,11 +317,11 @@ class DonorExtension:
         for item in items:
             slab = messages.bounded(item, "slab", 0, (1 << 16) - 1, int)
             token = messages.arg(item, "token", str)
-            lease = self.leases.get(slab)
-            if lease is None:
+            held = self.slabs.get(slab)
+            if held is None:
                 raise PayloadError(f"slab {slab} is not lent")
             try:
-                ok = bytes.fromhex(token) == lease.token
+                ok = bytes.fromhex(token) == held.token
             except ValueError:
                 ok = False
             if not ok:
@@ -341,18 +337,15 @@ class DonorExtension:
         lease_s = messages.bounded(args, "lease_s", 0.0, MAX_LEASE_S)
         if lease_s <= 0:
             raise PayloadError("'lease_s' must be positive")
-        held = sorted(s for s, x in self.leases.items() if x.consumer == consumer)
-        if held:
-            self.lease_book.renew(consumer, self.clock(), lease_s)
-        return {"slabs": held}
+        (answer,) = self.core.handle(RenewRequested(self._sid("renew"), self.clock(), consumer, lease_s))
+        assert isinstance(answer, Renewed)
+        return {"slabs": list(answer.slabs)}
 
     async def cmd_reclaim(self, args: dict[str, Any]) -> dict[str, Any]:
         """Take ``bytes`` back now; ``pause_s`` also stops lending for that long (a drain)."""
         nbytes = messages.bounded(args, "bytes", 1, MAX_RECLAIM_BYTES, int, required=False, default=self.slab_bytes)
         pause = messages.bounded(args, "pause_s", 0.0, MAX_PAUSE_S, required=False, default=0.0)
-        if pause:
-            self.paused_until = max(self.paused_until, self.clock() + pause)
-        decisions = self.core.handle(ReclaimRequested(self._sid("reclaim"), self.clock(), nbytes))
+        decisions = self.core.handle(ReclaimRequested(self._sid("reclaim"), self.clock(), nbytes, pause))
         await self._execute(decisions)
         return {"evicting": [d.slab for d in decisions if isinstance(d, NotifyEvict)]}
 
@@ -369,35 +362,34 @@ class DonorExtension:
     # --- reclaim shell -------------------------------------------------------------------
 
     def _sid(self, what: str) -> str:
-        return f"{what}-{next(self._ids)}"
+        return stimulus_id(f"donor:{what}")
 
     def _release(self, slab: int, why: str, count_unmap: bool = True) -> None:
-        lease = self.leases.pop(slab, None)
-        if lease is None:
+        held = self.slabs.pop(slab, None)
+        if held is None:
             return
+        lease = self.core.leases.get(slab)
         self.server.remove_slab(slab)  # waits until no request touches it
-        lease.region.release()         # munmap: the memory goes back to the OS now
+        held.memory.release()          # munmap: the memory goes back to the OS now
         self.stats.unmaps += count_unmap
         started = self.stats.reclaim_started.pop(slab, None)
         if started is not None:
             self.stats.last_reclaim_s = self.clock() - started
         self.core.handle(SlabReturned(self._sid("unmap"), self.clock(), slab))
-        log.info("slab %d of %s released (%s)", slab, lease.consumer, why)
+        log.info("slab %d of %s released (%s)", slab, lease.consumer if lease else "?", why)
 
     async def _execute(self, decisions) -> None:
         for d in decisions:
             if isinstance(d, NotifyEvict):
-                lease = self.leases.get(d.slab)
-                if lease is None:
+                if d.slab not in self.slabs:
                     continue
-                lease.evicting = True
                 self.stats.evictions += 1
                 self.stats.reclaim_started[d.slab] = self.clock()
                 log.info("evicting slab %d of %s: %s", d.slab, d.consumer, d.reason)
                 await self._event({"event": "evict", "slab": d.slab, "consumer": d.consumer,
                                    "deadline_s": d.deadline_s, "reason": d.reason, "addr": self.addr})
             elif isinstance(d, ForceUnmap):
-                if d.slab in self.leases:
+                if d.slab in self.slabs:
                     self.stats.forced_unmaps += 1
                     self._release(d.slab, d.reason)
                     await self._event({"event": "revoked", "slab": d.slab, "consumer": d.consumer,
@@ -411,12 +403,12 @@ class DonorExtension:
             log.warning("could not publish %s event (broker away)", body.get("event"))
 
     def sample(self) -> list:
-        """Feed one round of observations to the core (pressure, slab activity, time)."""
+        """Feed one round of observations to the core (slab activity, pressure, time, the broker)."""
         now = self.clock()
         avail, psi = self.pressure()
         out = []
         mono_now_ns = None
-        for slab in list(self.leases):
+        for slab in list(self.slabs):
             st = self.server.slab_stats(slab)
             if st and st.last_access_ns:
                 if mono_now_ns is None:
@@ -424,22 +416,9 @@ class DonorExtension:
                     mono_now_ns = monotonic_ns()
                 age = (mono_now_ns - st.last_access_ns) / 1e9
                 out += self.core.handle(SlabAccessed(self._sid("access"), now, slab, now - age))
-                lease = self.leases.get(slab)
-                if lease is not None:
-                    self.lease_book.touch(lease.consumer, now - age)
-        out += self.core.handle(PressureSample(self._sid("pressure"), now, avail, psi))
-        # Renewals travel over the broker: while this donor cannot reach it, no lease may expire,
-        # and once it is back every consumer gets a full lease to renew in.
+        # Renewals travel over the broker: the core lets no lease expire while it is away.
         connected = self.ctx is None or self.ctx.connected is None or self.ctx.connected()
-        if not connected:
-            self._cut_off = True
-            return out
-        if self._cut_off:
-            self._cut_off = False
-            self.lease_book.grace(now)
-        for consumer in self.lease_book.expired(now):
-            for slab in sorted(s for s, x in self.leases.items() if x.consumer == consumer):
-                out.append(ForceUnmap(slab, consumer, "consumer lease expired", self._sid("lease")))
+        out += self.core.handle(PressureSample(self._sid("pressure"), now, avail, psi, connected))
         return out
 
     async def _reclaim_loop(self) -> None:

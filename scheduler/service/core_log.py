@@ -14,9 +14,9 @@ it cannot turn back into an event.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import TYPE_CHECKING
 
+from nodesvc.bus.ids import stimulus_id
 from scheduler.codec import CodecError, event_from_dict, event_to_dict
 from scheduler.events import Event
 from scheduler.model import Job
@@ -48,7 +48,7 @@ def decode_event(text: str) -> Event:
 
 def new_event_id() -> str:
     """A fresh ``stimulus_id`` for an event the service makes up (every core event carries one)."""
-    return f"ev-{uuid.uuid4().hex[:16]}"
+    return stimulus_id("ev")
 
 
 def core_job(row: "JobRow", now: float) -> Job:

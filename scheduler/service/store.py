@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodesvc.bus.ids import stimulus_id
+
 # 2: decisions.batch, core_decisions, snapshots; 3: jobs.user/account (a job's owner) and tokens.
 # An older database is upgraded in place, in one transaction.
 SCHEMA_VERSION = 3
@@ -528,7 +530,7 @@ class JobStore:
 
     def _event(self, db: sqlite3.Connection, kind: str, job: str | None = None, node: str | None = None,
                data: dict[str, Any] | None = None, event_id: str | None = None) -> str:
-        eid = event_id or f"ev-{uuid.uuid4().hex[:16]}"
+        eid = event_id or stimulus_id("ev")
         db.execute("INSERT OR IGNORE INTO events (id, ts, kind, job, node, data) VALUES (?,?,?,?,?,?)",
                    (eid, self.clock(), kind, job, node, json.dumps(data or {}, sort_keys=True, default=str)))
         return eid

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodesvc.bus.ids import stimulus_id
 from scheduler.model import Job, JobState, Node
 from scheduler.slurm import core_io
 from scheduler.slurm.comment import CommentError, JobFields, job_fields, user_part
@@ -137,7 +138,7 @@ class Book:
 
     def sid(self, kind: str, what: str, now: float) -> str:
         self.seq += 1
-        return f"slurm-{self.seq}:{kind}:{what}"
+        return stimulus_id(f"slurm:{kind}:{what}")
 
     def track(self, j: SlurmJob, now: float) -> Tracked:
         t = Tracked(j.job_id, Original.of(j))

@@ -308,3 +308,35 @@ def test_one_peer_holds_at_most_max_jobs_per_peer():
     core.handle(ConnectionLost("bye", 0.0, a[1], orderly=True))  # j2 left
     assert msgs(core.handle(Register("h5", 0.0, a[4], Hello("j4", 0, 1), "10.0.0.1")))[0][1].mtype == MsgType.WELCOME
     assert core.peer_jobs["10.0.0.1"] == {"j1": 2, "j4": 1}
+
+
+def test_the_scheduler_core_follows_the_same_convention():
+    import scheduler.events
+
+    assert_core_convention(scheduler.events)
+
+
+def test_the_convention_check_fails_on_an_event_without_its_now(tmp_path):
+    """The check can fail: an event whose second field is not ``now``, or a frozen class in neither set."""
+    import types
+    from dataclasses import dataclass
+
+    import pytest
+
+    mod = types.ModuleType("fake_core")
+
+    @dataclass(frozen=True)
+    class Ping:
+        stimulus_id: str
+        when: float
+
+    @dataclass(frozen=True)
+    class Pong:
+        stimulus_id: str
+
+    for cls in (Ping, Pong):
+        cls.__module__ = "fake_core"
+        setattr(mod, cls.__name__, cls)
+    mod.Event, mod.Decision = Ping | Pong, Pong
+    with pytest.raises(AssertionError, match="Ping starts with"):
+        assert_core_convention(mod)

@@ -9,10 +9,15 @@ from hypothesis import strategies as st
 import nodesvc.reclaim
 from nodesvc.reclaim import (
     ForceUnmap,
+    MapGranted,
+    MapRefused,
+    MapRequested,
     NotifyEvict,
     PressureSample,
     ReclaimCore,
     ReclaimRequested,
+    RenewRequested,
+    Renewed,
     SlabAccessed,
     SlabLent,
     SlabReturned,
@@ -160,3 +165,93 @@ def test_lease_book_expires_only_silent_consumers():
     assert book.expired(17.9) == []
     assert book.expired(18.0) == ["b"]
     assert book.expiry == {}
+
+
+def test_lease_book_touch_and_grace():
+    from nodesvc.reclaim import LeaseBook
+
+    lb = LeaseBook()
+    lb.renew("c", 0.0, 10.0)
+    lb.touch("c", 8.0)  # data-plane use renews
+    assert lb.expired(15.0) == [] and lb.expired(18.0) == ["c"]
+    lb.renew("d", 0.0, 10.0)
+    lb.grace(30.0)
+    assert lb.expired(35.0) == [] and lb.expired(40.0) == ["d"]
+    lb.touch("nobody", 1.0)  # no lease, nothing to renew
+    assert "nobody" not in lb.expiry
+
+
+# --- what to lend, and consumer leases: decided in the core, not the shell -----------------------
+
+
+def lender(**kw):
+    return ReclaimCore(headroom_bytes=kw.pop("headroom", 100 * MIB), psi_threshold=10.0, deadline_s=2.0,
+                       slab_bytes=10 * MIB, max_slabs=kw.pop("max_slabs", 8), **kw)
+
+
+def test_a_map_is_admitted_whole_or_refused_with_what_is_lendable():
+    c = lender(lend_reserved=False)
+    # 100 MiB headroom + 30 MiB promised to local jobs + 25 MiB: two 10 MiB slabs are lendable
+    (d,) = c.handle(MapRequested("m1", 0.0, "a", 3, 155 * MIB, reserved_unused=30 * MIB))
+    assert isinstance(d, MapRefused) and d.stimulus_id == "m1" and "3 asked, 2 lendable" in d.reason
+    (d,) = c.handle(MapRequested("m2", 0.0, "a", 2, 155 * MIB, reserved_unused=30 * MIB))
+    assert d == MapGranted("a", 2, "m2")
+    c.handle(SlabLent("m2", 0.0, 7, "a", 10 * MIB))
+    c.handle(SlabLent("m2", 0.0, 8, "a", 10 * MIB))
+    # MemAvailable has not moved (nothing written), but the two slabs are spoken for
+    (d,) = c.handle(MapRequested("m3", 1.0, "b", 1, 155 * MIB, reserved_unused=30 * MIB))
+    assert isinstance(d, MapRefused)
+    # slab 7 written in full: its pages left MemAvailable, and it no longer counts as spoken for
+    assert c.lendable_bytes(145 * MIB, 30 * MIB, {7: 10 * MIB}) == 5 * MIB
+    # with lend_reserved, the reserved-but-unused memory is lent too
+    c.lend_reserved = True
+    assert c.lendable_bytes(155 * MIB, 30 * MIB, {}) == 35 * MIB
+
+
+def test_max_slabs_and_a_drain_pause_refuse_maps():
+    c = lender(max_slabs=1)
+    big = 10 << 30
+    assert isinstance(c.handle(MapRequested("m", 0.0, "a", 1, big))[0], MapGranted)
+    c.handle(SlabLent("m", 0.0, 1, "a", 10 * MIB))
+    assert isinstance(c.handle(MapRequested("m2", 0.0, "a", 1, big))[0], MapRefused)  # max_slabs
+    c = lender()
+    c.handle(ReclaimRequested("drain", 5.0, 1, pause_s=10.0))
+    (d,) = c.handle(MapRequested("m3", 14.9, "a", 1, big))
+    assert isinstance(d, MapRefused) and "paused" in d.reason
+    assert isinstance(c.handle(MapRequested("m4", 15.0, "a", 1, big))[0], MapGranted)
+
+
+def test_a_silent_consumer_loses_its_slabs_and_a_renewing_one_keeps_them():
+    c = lender()
+    for slab, who in ((1, "quiet"), (2, "quiet"), (3, "alive")):
+        c.handle(SlabLent(f"l{slab}", 0.0, slab, who, 10 * MIB, lease_s=5.0))
+    assert c.handle(RenewRequested("r1", 4.0, "alive", 5.0)) == [Renewed("alive", (3,), "r1")]
+    assert c.handle(RenewRequested("r2", 4.0, "stranger", 5.0)) == [Renewed("stranger", (), "r2")]
+    out = c.handle(PressureSample("p", 5.0, 10 << 30, 0.0))
+    assert [(d.slab, d.consumer, d.reason, d.stimulus_id) for d in out] == [
+        (1, "quiet", "consumer lease expired", "p"), (2, "quiet", "consumer lease expired", "p")]
+    assert sorted(c.leases) == [3]
+    assert c.handle(PressureSample("p2", 8.9, 10 << 30, 0.0)) == []
+    (d,) = c.handle(PressureSample("p3", 9.0, 10 << 30, 0.0))
+    assert isinstance(d, ForceUnmap) and d.slab == 3
+
+
+def test_data_plane_use_renews_and_no_lease_expires_while_the_donor_is_cut_off():
+    c = lender()
+    c.handle(SlabLent("l", 0.0, 1, "a", 10 * MIB, lease_s=5.0))
+    c.handle(SlabAccessed("acc", 4.0, 1, 4.0))  # reads and writes: alive
+    assert c.handle(PressureSample("p", 8.9, 10 << 30, 0.0)) == []
+    assert c.handle(PressureSample("p", 60.0, 10 << 30, 0.0, connected=False)) == []  # cut off: renewals can't come
+    assert c.handle(PressureSample("p", 61.0, 10 << 30, 0.0)) == []  # back: a full lease from now
+    assert c.handle(PressureSample("p", 65.9, 10 << 30, 0.0)) == []
+    assert [d.slab for d in c.handle(PressureSample("p", 66.0, 10 << 30, 0.0))] == [1]
+
+
+def test_a_returned_slab_ends_its_consumers_lease_when_it_was_the_last():
+    c = lender()
+    c.handle(SlabLent("l", 0.0, 1, "a", 10 * MIB, lease_s=5.0))
+    c.handle(SlabLent("l", 0.0, 2, "a", 10 * MIB))
+    c.handle(SlabReturned("u", 1.0, 1))
+    assert "a" in c.consumers.expiry
+    c.handle(SlabReturned("u", 1.0, 2))
+    assert c.consumers.expiry == {} and c.lent_to() == {}

@@ -119,7 +119,7 @@ async def test_lent_but_unwritten_memory_is_not_offered_twice(donor):
     with Endpoint(host, int(port)) as ep:
         ep.write(s0["slab"], bytes.fromhex(s0["token"]), [0], [MIB], bytes(MIB))
     fake.avail -= MIB  # the written slab's pages now count against MemAvailable instead
-    assert ext.lent_untouched_bytes() == MIB and ext.telemetry()["free_slabs"] == 2
+    assert ext.core.untouched_bytes(ext._written()) == MIB and ext.telemetry()["free_slabs"] == 2
 
 
 async def test_max_slabs_caps_lending(donor):
@@ -247,20 +247,6 @@ async def test_no_lease_expires_while_the_donor_is_cut_off_from_the_broker(donor
     fake.t += 1.0  # and a consumer that still stays silent does lose its slab
     await ext._execute(ext.sample())
     assert a["slab"] not in ext.leases
-
-
-def test_lease_book_touch_and_grace():
-    from nodesvc.reclaim import LeaseBook
-
-    lb = LeaseBook()
-    lb.renew("c", 0.0, 10.0)
-    lb.touch("c", 8.0)  # data-plane use renews
-    assert lb.expired(15.0) == [] and lb.expired(18.0) == ["c"]
-    lb.renew("d", 0.0, 10.0)
-    lb.grace(30.0)
-    assert lb.expired(35.0) == [] and lb.expired(40.0) == ["d"]
-    lb.touch("nobody", 1.0)  # no lease, nothing to renew
-    assert "nobody" not in lb.expiry
 
 
 _FUZZ_MAPS: list[int] = []
