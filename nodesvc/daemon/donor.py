@@ -6,7 +6,7 @@ unless ``donor.lend_reserved`` is true: then that reserved-but-unused memory,
 the data-preparation over-allocation dlshare exists to lend, is lent too, and
 reclaim gives it back when a job grows into its reservation.  It is carved into slabs (``donor.slab_bytes``) that consumers map
 with the ``map`` command and give back with ``unmap``; the bytes move through
-the C slab server (rdma.native_mem.SlabServer), never through Python.  A slab's
+the C slab server (rdma.slab_server.SlabServer), never through Python.  A slab's
 memory is mmapped when it is mapped and munmapped when it comes back, so a free
 slab costs nothing and a returned one really goes back to the OS.
 
@@ -117,7 +117,7 @@ class Slab:
     """What the shell holds for a lent slab: its memory and its token (the lease is the core's)."""
 
     token: bytes
-    memory: Any  # rdma.native_mem.Region: the mmapped bytes the slab server serves
+    memory: Any  # rdma.slab_memory.SlabMemory: the mmapped bytes the slab server serves
 
 
 @dataclass
@@ -175,7 +175,7 @@ class DonorExtension:
     # --- NodeExtension -------------------------------------------------------------------
 
     async def start(self, ctx: NodeContext) -> None:
-        from rdma.native_mem import SlabServer
+        from rdma.slab_server import SlabServer
 
         self.ctx = ctx
         c = self.cfg
@@ -254,7 +254,8 @@ class DonorExtension:
 
     async def cmd_map(self, args: dict[str, Any]) -> dict[str, Any]:
         """Lend ``count`` slabs (default 1) to ``consumer``: all of them or none."""
-        from rdma.native_mem import Region, random_token
+        from rdma.slab_memory import SlabMemory
+        from rdma.slab_token import random_token
 
         consumer = messages.check_id(messages.arg(args, "consumer", str), "consumer id")
         count = messages.bounded(args, "count", 1, 1024, int, required=False, default=1)
@@ -272,7 +273,7 @@ class DonorExtension:
             try:
                 for _ in range(decision.count):
                     slab = self._next_slab_id()
-                    region = Region(self.slab_bytes, huge=bool(self.cfg["hugepages"]), lock=bool(self.cfg["mlock"]))
+                    region = SlabMemory(self.slab_bytes, huge=bool(self.cfg["hugepages"]), lock=bool(self.cfg["mlock"]))
                     token = random_token()
                     try:
                         self.server.add_slab(slab, region, token, self.slab_bytes)
@@ -297,7 +298,7 @@ class DonorExtension:
                 "huge": region.huge, "locked": region.locked, "slabs": slabs, **slabs[0]}
 
     def _next_slab_id(self) -> int:
-        from rdma.native_mem import lib
+        from rdma.native import lib
 
         for _ in range(lib.DLS_MAX_SLAB_ID):
             sid = next(self._slab_ids) % lib.DLS_MAX_SLAB_ID
@@ -412,7 +413,7 @@ class DonorExtension:
             st = self.server.slab_stats(slab)
             if st and st.last_access_ns:
                 if mono_now_ns is None:
-                    from rdma.native_mem import monotonic_ns
+                    from rdma.clock import monotonic_ns
                     mono_now_ns = monotonic_ns()
                 age = (mono_now_ns - st.last_access_ns) / 1e9
                 out += self.core.handle(SlabAccessed(self._sid("access"), now, slab, now - age))
