@@ -32,6 +32,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aggregator import kernel
@@ -134,12 +135,15 @@ class AggregationServer:
                  hello_timeout_s: float = 10.0, frame_timeout_s: float = 10.0, max_connections: int = 1024,
                  max_connections_per_peer: int = 256, max_receiving_bytes: int = 1 << 30,
                  max_receiving_bytes_per_peer: int = 256 << 20, max_jobs_per_peer: int = 64,
-                 trace: bool = False) -> None:
+                 trace: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         """``interleave``: read overlapping rounds of different jobs first come, first served
         (aggregator/interleave.py) instead of all at once; ``recv_buffer_bytes``: each connection's
         receive buffer, which bounds what a held-back job can still push meanwhile; ``trace``: record
-        every chunk's stage times (:attr:`stages`, aggregator/stages.py).  The rest are the
-        ceilings of the module docstring (config keys of the same names)."""
+        every chunk's stage times (:attr:`stages`, aggregator/stages.py); ``clock``: the time of the
+        policy (the core's events, hence round and join timeouts, and the hello deadline), which a test
+        may drive by hand; the I/O's own pacing (accept back-off, close delay, interleaving) keeps real
+        time.  The rest are the ceilings of the module docstring (config keys of the same names)."""
+        self.clock = clock
         self.server_id = server_id
         self.send_timeout_s = max(1.0, round_timeout_s)
         self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes, require_secret=require_secret,
@@ -205,7 +209,7 @@ class AggregationServer:
 
     def drain(self) -> None:
         """Move every job's future rounds to the other servers (clients re-route)."""
-        self._handle(Drain(stimulus_id("agg"), time.monotonic()))
+        self._handle(Drain(stimulus_id("agg"), self.clock()))
 
     # --- core plumbing ---
 
@@ -274,7 +278,8 @@ class AggregationServer:
             if self._paused_until and now >= self._paused_until:
                 self._paused_until = 0.0
                 self._ep.register(lfd, select.EPOLLIN)
-            for conn in [c for c in list(self._unwelcome) if now >= c.hello_deadline]:
+            policy_now = self.clock()
+            for conn in [c for c in list(self._unwelcome) if policy_now >= c.hello_deadline]:
                 self._unwelcome.discard(conn)
                 if not conn.registered:
                     self._kick(conn, "hello_timeout", f"no HELLO accepted within {self.hello_timeout_s:g} s "
@@ -313,7 +318,7 @@ class AggregationServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.recv_buffer_bytes)
             guard_peer(sock, self.send_timeout_s)
-            conn = Conn(sock, addr[0], addr[1], self.workers, time.monotonic() + self.hello_timeout_s)
+            conn = Conn(sock, addr[0], addr[1], self.workers, self.clock() + self.hello_timeout_s)
             self._conns[conn.fd] = conn
             self._unwelcome.add(conn)
             self._ep.register(conn.fd, _ARM)
@@ -392,7 +397,7 @@ class AggregationServer:
             except ProtocolError as exc:
                 conn.send(error("bad_message", str(exc)))
                 raise _Gone() from None
-            self._handle(Register(stimulus_id("agg"), time.monotonic(), conn, hello, conn.ip))
+            self._handle(Register(stimulus_id("agg"), self.clock(), conn, hello, conn.ip))
             with self._lock:
                 conn.registered = conn in self.core.conn_job
             if conn.registered:
@@ -400,7 +405,7 @@ class AggregationServer:
         elif h.mtype == MsgType.BYE:
             raise _Gone(orderly=True)
         elif h.mtype == MsgType.DRAINED:
-            self._handle(DrainAck(stimulus_id("agg"), time.monotonic(), conn))
+            self._handle(DrainAck(stimulus_id("agg"), self.clock(), conn))
         else:
             conn.send(error("bad_message", f"a server does not accept {h.mtype.name} messages"))
             raise _Gone()
@@ -437,7 +442,7 @@ class AggregationServer:
             who = self.core.conn_job.get(conn)
             if who is not None:
                 self.stages.arrived(who[0], h.unit, h.rank, t_hdr, time.time())
-        self._handle(ChunkArrived(stimulus_id("agg"), time.monotonic(), conn, h, buf))
+        self._handle(ChunkArrived(stimulus_id("agg"), self.clock(), conn, h, buf))
 
     def _end(self, conn: Conn, orderly: bool) -> None:
         if conn.ended:
@@ -449,7 +454,7 @@ class AggregationServer:
             pass
         with self._lock:
             who = self.core.conn_job.get(conn)
-        self._handle(ConnectionLost(stimulus_id("agg"), time.monotonic(), conn, orderly))
+        self._handle(ConnectionLost(stimulus_id("agg"), self.clock(), conn, orderly))
         if who is not None and self.order is not None:
             with self._lock:
                 if who[0] not in self.core.jobs:
@@ -481,8 +486,8 @@ class AggregationServer:
     def _tick_loop(self) -> None:
         last_obs = 0.0
         while not self._stop.wait(self._tick_s):
+            self._handle(Tick(stimulus_id("agg"), self.clock()))
             now = time.monotonic()
-            self._handle(Tick(stimulus_id("agg"), now))
             if now - last_obs >= 0.25:
                 self.pool.observe(now)
                 last_obs = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -10,9 +11,11 @@ import pytest
 import torch
 
 from aggregator import AggregationError, Client
+from aggregator.core import Tick
 from aggregator.protocol import HEADER_SIZE, MsgType, parse_body, parse_header
 from nodesvc.bus.procs import wait_until
 from tests.aggregator.aggtest import addr, run_ranks
+from tests.fake_clock import ManualClock
 
 
 def _data(world: int, n: int, seed: int, dtype=np.float32) -> list[np.ndarray]:
@@ -231,13 +234,44 @@ def test_drain_moves_future_rounds_to_the_other_servers(agg_servers):
 
 
 def test_round_timeout_when_a_rank_never_pushes(agg_servers):
-    (srv,) = agg_servers(1, round_timeout_s=0.5)
+    """A 30 s round timeout, on the server's clock moved by hand: the test takes milliseconds."""
+    clock = ManualClock()
+    (srv,) = agg_servers(1, round_timeout_s=30.0, clock=clock)
     with Client([addr(srv)], "slow", 0, 2) as c0, Client([addr(srv)], "slow", 1, 2) as c1:
         c1.links[addr(srv)].ensure()  # rank 1 is connected but never pushes
-        t0 = time.monotonic()
+
+        def expire_the_round() -> None:
+            wait_until(lambda: "slow" in srv.core.jobs and srv.core.jobs["slow"].units, timeout=60)
+            clock.advance(29.9)
+            srv._handle(Tick("test-tick", clock()))  # not due yet: the round stays
+            assert srv.core.jobs["slow"].units
+            clock.advance(0.1)
+
+        t = threading.Thread(target=expire_the_round)
+        t.start()
         with pytest.raises(AggregationError, match=r"ranks \[1\] never pushed") as ei:
             c0.allreduce(np.ones(16, np.float32))
-        assert ei.value.code == "timeout" and time.monotonic() - t0 < 3.0
+        t.join(timeout=60)
+        assert ei.value.code == "timeout" and "30 s" in str(ei.value)
+
+
+def test_a_connection_that_never_says_hello_is_closed_at_the_hello_deadline(agg_servers):
+    clock = ManualClock()
+    (srv,) = agg_servers(1, hello_timeout_s=10.0, clock=clock)
+    with socket.create_connection(tuple(srv.address), timeout=60) as s:
+        wait_until(lambda: len(srv._unwelcome) == 1, timeout=60)
+        clock.advance(9.9)
+        s.settimeout(0.3)  # the sweep runs every 0.1 s: nothing may come before the deadline
+        with pytest.raises(socket.timeout):
+            s.recv(1)
+        clock.advance(0.1)
+        s.settimeout(60)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        h = parse_header(got[:HEADER_SIZE])
+        assert h.mtype == MsgType.ERROR
+        assert parse_body(got[HEADER_SIZE:HEADER_SIZE + h.nbytes])["code"] == "hello_timeout"
 
 
 def test_a_server_speaking_garbage_gives_an_error_not_a_hang():
