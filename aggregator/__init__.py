@@ -40,9 +40,9 @@ from typing import Any
 
 from aggregator.client import AggregationError, Client
 
-__all__ = ["Client", "AggregationError", "AggregationServer", "serve"]
+__all__ = ["Client", "AggregationError", "AggregationServer", "ServerSettings", "serve"]
 
-_SERVER_NAMES = ("AggregationServer", "serve")
+_SERVER_NAMES = ("AggregationServer", "ServerSettings", "serve")
 
 
 def __getattr__(name: str) -> Any:

@@ -17,10 +17,10 @@ import queue
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from aggregator import kernel
-from aggregator.inflight import AggregationError, Unit
+from aggregator.inflight import AggregationError, CopyPool, Unit
 from aggregator.protocol import (HEADER_SIZE, Header, MsgType, ProtocolError, data_header, hello, parse_body,
                                  parse_header, parse_round_body)
 from aggregator.sockio import SOCK_BUF, recv_exact, send_all
@@ -52,9 +52,38 @@ def _read(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+class LinkOwner(Protocol):
+    """What a link reads of the client that owns it, and the five ways it calls back into it
+    (:class:`aggregator.client.Client` is one)."""
+
+    # who this rank is, and what it says at HELLO
+    job: str
+    rank: int
+    world: int
+    secret: str | None
+    layout: Any  # the job's key layout, or None
+    next_round: int
+    # settings
+    connect_timeout_s: float
+    timeout_s: float
+    window_chunks: int
+    # shared state, guarded by ``cond`` (over ``lock``)
+    lock: Any
+    cond: threading.Condition
+    closed: bool
+    window_from: int
+    copies: CopyPool
+
+    def link_lost(self, link: "ServerLink", sock: Any, why: str, reader: bool = False) -> None: ...
+    def keep_copy(self, link: "ServerLink", u: Unit) -> None: ...
+    def unit_answered(self, link: "ServerLink", u: Unit) -> None: ...
+    def server_error(self, link: "ServerLink", h: Header, code: str, message: str) -> None: ...
+    def redirected(self, link: "ServerLink", h: Header, from_round: int) -> None: ...
+
+
 class ServerLink:
-    def __init__(self, client: Any, addr: str) -> None:
-        """``client``: the :class:`aggregator.client.Client` that owns this link."""
+    def __init__(self, client: LinkOwner, addr: str) -> None:
+        """``client``: what owns this link (:class:`LinkOwner`; the client)."""
         self.client = client
         self.addr = addr
         self.state = NEW

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aggregator import kernel
@@ -117,6 +118,52 @@ def resolve(cfg: dict) -> dict:
     return {**cfg, "agg": a}
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything an :class:`AggregationServer` is set up with, in one object: the ``[agg]`` config
+    keys of the same names (the module docstring's ceilings), plus ``interleave`` (read overlapping
+    rounds of different jobs first come, first served, aggregator/interleave.py), ``recv_buffer_bytes``
+    (each connection's receive buffer, which bounds what a held-back job can still push meanwhile) and
+    ``trace`` (record every chunk's stage times, aggregator/stages.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    server_id: str = "agg0"
+    min_cores: int = 1
+    max_cores: int = 4
+    round_timeout_s: float = 30.0
+    tick_s: float = 0.1
+    shrink_after_s: float = 1.0
+    max_job_bytes: int = DEFAULT_MAX_JOB_BYTES
+    interleave: bool = True
+    recv_buffer_bytes: int = RECV_BUF
+    require_secret: bool = False
+    hello_timeout_s: float = 10.0
+    frame_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
+    max_receiving_bytes: int = 1 << 30
+    max_receiving_bytes_per_peer: int = 256 << 20
+    max_jobs_per_peer: int = 64
+    trace: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ServerSettings":
+        """From a config (checked and completed by :func:`resolve`)."""
+        a = resolve(cfg)["agg"]
+        host, port = split_hostport(a["listen"], 7700)
+        return cls(host=host, port=port, server_id=a["id"], min_cores=int(a["min_cores"]),
+                   max_cores=int(a["max_cores"]), round_timeout_s=float(a["round_timeout_s"]),
+                   max_job_bytes=int(a["max_job_bytes"]), interleave=bool(a["interleave"]),
+                   recv_buffer_bytes=int(a["recv_buffer_bytes"]), require_secret=bool(a["require_secret"]),
+                   hello_timeout_s=float(a["hello_timeout_s"]), frame_timeout_s=float(a["frame_timeout_s"]),
+                   max_connections=int(a["max_connections"]),
+                   max_connections_per_peer=int(a["max_connections_per_peer"]),
+                   max_receiving_bytes=int(a["max_receiving_bytes"]),
+                   max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"]),
+                   max_jobs_per_peer=int(a["max_jobs_per_peer"]), trace=bool(a["trace_file"]))
+
+
 class _Gone(Exception):
     """The reader ends this connection (after queueing an error, if any)."""
 
@@ -128,48 +175,40 @@ _ARM = select.EPOLLIN | select.EPOLLONESHOT
 
 
 class AggregationServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, server_id: str = "agg0", min_cores: int = 1,
-                 max_cores: int = 4, round_timeout_s: float = 30.0, tick_s: float = 0.1,
-                 shrink_after_s: float = 1.0, max_job_bytes: int = DEFAULT_MAX_JOB_BYTES,
-                 interleave: bool = True, recv_buffer_bytes: int = RECV_BUF, require_secret: bool = False,
-                 hello_timeout_s: float = 10.0, frame_timeout_s: float = 10.0, max_connections: int = 1024,
-                 max_connections_per_peer: int = 256, max_receiving_bytes: int = 1 << 30,
-                 max_receiving_bytes_per_peer: int = 256 << 20, max_jobs_per_peer: int = 64,
-                 trace: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
-        """``interleave``: read overlapping rounds of different jobs first come, first served
-        (aggregator/interleave.py) instead of all at once; ``recv_buffer_bytes``: each connection's
-        receive buffer, which bounds what a held-back job can still push meanwhile; ``trace``: record
-        every chunk's stage times (:attr:`stages`, aggregator/stages.py); ``clock``: the time of the
-        policy (the core's events, hence round and join timeouts, and the hello deadline), which a test
-        may drive by hand; the I/O's own pacing (accept back-off, close delay, interleaving) keeps real
-        time.  The rest are the ceilings of the module docstring (config keys of the same names)."""
+    def __init__(self, settings: ServerSettings = ServerSettings(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``settings``: see :class:`ServerSettings`.  ``clock``: the time of the policy (the core's
+        events, hence round and join timeouts, and the hello deadline), which a test may drive by
+        hand; the I/O's own pacing (accept back-off, close delay, interleaving) keeps real time."""
+        self.settings = st = settings
         self.clock = clock
-        self.server_id = server_id
-        self.send_timeout_s = max(1.0, round_timeout_s)
-        self.core = AggregationCore(server_id, round_timeout_s, max_job_bytes, require_secret=require_secret,
-                                    max_jobs_per_peer=max_jobs_per_peer)
-        self.pool = ElasticPool(PoolController(min_cores, max_cores, shrink_after_s=shrink_after_s), name=server_id)
+        self.server_id = st.server_id
+        self.send_timeout_s = max(1.0, st.round_timeout_s)
+        self.core = AggregationCore(st.server_id, st.round_timeout_s, st.max_job_bytes, require_secret=st.require_secret,
+                                    max_jobs_per_peer=st.max_jobs_per_peer)
+        self.pool = ElasticPool(PoolController(st.min_cores, st.max_cores, shrink_after_s=st.shrink_after_s),
+                                name=st.server_id)
         self.buffers = BufferPool()
-        self.stages = ServerStages() if trace else None
+        self.stages = ServerStages() if st.trace else None
         self._lock = threading.Lock()
         self._turns = threading.Condition(self._lock)
-        self.order = RoundOrder() if interleave else None
-        self.recv_buffer_bytes = recv_buffer_bytes
-        self.hello_timeout_s, self.frame_timeout_s = hello_timeout_s, frame_timeout_s
-        self._frame_ms = max(1, int(frame_timeout_s * 1000))
+        self.order = RoundOrder() if st.interleave else None
+        self.recv_buffer_bytes = st.recv_buffer_bytes
+        self.hello_timeout_s, self.frame_timeout_s = st.hello_timeout_s, st.frame_timeout_s
+        self._frame_ms = max(1, int(st.frame_timeout_s * 1000))
         self._linger_ms = int(READ_LINGER_S * 1000)
-        self.peers = PeerCounts(max_connections, max_connections_per_peer)
-        self.budget = RecvBudget(max_receiving_bytes, max_receiving_bytes_per_peer)
+        self.peers = PeerCounts(st.max_connections, st.max_connections_per_peer)
+        self.budget = RecvBudget(st.max_receiving_bytes, st.max_receiving_bytes_per_peer)
         # at most one reader and one sender task per connection: the cap never starves a connection
-        self.workers = Workers(server_id, 2 * max_connections + 2)
-        self._tick_s = tick_s
+        self.workers = Workers(st.server_id, 2 * st.max_connections + 2)
+        self._tick_s = st.tick_s
         self._stop = threading.Event()
         self._conns: dict[int, Conn] = {}  # by descriptor
         self._unwelcome: set[Conn] = set()  # not yet registered: the hello deadline applies
         self._closing: list[tuple[float, Conn]] = []
         self._closing_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self.listener = socket.create_server((host, port), backlog=128)
+        self.listener = socket.create_server((st.host, st.port), backlog=128)
         self.listener.setblocking(False)
         self.address = self.listener.getsockname()[:2]
         self._ep = select.epoll()
@@ -538,17 +577,7 @@ def serve(cfg: dict[str, dict[str, Any]], stop_event: threading.Event,
     """
     cfg = resolve(cfg)
     a = cfg["agg"]
-    host, port = split_hostport(a["listen"], 7700)
-    server = AggregationServer(host, port, a["id"], a["min_cores"], a["max_cores"], a["round_timeout_s"],
-                               max_job_bytes=a["max_job_bytes"], interleave=bool(a["interleave"]),
-                               recv_buffer_bytes=int(a["recv_buffer_bytes"]),
-                               require_secret=bool(a["require_secret"]), hello_timeout_s=float(a["hello_timeout_s"]),
-                               frame_timeout_s=float(a["frame_timeout_s"]), max_connections=int(a["max_connections"]),
-                               max_connections_per_peer=int(a["max_connections_per_peer"]),
-                               max_receiving_bytes=int(a["max_receiving_bytes"]),
-                               max_receiving_bytes_per_peer=int(a["max_receiving_bytes_per_peer"]),
-                               max_jobs_per_peer=int(a["max_jobs_per_peer"]),
-                               trace=bool(a["trace_file"]))
+    server = AggregationServer(ServerSettings.from_config(cfg))
     # Metrics first (their import opens files): once the server accepts, a flood of connections may
     # take every descriptor the process has, and an import then would kill the server.
     metrics = None

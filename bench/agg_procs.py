@@ -9,9 +9,9 @@ import psutil
 
 
 def server_proc(conn, kw: dict[str, Any]) -> None:
-    from aggregator.server import AggregationServer
+    from aggregator.server import AggregationServer, ServerSettings
 
-    srv = AggregationServer("127.0.0.1", 0, **kw).start()
+    srv = AggregationServer(ServerSettings(**kw)).start()
     conn.send(f"{srv.address[0]}:{srv.address[1]}")
     while True:
         cmd = conn.recv()

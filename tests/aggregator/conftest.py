@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 
-from aggregator import AggregationServer
+from aggregator import AggregationServer, ServerSettings
 
 
 @pytest.fixture
@@ -17,7 +18,8 @@ def agg_servers():
         out = []
         for i in range(n):
             kw.setdefault("round_timeout_s", 5.0)
-            s = AggregationServer("127.0.0.1", 0, server_id=f"t{len(made)}", **kw).start()
+            clock = kw.pop("clock", time.monotonic)
+            s = AggregationServer(ServerSettings(server_id=f"t{len(made)}", **kw), clock).start()
             made.append(s)
             out.append(s)
         return out

@@ -371,7 +371,7 @@ def test_workers_may_start_before_the_server_and_in_any_order():
     and ranks join a round whenever they arrive, with no per-tensor set-up."""
     import threading
 
-    from aggregator import AggregationServer
+    from aggregator import AggregationServer, ServerSettings
     from nodesvc.bus.procs import free_port
 
     port = free_port()
@@ -388,7 +388,7 @@ def test_workers_may_start_before_the_server_and_in_any_order():
     for t in threads:
         t.start()
     time.sleep(0.6)  # rank 0 is already retrying its connection
-    srv = AggregationServer("127.0.0.1", port, server_id="late").start()
+    srv = AggregationServer(ServerSettings(port=port, server_id="late")).start()
     try:
         for t in threads:
             t.join(timeout=20)
