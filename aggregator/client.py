@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from aggregator import kernel
-from aggregator.inflight import AggregationError, CopyPool, Op, Unit
+from aggregator.inflight import AggregationError, Allreduce, CopyPool, Unit
 from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
 from aggregator.placement import HashRing, NoServer, Placement, chunk_for_link, split
 from aggregator.protocol import SECRET_ENV, DType, Header, MsgType, Op as ReduceOp
@@ -170,7 +170,7 @@ class Client:
         self.copies = CopyPool()
         self._stages: collections.deque | None = collections.deque(maxlen=4096) if trace else None
         self._round = itertools.count()
-        self._ops: dict[int, Op] = {}
+        self._ops: dict[int, Allreduce] = {}
         self._ops_lock = threading.Lock()
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -221,7 +221,7 @@ class Client:
         if data.nbytes == 0:
             fut.set_result(x)
             return fut
-        opr = Op(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic(), wire=wdt)
+        opr = Allreduce(x, data, dtype, o, rnd, key, data.nbytes // dtype.itemsize, fut, time.monotonic(), wire=wdt)
         if self._stages is not None:
             opr.ready_t = time.time()
         with self._ops_lock:
@@ -273,7 +273,7 @@ class Client:
                 log.exception("dispatch of round %d key %d failed", opr.round, opr.key)
                 opr.fail(AggregationError(f"push of round {opr.round} failed: {exc!r}", "error", opr.round))
 
-    def _units(self, opr: Op) -> list[Unit]:
+    def _units(self, opr: Allreduce) -> list[Unit]:
         size, wsize = opr.dtype.itemsize, opr.wire_dtype.itemsize
         parts = split(opr.numel, wsize, self.chunk_bytes, len(self.links))
         opr.nchunks = opr.left = len(parts)
@@ -285,7 +285,7 @@ class Client:
             opr.units = units
         return units
 
-    def _dispatch(self, opr: Op) -> None:
+    def _dispatch(self, opr: Allreduce) -> None:
         units = self._units(opr)
         fails: list[AggregationError] = []
         with self.cond:
@@ -302,7 +302,7 @@ class Client:
         for exc in fails:
             opr.fail(exc)
 
-    def _wait_placeable(self, opr: Op, fails: list) -> bool:
+    def _wait_placeable(self, opr: Allreduce, fails: list) -> bool:
         """Wait (lock held) until every server's use for ``opr.round`` is decided and one can take it."""
         deadline = None
         while True:
@@ -357,7 +357,7 @@ class Client:
 
     def link_lost(self, link: ServerLink, sock, why: str, reader: bool = False) -> None:
         """``sock`` of ``link`` failed: retry what it held on the other servers, then probe it."""
-        fails: list[tuple[Op, str]] = []
+        fails: list[tuple[Allreduce, str]] = []
         with self.cond:
             if link.sock is sock:
                 link.sock, q, link.queue = None, link.queue, None
@@ -494,7 +494,7 @@ class Client:
 
     # --- completion, retention, probing, timeouts ---
 
-    def _finished(self, opr: Op) -> None:
+    def _finished(self, opr: Allreduce) -> None:
         with self._ops_lock:
             self._ops.pop(id(opr), None)
         if self._stages is not None and opr.ok and opr.units is not None:

@@ -97,7 +97,7 @@ class Close:
 
 
 @dataclass(frozen=True)
-class Release:
+class FreeBuffers:
     """Buffers the core no longer needs (a failed or refused reduction)."""
 
     bufs: tuple
@@ -118,7 +118,7 @@ class Reduce:
     stimulus_id: str
 
 
-Decision = Send | Close | Release | Reduce
+Decision = Send | Close | FreeBuffers | Reduce
 
 
 # --- state ----------------------------------------------------------------------------------
@@ -321,24 +321,24 @@ class AggregationCore:
         h, sid = ev.header, ev.stimulus_id
         who = self.conn_job.get(ev.conn)
         if who is None:
-            return [Release((ev.buf,), sid),
+            return [FreeBuffers((ev.buf,), sid),
                     Send(ev.conn, error("bad_message", "PUSH before HELLO", h.round, h.key, h.chunk), sid)]
         job = self.jobs[who[0]]
         rank = who[1]
         if h.job != job.handle or h.rank != rank or h.world != job.world:
             msg = (f"PUSH names job handle {h.job} rank {h.rank} world {h.world}; this connection is "
                    f"job {job.name} (handle {job.handle}) rank {rank} world {job.world}")
-            return [Release((ev.buf,), sid), Send(ev.conn, error("bad_message", msg, h.round, h.key, h.chunk), sid)]
+            return [FreeBuffers((ev.buf,), sid), Send(ev.conn, error("bad_message", msg, h.round, h.key, h.chunk), sid)]
         if h.round in job.failed:
             code, msg = job.failed[h.round]
-            return [Release((ev.buf,), sid), Send(ev.conn, error(code, msg, h.round, ALL, ALL, job.handle), sid)]
+            return [FreeBuffers((ev.buf,), sid), Send(ev.conn, error(code, msg, h.round, ALL, ALL, job.handle), sid)]
         if job.layout is not None:
             want = job.layout.get(h.key)
             if want != (h.numel, h.dtype):
                 exp = "no such key" if want is None else f"{want[0]} {DType(want[1]).label} elements"
                 msg = (f"layout mismatch in job {job.name} round {h.round}: rank {rank} pushed key {h.key} "
                        f"as {h.numel} {DType(h.dtype).label} elements; the registered layout has {exp}")
-                return [Release((ev.buf,), sid)] + self._fail_round(job, h.round, "mismatch", msg, sid)
+                return [FreeBuffers((ev.buf,), sid)] + self._fail_round(job, h.round, "mismatch", msg, sid)
         unit_id = h.unit
         unit = job.units.get(unit_id)
         charge = self._chunk_charge(h) + (self._unit_charge(job) if unit is None else 0)
@@ -346,10 +346,10 @@ class AggregationCore:
             msg = (f"job {job.name} holds {job.held_bytes} bytes of unfinished reductions on server "
                    f"{self.server_id}; another {charge} would pass its limit of {self.max_job_bytes} "
                    f"(agg.max_job_bytes): are its ranks pushing different rounds?")
-            return [Release((ev.buf,), sid)] + self._fail_round(job, h.round, "over_limit", msg, sid)
+            return [FreeBuffers((ev.buf,), sid)] + self._fail_round(job, h.round, "over_limit", msg, sid)
         if unit is None:
             if job.drain_from is not None and h.round >= job.drain_from:
-                return [Release((ev.buf,), sid), Send(ev.conn, self._redirect(job, h.key, h.chunk, h.round), sid)]
+                return [FreeBuffers((ev.buf,), sid), Send(ev.conn, self._redirect(job, h.key, h.chunk, h.round), sid)]
             unit = AggregationRound(h, [None] * job.world, ev.now)
             job.units[unit_id] = unit
             job.max_round = max(job.max_round, h.round)
@@ -358,10 +358,10 @@ class AggregationCore:
             if (f.dtype, f.op, f.nchunks, f.nbytes, f.numel) != (h.dtype, h.op, h.nchunks, h.nbytes, h.numel):
                 msg = (f"mismatch in job {job.name} round {h.round} key {h.key} chunk {h.chunk}: rank {rank} "
                        f"pushed {_describe(h)}, rank {f.rank} pushed {_describe(f)}")
-                return [Release((ev.buf,), sid)] + self._fail_round(job, h.round, "mismatch", msg, sid)
+                return [FreeBuffers((ev.buf,), sid)] + self._fail_round(job, h.round, "mismatch", msg, sid)
             if unit.bufs[rank] is not None:
                 msg = f"rank {rank} pushed round {h.round} key {h.key} chunk {h.chunk} of job {job.name} twice"
-                return [Release((ev.buf,), sid), Send(ev.conn, error("duplicate", msg, h.round, h.key, h.chunk), sid)]
+                return [FreeBuffers((ev.buf,), sid), Send(ev.conn, error("duplicate", msg, h.round, h.key, h.chunk), sid)]
         unit.bufs[rank] = ev.buf
         unit.arrived += 1
         job.bytes_in += h.nbytes
@@ -396,7 +396,7 @@ class AggregationCore:
             bufs = tuple(b for b in unit.bufs if b is not None)
             job.held_bytes -= self._chunk_charge(unit.first) * len(bufs) + self._unit_charge(job)
             if bufs:
-                out.append(Release(bufs, sid))
+                out.append(FreeBuffers(bufs, sid))
         for conn in job.conns.values():
             if conn != skip:
                 out.append(Send(conn, error(code, msg, rnd, ALL, ALL, job.handle), sid))

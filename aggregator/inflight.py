@@ -1,6 +1,6 @@
-"""What a client has in flight: reductions (:class:`Op`), their chunks (:class:`Unit`), and the errors.
+"""What a client has in flight: reductions (:class:`Allreduce`), their chunks (:class:`Unit`), and the errors.
 
-An :class:`Op` is one ``allreduce`` call.  It is cut into :class:`Unit` s, one
+An :class:`Allreduce` is one ``allreduce`` call.  It is cut into :class:`Unit` s, one
 per chunk, each sent to one server.  With failover on, a unit keeps a copy of
 the bytes it pushed (taken just before the push) until a later round of this
 rank completes: if its server dies, the copy is pushed again to the chunk's
@@ -30,7 +30,7 @@ class AggregationError(RuntimeError):
 
 
 @dataclass(eq=False)
-class Op:
+class Allreduce:
     """One all-reduce of one tensor, in place; ``future`` resolves to ``target``."""
 
     target: Any
@@ -73,9 +73,9 @@ class Op:
 
 @dataclass(eq=False)
 class Unit:
-    """One chunk of an :class:`Op` on its way to, or kept for, one server."""
+    """One chunk of an :class:`Allreduce` on its way to, or kept for, one server."""
 
-    op: Op
+    op: Allreduce
     chunk: int
     offset: int  # bytes into op.data
     nbytes: int  # payload bytes on the wire (elements x the wire dtype's size)

@@ -39,7 +39,7 @@ from typing import Any
 from aggregator import kernel
 from aggregator.conns import Conn, PeerCounts, RecvBudget, Workers, guard_peer
 from aggregator.core import (DEFAULT_MAX_JOB_BYTES, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
-                             Release, Send, Tick)
+                             FreeBuffers, Send, Tick)
 from aggregator.interleave import RoundOrder
 from aggregator.membership import DrainAck
 from aggregator.pool import BufferPool, ElasticPool
@@ -260,7 +260,7 @@ class AggregationServer:
                 self.pool.submit(d.job, lambda d=d: self._reduce(d), d.nbytes * len(d.bufs))
             elif isinstance(d, Send):
                 d.conn.send(d.data)
-            elif isinstance(d, Release):
+            elif isinstance(d, FreeBuffers):
                 for b in d.bufs:
                     self.buffers.release(b)
             elif isinstance(d, Close):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from aggregator.core import (ALL, AggregationCore, ChunkArrived, Close, ConnectionLost, Drain, Reduce, Register,
-                             Release, Send, Tick)
+                             FreeBuffers, Send, Tick)
 from aggregator.protocol import HEADER_SIZE, DType, Hello, MsgType, Op, data_header, parse_header
 from tests.core_conventions import assert_core_convention
 
@@ -73,11 +73,11 @@ def test_shape_or_dtype_mismatch_fails_the_round_on_every_rank():
     assert all(b["code"] == "mismatch" and h.round == 4 and h.key == ALL for _, h, b in errs)
     assert "rank 1 pushed float32 mean with 8 elements" in errs[0][2]["message"]
     assert "rank 0 pushed float32 mean with 4 elements" in errs[0][2]["message"]
-    released = [b for x in d if isinstance(x, Release) for b in x.bufs]
+    released = [b for x in d if isinstance(x, FreeBuffers) for b in x.bufs]
     assert set(released) == {"buf-j.0-4-0-0", "buf-j.1-4-0-0"}
     d = push(core, conns[0], 0, 2, 4, key=1, dtype=DType.F16, nbytes=8, handle=hd)  # late push to a failed round
     assert msgs(d)[0][2]["code"] == "mismatch"
-    assert isinstance(d[0], Release)
+    assert isinstance(d[0], FreeBuffers)
 
 
 def test_world_mismatch_is_refused_with_a_clear_error():
@@ -155,7 +155,7 @@ def test_drain_finishes_started_rounds_and_redirects_new_ones():
     assert push(core, conns[1], 1, 2, 6, handle=hd) == []
     # round 8 is new: redirected, buffer released, nothing kept
     d = push(core, conns[0], 0, 2, 8, key=3, chunk=1, nchunks=2, handle=hd)
-    assert isinstance(d[0], Release)
+    assert isinstance(d[0], FreeBuffers)
     (_, h, body), = msgs(d)
     assert h.mtype == MsgType.REDIRECT and (h.round, h.key, h.chunk) == (8, 3, 1)
     assert not core.drained()
@@ -254,7 +254,7 @@ def test_every_decision_carries_the_stimulus_id_of_its_event():
     assert d and {x.stimulus_id for x in d} == {"tick-9"}
     push(core, conns[0], 0, 2, 2, handle=hd)
     d = core.handle(Register("hello-again", 0.0, Conn("j.1b"), Hello("j", 1, 2)))  # replaces rank 1's connection
-    assert {type(x) for x in d} >= {Send, Close, Release} and {x.stimulus_id for x in d} == {"hello-again"}
+    assert {type(x) for x in d} >= {Send, Close, FreeBuffers} and {x.stimulus_id for x in d} == {"hello-again"}
     d = core.handle(Drain("drain-1", 0.0))
     assert d and {x.stimulus_id for x in d} == {"drain-1"}
 
