@@ -31,6 +31,7 @@ from typing import Any
 
 from bench.fleet import Fleet, double_starts, raise_fd_limit
 from nodesvc.bus.procs import free_port, wait_port, wait_until
+from nodesvc.bus.messages import telemetry_from
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
@@ -225,11 +226,11 @@ def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[
     i, k = 0, 0
     t0 = time.perf_counter()
     for n in nodes:
-        svc.translator.on_telemetry(tel(n))
+        svc.translator.on_telemetry(telemetry_from(tel(n)))
     while svc.stats.events < n_events:
         t[0] += 0.1  # one round: 20 nodes' telemetry is due (every 5 s), 1 job arrives (10/s)
         for _ in range(20):
-            svc.translator.on_telemetry(tel(nodes[k % len(nodes)]))
+            svc.translator.on_telemetry(telemetry_from(tel(nodes[k % len(nodes)])))
             k += 1
         svc.submit(_spec(i, "r"))
         i += 1

@@ -26,23 +26,13 @@ log = logging.getLogger("dlshare.rdma.control")
 
 
 def donor_view(node: str, donor: Any, online: bool = True) -> DonorView | None:
-    """The ``donor`` section of a node's telemetry as a DonorView; None when it is absent,
-    disabled or malformed (a bad report never places a slab)."""
-    if not isinstance(donor, dict) or donor.get("enabled") is not True:
+    """The ``donor`` section of a node's telemetry (or retained state) as a DonorView; None when it is
+    absent, disabled or malformed (a bad report never places a slab)."""
+    d = messages.parse_donor(donor)
+    if d is None or not d.placeable:
         return None
-    addr, slab_bytes, free = donor.get("addr"), donor.get("slab_bytes"), donor.get("free_slabs")
-    if not isinstance(addr, str) or ":" not in addr:
-        return None
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    for v in (slab_bytes, free):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            return None
-    if slab_bytes == 0 or slab_bytes % 4096:
-        return None
-    provider = donor.get("provider", "tcp")
-    return DonorView(node, addr, slab_bytes, free, online, provider if isinstance(provider, str) else "tcp")
+    assert d.addr is not None and d.slab_bytes is not None and d.free_slabs is not None
+    return DonorView(node, d.addr, d.slab_bytes, d.free_slabs, online, d.provider)
 
 
 class ControlPlane:

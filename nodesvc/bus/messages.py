@@ -207,24 +207,143 @@ def _kname(kinds: tuple[type, ...]) -> str:
 
 
 # --- telemetry -------------------------------------------------------------------------------
+#
+# A node's telemetry is parsed once, here, into a typed NodeTelemetry; every reader (the scheduler
+# service, the Slurm shell, the remote-memory consumer, dlshare status) uses it.  Required parts that
+# are missing or of the wrong type refuse the whole report (PayloadError); an optional figure that
+# is absent or malformed reads as None (or 0 for counters), so one bad field never hides the rest.
 
 TELEMETRY_REQUIRED = {"node": str, "ts": (int, float), "cpu": dict, "memory": dict, "gpus": dict, "rdma": dict}
 
 
-def parse_telemetry(payload: bytes | str) -> dict[str, Any]:
-    """Validate a node telemetry payload (the parts consumers rely on)."""
-    obj = decode(payload)
+def number(v: Any) -> float | None:
+    """A finite JSON number as a float; None for anything else (booleans, NaN, strings...)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            f = float(v)
+        except OverflowError:  # an integer beyond a double
+            return None
+        return f if math.isfinite(f) else None
+    return None
+
+
+def count(v: Any) -> int | None:
+    """A non-negative JSON integer; None for anything else."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    index: int
+    name: str
+    util_percent: float | None = None
+    memory_util_percent: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class DonorReport:
+    """A node's ``donor`` section (nodesvc/daemon/donor.py), in telemetry and in the retained state.
+    A figure that is absent or malformed is None (the books) or 0 (the byte counts)."""
+
+    enabled: bool = False
+    addr: str | None = None  # HOST:PORT of its slab server, when valid
+    provider: str = "tcp"
+    slab_bytes: int | None = None  # a positive multiple of 4096, when valid
+    total_slabs: int | None = None
+    free_slabs: int | None = None
+    lendable_bytes: int = 0
+    lent_bytes: int = 0
+    lent_to: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def placeable(self) -> bool:
+        """Whether a consumer may map slabs here from this report (a bad report never places a slab)."""
+        return self.enabled and self.addr is not None and self.slab_bytes is not None and self.free_slabs is not None
+
+
+@dataclass(frozen=True)
+class NodeTelemetry:
+    node: str
+    ts: float | None  # the daemon's wall clock when it published (None when not a positive time)
+    cpu_count: int = 0
+    cpu_percent: float | None = None
+    memory_total_bytes: int = 0
+    memory_available_bytes: int = 0
+    reserved_unused_bytes: int = 0  # promised to local jobs and not used
+    promised_bytes: int = 0
+    gpus: tuple[GpuReport, ...] = ()
+    gpus_simulated: bool = False
+    gpu_reason: str | None = None
+    donor: DonorReport | None = None
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per job: the daemon's usage record
+
+
+def _addr(v: Any) -> str | None:
+    if not isinstance(v, str) or ":" not in v:
+        return None
+    host, _, port = v.rpartition(":")
+    return v if host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def parse_donor(section: Any) -> DonorReport | None:
+    """A ``donor`` section (None when there is none)."""
+    if not isinstance(section, dict):
+        return None
+    slab_bytes = count(section.get("slab_bytes"))
+    provider = section.get("provider", "tcp")
+    lent_to = {k: v for k, v in _dict(section.get("lent_to")).items() if isinstance(k, str) and count(v) is not None}
+    return DonorReport(
+        enabled=section.get("enabled") is True, addr=_addr(section.get("addr")),
+        provider=provider if isinstance(provider, str) else "tcp",
+        slab_bytes=slab_bytes if slab_bytes and slab_bytes % 4096 == 0 else None,
+        total_slabs=count(section.get("total_slabs")), free_slabs=count(section.get("free_slabs")),
+        lendable_bytes=count(section.get("lendable_bytes")) or 0, lent_bytes=count(section.get("lent_bytes")) or 0,
+        lent_to=lent_to)
+
+
+def telemetry_from(obj: dict[str, Any]) -> NodeTelemetry:
+    """The typed report of a decoded telemetry object (:func:`parse_telemetry` decodes too)."""
     for key, kind in TELEMETRY_REQUIRED.items():
         if key not in obj:
             raise PayloadError(f"telemetry lacks {key!r}")
         if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
             raise PayloadError(f"telemetry {key!r} has the wrong type {type(obj[key]).__name__}")
     check_id(obj["node"], "node id")
-    mem = obj["memory"]
-    for key in ("total_bytes", "available_bytes"):
-        v = mem.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise PayloadError(f"telemetry memory.{key} must be a non-negative integer")
-    if not isinstance(obj["gpus"].get("devices", []), list):
+    cpu, mem, gpus = obj["cpu"], obj["memory"], obj["gpus"]
+    total, avail = count(mem.get("total_bytes")), count(mem.get("available_bytes"))
+    if total is None or avail is None:
+        raise PayloadError("telemetry memory.total_bytes and memory.available_bytes must be non-negative integers")
+    devices = gpus.get("devices", [])
+    if not isinstance(devices, list):
         raise PayloadError("telemetry gpus.devices must be a list")
-    return obj
+    ts = number(obj["ts"])
+    reports = []
+    for i, g in enumerate(devices):
+        if not isinstance(g, dict):
+            continue
+        idx = count(g.get("index"))
+        reports.append(GpuReport(i if idx is None else idx, str(g.get("name", ""))[:100], number(g.get("util_percent")),
+                                 number(g.get("memory_util_percent")), count(g.get("memory_used_bytes")) or None,
+                                 count(g.get("memory_total_bytes")) or None))
+    reason = gpus.get("reason")
+    return NodeTelemetry(
+        node=obj["node"], ts=ts if ts is not None and ts > 0 else None,
+        cpu_count=count(cpu.get("count")) or 0, cpu_percent=number(cpu.get("percent")),
+        memory_total_bytes=total, memory_available_bytes=avail,
+        reserved_unused_bytes=count(mem.get("reserved_unused_bytes")) or 0,
+        promised_bytes=count(mem.get("promised_bytes")) or 0,
+        gpus=tuple(reports), gpus_simulated=gpus.get("simulated") is True,
+        gpu_reason=reason if isinstance(reason, str) else None,
+        donor=parse_donor(obj.get("donor")),
+        jobs={k: v for k, v in _dict(obj.get("jobs")).items() if isinstance(k, str) and isinstance(v, dict)})
+
+
+def parse_telemetry(payload: bytes | str) -> NodeTelemetry:
+    """Decode and validate a node telemetry payload into its typed report."""
+    return telemetry_from(decode(payload))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodesvc.bus.messages import NodeTelemetry
 from scheduler.model import GiB, Node, gpu_type_of
 
 
@@ -68,46 +69,28 @@ class LiveNode:
         return out
 
 
-def _int(v: Any) -> int:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else 0
-
-
-def apply_telemetry(node: LiveNode, t: dict[str, Any], now: float) -> None:
-    """Fold a telemetry payload (already checked by ``messages.parse_telemetry``) into ``node``."""
+def apply_telemetry(node: LiveNode, t: NodeTelemetry, now: float) -> None:
+    """Fold a node's typed telemetry (``messages.parse_telemetry``) into ``node``."""
     node.last_seen = now
     node.status = "online"
-    ts = t.get("ts")
-    node.published_at = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) and ts > 0 else None
-    cpu, mem, gpus = t["cpu"], t["memory"], t["gpus"]
-    node.cpu_count = _int(cpu.get("count"))
-    p = cpu.get("percent")
-    node.cpu_percent = float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
-    node.memory_total_bytes = _int(mem["total_bytes"])
-    node.memory_available_bytes = _int(mem["available_bytes"])
-    node.reserved_unused_bytes = _int(mem.get("reserved_unused_bytes"))
-    node.promised_bytes = _int(mem.get("promised_bytes"))
-    node.gpus = []
-    for i, g in enumerate(gpus.get("devices") or []):
-        if not isinstance(g, dict):
-            continue
-        u, mu = g.get("util_percent"), g.get("memory_util_percent")
-        node.gpus.append(LiveGpu(
-            index=_int(g.get("index", i)), name=str(g.get("name", ""))[:100],
-            util_percent=float(u) if isinstance(u, (int, float)) and not isinstance(u, bool) else None,
-            memory_util_percent=float(mu) if isinstance(mu, (int, float)) and not isinstance(mu, bool) else None,
-            memory_used_bytes=_int(g.get("memory_used_bytes")) or None,
-            memory_total_bytes=_int(g.get("memory_total_bytes")) or None,
-            simulated=bool(gpus.get("simulated"))))
-    node.gpu_reason = gpus.get("reason") if isinstance(gpus.get("reason"), str) else None
-    donor = t.get("donor")
-    if isinstance(donor, dict):
-        node.lendable_bytes = _int(donor.get("lendable_bytes", donor.get("free_bytes")))
-        node.lent_bytes = _int(donor.get("lent_bytes", donor.get("used_bytes")))
-        slabs, slab = donor.get("total_slabs"), donor.get("slab_bytes")
-        node.lend_capacity_bytes = (_int(slabs) * _int(slab) if isinstance(slabs, int) and isinstance(slab, int)
-                                    and not isinstance(slabs, bool) and not isinstance(slab, bool) else None)
-    jobs = t.get("jobs")
-    node.job_usage = {k: v for k, v in jobs.items() if isinstance(v, dict)} if isinstance(jobs, dict) else {}
+    node.published_at = t.ts
+    node.cpu_count = t.cpu_count
+    node.cpu_percent = t.cpu_percent
+    node.memory_total_bytes = t.memory_total_bytes
+    node.memory_available_bytes = t.memory_available_bytes
+    node.reserved_unused_bytes = t.reserved_unused_bytes
+    node.promised_bytes = t.promised_bytes
+    node.gpus = [LiveGpu(index=g.index, name=g.name, util_percent=g.util_percent,
+                         memory_util_percent=g.memory_util_percent, memory_used_bytes=g.memory_used_bytes,
+                         memory_total_bytes=g.memory_total_bytes, simulated=t.gpus_simulated) for g in t.gpus]
+    node.gpu_reason = t.gpu_reason
+    d = t.donor
+    if d is not None:
+        node.lendable_bytes = d.lendable_bytes
+        node.lent_bytes = d.lent_bytes
+        node.lend_capacity_bytes = (d.total_slabs * d.slab_bytes if d.total_slabs is not None and d.slab_bytes
+                                    else None)
+    node.job_usage = dict(t.jobs)
 
 
 def core_node(node: LiveNode) -> Node:

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from nodesvc.bus.messages import NodeTelemetry
 from scheduler import DonorReclaimed, Event, JobFinished, JobSample, JobState, NodeLost, NodeReport
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
@@ -63,9 +64,9 @@ class Translator:
 
     # --- telemetry ------------------------------------------------------------------------
 
-    def on_telemetry(self, t: dict[str, Any]) -> None:
+    def on_telemetry(self, t: NodeTelemetry) -> None:
         svc = self.svc
-        node = svc.nodes.setdefault(t["node"], LiveNode(id=t["node"]))
+        node = svc.nodes.setdefault(t.node, LiveNode(id=t.node))
         was_online = node.status == "online"
         now = svc.clock()
         apply_telemetry(node, t, now)

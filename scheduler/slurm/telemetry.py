@@ -19,22 +19,15 @@ import threading
 import time
 from typing import Any
 
-from nodesvc.bus.messages import PayloadError, parse_telemetry, parse_topic
+from nodesvc.bus.messages import NodeTelemetry, PayloadError, parse_telemetry, parse_topic
 
 log = logging.getLogger("dlshare.slurm.telemetry")
 
 
-def report_fields(t: dict[str, Any]) -> dict[str, Any]:
-    """The NodeReport keyword fields of a telemetry payload checked by ``parse_telemetry``."""
-    util = []
-    for g in t["gpus"].get("devices") or []:
-        u = g.get("util_percent") if isinstance(g, dict) else None
-        if isinstance(u, (int, float)) and not isinstance(u, bool) and u == u:
-            util.append(float(u))
-    cpu = t["cpu"].get("percent")
-    return {"gpu_util": tuple(util),
-            "cpu_percent": float(cpu) if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) else None,
-            "memory_available_bytes": int(t["memory"]["available_bytes"])}
+def report_fields(t: NodeTelemetry) -> dict[str, Any]:
+    """The NodeReport keyword fields of a node's typed telemetry."""
+    return {"gpu_util": tuple(g.util_percent for g in t.gpus if g.util_percent is not None),
+            "cpu_percent": t.cpu_percent, "memory_available_bytes": t.memory_available_bytes}
 
 
 class TelemetryFeed:
@@ -57,8 +50,8 @@ class TelemetryFeed:
             if kind != "node" or leaf != "telemetry":
                 return
             t = parse_telemetry(payload)
-            if t["node"] != node:
-                raise PayloadError(f"telemetry of {t['node']!r} on the topic of {node!r}")
+            if t.node != node:
+                raise PayloadError(f"telemetry of {t.node!r} on the topic of {node!r}")
             fields = report_fields(t)
         except (PayloadError, ValueError, KeyError, TypeError) as exc:
             self.rejected += 1

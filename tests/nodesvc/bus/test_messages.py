@@ -45,7 +45,50 @@ def test_parse_telemetry_random_objects(obj):
     except PayloadError as exc:
         assert str(exc)
         return
-    assert messages.valid_id(t["node"]) and t["memory"]["total_bytes"] >= 0
+    assert messages.valid_id(t.node) and t.memory_total_bytes >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(cpu=json_values, gpus=st.one_of(json_values, st.fixed_dictionaries({}, optional={
+           "devices": st.lists(st.one_of(json_values, st.dictionaries(
+               st.sampled_from(["index", "name", "util_percent", "memory_util_percent", "memory_used_bytes",
+                                "memory_total_bytes"]), json_values)), max_size=4),
+           "simulated": json_values, "reason": json_values})),
+       donor=st.one_of(json_values, st.dictionaries(
+           st.sampled_from(["enabled", "addr", "provider", "slab_bytes", "total_slabs", "free_slabs",
+                            "lendable_bytes", "lent_bytes", "lent_to"]), json_values)),
+       jobs=json_values, ts=json_values)
+def test_a_reports_optional_parts_never_refuse_it_and_always_come_out_typed(cpu, gpus, donor, jobs, ts):
+    """Optional figures that are absent or malformed read as None/0, never as a wrong type or a crash."""
+    obj = {"schema": 1, "node": "n1", "ts": ts, "cpu": cpu, "gpus": gpus, "rdma": {}, "donor": donor, "jobs": jobs,
+           "memory": {"total_bytes": 10, "available_bytes": 5}}
+    try:
+        t = messages.parse_telemetry(json.dumps(obj))
+    except PayloadError as exc:  # only the required parts may refuse it
+        assert any(k in str(exc) for k in ("'ts'", "'cpu'", "'gpus'", "gpus.devices", "not usable JSON")), exc
+        return
+    assert t.ts is None or (isinstance(t.ts, float) and t.ts > 0)
+    assert isinstance(t.cpu_count, int) and (t.cpu_percent is None or isinstance(t.cpu_percent, float))
+    for g in t.gpus:
+        assert isinstance(g.index, int) and isinstance(g.name, str)
+        assert all(v is None or isinstance(v, float) for v in (g.util_percent, g.memory_util_percent))
+    if t.donor is not None:
+        d = t.donor
+        assert isinstance(d.lendable_bytes, int) and d.lendable_bytes >= 0 and isinstance(d.enabled, bool)
+        assert d.slab_bytes is None or (d.slab_bytes > 0 and d.slab_bytes % 4096 == 0)
+        assert not d.placeable or (d.addr and d.free_slabs is not None)
+    assert all(isinstance(v, dict) for v in t.jobs.values())
+
+
+def test_a_donor_section_is_placeable_only_when_every_part_is_valid():
+    good = {"enabled": True, "addr": "10.0.0.2:4100", "slab_bytes": 1 << 20, "free_slabs": 3, "lent_to": {"c": 5}}
+    d = messages.parse_donor(good)
+    assert d is not None and d.placeable and d.lent_to == {"c": 5} and d.provider == "tcp"
+    for bad in ({"enabled": False}, {"addr": "10.0.0.2"}, {"addr": "h:0"}, {"slab_bytes": 1000},
+                {"free_slabs": -1}, {"free_slabs": True}):
+        d = messages.parse_donor({**good, **bad})
+        assert d is not None and not d.placeable, bad
+    assert messages.parse_donor("x") is None
 
 
 def test_long_op_names_are_refused_not_echoed():

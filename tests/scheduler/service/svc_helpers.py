@@ -16,6 +16,7 @@ from nodesvc.bus.procs import free_port, stop_proc, wait_port
 from scheduler import WatchRules
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
+from nodesvc.bus.messages import telemetry_from
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "test-token-0123456789"
@@ -225,7 +226,7 @@ def service_with_nodes(store: JobStore, nodes: dict[str, tuple[int, int]], profi
     (id -> (GPUs, cores)) and handed it to its core."""
     svc = SchedulerService(store, profile=profile)
     for node, (gpus, cpus) in nodes.items():
-        svc.translator.on_telemetry(telemetry(node, gpus, cpus))
+        svc.translator.on_telemetry(telemetry_from(telemetry(node, gpus, cpus)))
     svc.round()  # the core learns the nodes
     return svc
 

@@ -18,6 +18,7 @@ from tests.scheduler.service.svc_helpers import ROOT
 
 CHILD = r'''
 import json, os, signal, sys
+from nodesvc.bus.messages import telemetry_from
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 from tests.scheduler.service.svc_helpers import telemetry
@@ -34,7 +35,7 @@ def step(i):
     global t
     t += 1.0
     tel = telemetry(f"n{i % 4}", gpus=2, cpus=16)
-    svc.translator.on_telemetry(tel)
+    svc.translator.on_telemetry(telemetry_from(tel))
     if i % 2 == 0:
         svc.submit({"model": "resnet50", "gpus": 1 + i % 2, "cpus": 1.0, "memory_bytes": 1 << 30,
                     "command": ["x"]})

@@ -11,6 +11,7 @@ from scheduler import Job
 from scheduler.service import k8s
 from scheduler.service.api import create_app
 from tests.scheduler.service.svc_helpers import TOKEN, auth, node_list, pod, service_with_nodes
+from nodesvc.bus.messages import telemetry_from
 
 
 @pytest.fixture
@@ -144,7 +145,7 @@ def test_gpu_generation_comes_from_nvml_names_or_node_labels(store):
     named = telemetry("gpu-v", 2, 8)
     for d in named["gpus"]["devices"]:
         d["name"] = "Tesla V100-SXM2-32GB"
-    svc.translator.on_telemetry(named)
+    svc.translator.on_telemetry(telemetry_from(named))
     svc.round()
     assert svc.core.nodes["gpu-v"].node.gpu_type == "v100"
     assert svc.core.nodes["gpu-a"].node.gpu_type == ""  # "sim" names no generation
@@ -157,6 +158,6 @@ def test_gpu_generation_comes_from_nvml_names_or_node_labels(store):
         r = c.post("/k8s/filter", json={"Pod": pod(), "Nodes": nodes, "NodeNames": None}, headers=auth())
         assert r.status_code == 200 and r.json()["Error"] == ""
     for n in ("gpu-a", "gpu-b"):  # the next telemetry carries the label to the core
-        svc.translator.on_telemetry(telemetry(n, 4, 8))
+        svc.translator.on_telemetry(telemetry_from(telemetry(n, 4, 8)))
     svc.round()
     assert svc.core.nodes["gpu-a"].node.gpu_type == "k80" and svc.core.nodes["gpu-b"].node.gpu_type == "a100"

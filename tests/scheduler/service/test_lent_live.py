@@ -12,6 +12,7 @@ from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 from scheduler.service.translate import donor_reclaim
 from tests.scheduler.service.svc_helpers import telemetry
+from nodesvc.bus.messages import telemetry_from
 
 GiB = 1 << 30
 
@@ -50,8 +51,8 @@ def spec(**kw):
 def test_a_lent_budget_reaches_the_run_command_and_a_reclaim_shrinks_it(tmp_path):
     clock, sent = Clock(), []
     svc = service(tmp_path, clock, sent)
-    svc.translator.on_telemetry(telemetry("gpu0", gpus=1))
-    svc.translator.on_telemetry(donor_telemetry("prep0", 40 * GiB))
+    svc.translator.on_telemetry(telemetry_from(telemetry("gpu0", gpus=1)))
+    svc.translator.on_telemetry(telemetry_from(donor_telemetry("prep0", 40 * GiB)))
     svc.round()
     assert svc.core.ledger.pool.total_capacity() == 40 * GiB
     job = svc.submit(spec(remote_memory_bytes=8 * GiB))[0].id
@@ -61,7 +62,7 @@ def test_a_lent_budget_reaches_the_run_command_and_a_reclaim_shrinks_it(tmp_path
     assert svc.core.ledger.pool.promised_on("prep0") == 8 * GiB
     # The donor lends 8 GiB to the job now and needs most of its memory back: 2 GiB free + 4 GiB lent.
     clock.t += 1.0
-    svc.translator.on_telemetry(donor_telemetry("prep0", 2 * GiB, 4 * GiB))
+    svc.translator.on_telemetry(telemetry_from(donor_telemetry("prep0", 2 * GiB, 4 * GiB)))
     reclaims = [e for e in svc._events if isinstance(e, DonorReclaimed)]
     assert [(e.node, e.bytes) for e in reclaims] == [("prep0", 34 * GiB)]
     svc.round()
@@ -74,8 +75,8 @@ def test_a_lent_budget_reaches_the_run_command_and_a_reclaim_shrinks_it(tmp_path
 def test_a_lost_donor_takes_its_lent_memory_back_and_the_job_runs_on(tmp_path):
     clock, sent = Clock(), []
     svc = service(tmp_path, clock, sent)
-    svc.translator.on_telemetry(telemetry("gpu0", gpus=1))
-    svc.translator.on_telemetry(donor_telemetry("prep0", 40 * GiB))
+    svc.translator.on_telemetry(telemetry_from(telemetry("gpu0", gpus=1)))
+    svc.translator.on_telemetry(telemetry_from(donor_telemetry("prep0", 40 * GiB)))
     svc.round()
     job = svc.submit(spec(remote_memory_bytes=4 * GiB))[0].id
     svc.round()
@@ -89,8 +90,8 @@ def test_a_lost_donor_takes_its_lent_memory_back_and_the_job_runs_on(tmp_path):
 def test_donor_reclaim_is_posted_only_when_promises_are_hit(tmp_path):
     clock, sent = Clock(), []
     svc = service(tmp_path, clock, sent)
-    svc.translator.on_telemetry(telemetry("gpu0", gpus=1))
-    svc.translator.on_telemetry(donor_telemetry("prep0", 40 * GiB))
+    svc.translator.on_telemetry(telemetry_from(telemetry("gpu0", gpus=1)))
+    svc.translator.on_telemetry(telemetry_from(donor_telemetry("prep0", 40 * GiB)))
     svc.round()
     assert donor_reclaim(svc.core, "prep0", 1 * GiB, 0.0) is None  # nothing promised on it yet
     assert donor_reclaim(svc.core, "nope", 0, 0.0) is None
@@ -104,8 +105,8 @@ def test_donor_reclaim_is_posted_only_when_promises_are_hit(tmp_path):
 def test_a_budget_larger_than_the_donors_lend_is_rejected_with_the_reason(tmp_path):
     clock, sent = Clock(), []
     svc = service(tmp_path, clock, sent)
-    svc.translator.on_telemetry(telemetry("gpu0", gpus=1))
-    svc.translator.on_telemetry(donor_telemetry("prep0", 40 * GiB))
+    svc.translator.on_telemetry(telemetry_from(telemetry("gpu0", gpus=1)))
+    svc.translator.on_telemetry(telemetry_from(donor_telemetry("prep0", 40 * GiB)))
     svc.round()
     job = svc.submit(spec(remote_memory_bytes=100 * GiB))[0].id
     svc.round()

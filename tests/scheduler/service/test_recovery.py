@@ -10,6 +10,7 @@ import sqlite3
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 from tests.scheduler.service.svc_helpers import telemetry
+from nodesvc.bus.messages import telemetry_from
 
 GPU_JOB = {"model": "resnet50", "batch_size": 32, "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30,
            "command": ["python", "train.py"]}
@@ -22,7 +23,7 @@ def _placements(svc: SchedulerService) -> dict[str, tuple]:
 async def test_a_database_logged_with_the_old_event_keys_replays_after_an_upgrade(tmp_path, caplog):
     db = tmp_path / "s.db"
     svc = SchedulerService(JobStore(db, synchronous="NORMAL"), profile="fifo")
-    svc.translator.on_telemetry(telemetry("n1", gpus=2))
+    svc.translator.on_telemetry(telemetry_from(telemetry("n1", gpus=2)))
     jobs = [svc.submit(dict(GPU_JOB))[0].id for _ in range(3)]
     svc.round()  # one logged batch: the node, three arrivals; two placements
     before = _placements(svc)

@@ -10,12 +10,13 @@ from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
 from scheduler.service.store import JobStore
 from tests.scheduler.service.svc_helpers import TOKEN
+from nodesvc.bus.messages import telemetry_from
 
 _store = JobStore(":memory:")
 _service = SchedulerService(_store, profile="dlshare")
-_service.translator.on_telemetry({"schema": 1, "node": "n1", "ts": 0.0, "cpu": {"count": 4}, "rdma": {},
+_service.translator.on_telemetry(telemetry_from({"schema": 1, "node": "n1", "ts": 0.0, "cpu": {"count": 4}, "rdma": {},
                        "memory": {"total_bytes": 8 << 30, "available_bytes": 4 << 30},
-                       "gpus": {"devices": [{"index": 0}, {"index": 1}]}})
+                       "gpus": {"devices": [{"index": 0}, {"index": 1}]}}))
 _service.submit({"id": "secret-job-7f3a", "model": "m", "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30, "command": ["x"]})
 app = create_app(_service, TOKEN)
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)

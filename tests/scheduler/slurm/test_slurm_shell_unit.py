@@ -349,11 +349,13 @@ class FakeFeed:
 
 
 def test_telemetry_becomes_node_reports_at_most_every_telemetry_s(tmp_path):
+    from nodesvc.bus.messages import telemetry_from
     from scheduler.slurm.telemetry import report_fields
 
-    payload = {"node": "n1", "cpu": {"count": 12, "percent": 37.5}, "memory": {"total_bytes": 10, "available_bytes": 7},
+    payload = {"node": "n1", "ts": 1.0, "cpu": {"count": 12, "percent": 37.5}, "rdma": {},
+               "memory": {"total_bytes": 10, "available_bytes": 7},
                "gpus": {"devices": [{"index": 0, "util_percent": 80}, {"index": 1, "util_percent": None}, "junk"]}}
-    fields = report_fields(payload)
+    fields = report_fields(telemetry_from(payload))
     assert fields == {"gpu_util": (80.0,), "cpu_percent": 37.5, "memory_available_bytes": 7}
     slurm = FakeSlurm(nodes=2)
     feed = FakeFeed()
