@@ -82,6 +82,7 @@ class SimNode:
         from nodesvc.bus import messages
 
         cmd = messages.parse_command(payload)
+        took = time.time()
         cached = self.replies.get(cmd.id)
         if cached is not None:
             await self.bus.publish(messages.node_topic(self.id, "reply"), cached, 1)
@@ -102,7 +103,7 @@ class SimNode:
                 await self.exit(job, -15)
         elif cmd.op not in ("allocate", "release", "ping"):
             ok, error = False, f"unknown op {cmd.op!r}"
-        reply = messages.reply(cmd.id, ok, {"op": cmd.op}, error=error)
+        reply = messages.reply(cmd.id, ok, {"op": cmd.op}, error=error, ts=took)
         self.replies[cmd.id] = reply
         while len(self.replies) > 4096:
             self.replies.popitem(last=False)

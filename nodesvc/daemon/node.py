@@ -256,6 +256,7 @@ class NodeDaemon:
             log.warning("malformed command (id %s): %s", cid, exc)
             return messages.reply(cid, False, error=f"malformed command: {exc}")
         key = f"mem:{cmd.id}" if memory_only else cmd.id  # one topic's ids never answer the other's
+        took = round(time.time(), 6)  # when this node took the command (the reply's ts)
         cached = self.replies.get(key)
         if cached is not None:
             return cached
@@ -268,7 +269,7 @@ class NodeDaemon:
         label = cmd.op if known else "unknown"  # bounded label set: one series per real op
         try:
             result = await self._apply(cmd)
-            reply = messages.reply(cmd.id, True, result=result, op=cmd.op)
+            reply = messages.reply(cmd.id, True, result=result, op=cmd.op, ts=took)
             self.metrics.commands.labels(label, "ok").inc()
         except messages.PayloadError as exc:
             log.warning("rejected command %s %s: %s", cmd.id, cmd.op, exc)

@@ -33,8 +33,8 @@ from typing import Any
 
 from nodesvc.bus.rpc import CommandError
 from scheduler import (
-    Allocate, Decision, Event, JobStarted, JobState, Place, PlacementFailed, Preempt, Reject, Release, SchedulerState,
-    Wakeup,
+    Allocate, Decision, Event, JobArrived, JobStarted, JobState, Place, PlacementFailed, Preempt, Reject, Release,
+    SchedulerState, Wakeup,
 )
 from scheduler.codec import decision_to_dict
 from scheduler.service.commands import NodeCommands
@@ -85,12 +85,33 @@ class DecisionCarrier:
         self._agg_key: bytes | None = None
         self.batch = journal.last_batch()  # the number of the last logged batch
         self.events_logged = 0  # since the last snapshot (the service counts)
+        # job -> wall-clock times of the stages on its way to running (the ``started`` event
+        # carries them): committed, queued (on the loop), batch (its arrival's core batch began),
+        # decided (the placing batch began), logged (that batch's transaction committed), sent,
+        # node, reply (see NodeCommands.send).  Only jobs accepted by this process are timed.
+        self.stages: dict[str, dict[str, float]] = {}
+
+    def time_stage(self, job: str, stage: str, t: float) -> None:
+        st = self.stages.get(job)
+        if st is not None:
+            st.setdefault(stage, t)
+
+    def track(self, job: str, **times: float) -> None:
+        """Start timing ``job``'s stages (bounded: the oldest entries go first)."""
+        self.stages[job] = dict(times)
+        while len(self.stages) > 20000:
+            self.stages.pop(next(iter(self.stages)))
 
     def run_batch(self, events: list[Event]) -> list[Decision]:
         """Hand ``events`` to the core as one batch, log them with the decisions in one
         transaction, then carry the decisions out.  Returns the decisions (the loop keeps
         the :class:`Wakeup` ones)."""
         t0 = time.perf_counter()
+        wall0 = time.time()
+        if self.stages:
+            for ev in events:
+                if isinstance(ev, JobArrived):
+                    self.time_stage(ev.job.id, "batch", wall0)
         decisions, refused = self.core.handle_batch(events)
         for sid, why in refused:
             log.info("core refused event %s: %s", sid, why)
@@ -113,6 +134,12 @@ class DecisionCarrier:
                                         for (job, node), d in allocs.items()
                                         if not any(isinstance(p, Place) and p.job == job for p in decisions)])
         self.events_logged += len(events)
+        if self.stages:
+            wall1 = time.time()
+            for d in decisions:
+                if isinstance(d, Place) and d.job in self.stages:
+                    self.time_stage(d.job, "decided", wall0)
+                    self.time_stage(d.job, "logged", wall1)
         if self.observe is not None:
             self.observe(events, time.perf_counter() - t0)
         for d, did, state in zip(decisions, ids, states):
@@ -260,14 +287,18 @@ class DecisionCarrier:
                     run["remote_memory_bytes"] = int(al.remote_bytes)  # (DLSHARE_REMOTE_MEMORY_BYTES)
                 if row.spec.get("cwd"):
                     run["cwd"] = row.spec["cwd"]
-                await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run")
+                await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run", stages=self.stages.get(d.job))
                 self.post(JobStarted(_eid(), self.now(), d.job, s.node, d.stimulus_id))
         except CommandError as exc:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             log.warning("decision %s failed: %s", did, exc)
             self.post(PlacementFailed(_eid(), self.now(), d.job, str(exc), d.stimulus_id))
             return
+        data: dict[str, Any] = {"decision": did}
+        st = self.stages.pop(d.job, None)
+        if st is not None:
+            data["stages"] = {k: round(v, 6) for k, v in st.items()}
         with self.store.tx():
             self.store.set_decision_state(did, "acked")
-            self.store.log_event("started", job=d.job, node=d.node, data={"decision": did})
+            self.store.log_event("started", job=d.job, node=d.node, data=data)
 

@@ -240,16 +240,19 @@ class SchedulerService:
                     continue
                 created = [res[0] for res in results if not isinstance(res, Exception) and res[1]]
                 if created:
-                    self.call_soon(self.accepted, created)
+                    self.call_soon(self.accepted, created, time.time())
                 for (_, _, _, fut), res in zip(batch, results):
                     if not fut.done():
                         fut.set_result(res)
         finally:
             self._committing = False
 
-    def accepted(self, rows: list[JobRow]) -> None:
-        """Jobs committed to the table: they arrive at the core (on the loop's thread)."""
+    def accepted(self, rows: list[JobRow], committed: float | None = None) -> None:
+        """Jobs committed to the table (at ``committed``, wall clock): they arrive at the core (on
+        the loop's thread)."""
+        t = time.time()
         for row in rows:
+            self.carrier.track(row.id, committed=committed or t, queued=t)
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
         self.metrics.submitted.inc(len(rows))
 
