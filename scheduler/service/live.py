@@ -74,6 +74,9 @@ log = logging.getLogger("dlshare.sched.live")
 # The live cluster's clock-driven rules (scheduler.watch): a failed start waits 0.5 s, doubling to 30 s;
 # a started job its node has not listed for 15 s (three of the daemon's 5 s telemetry periods) vanished.
 LIVE_RULES = WatchRules(backoff_s=0.5, backoff_max_s=30.0, vanish_after_s=15.0)
+# Commands (QoS 1) on their way to the broker at once: paho's default of 20 made a burst's 500th
+# `run` wait for 480 acknowledgements before it left.
+COMMANDS_IN_FLIGHT = 1000
 
 
 class SchedulerService:
@@ -312,7 +315,7 @@ class SchedulerService:
                 self.broker_url, f"dlshare-sched-{self.service_id}-{uuid.uuid4().hex[:6]}",
                 subscriptions=[(messages.topic("node", "+", leaf), 1) for leaf in ("telemetry", "state", "reply", "events")]
                 + [(messages.topic("agg", "+", "telemetry"), 0), (messages.topic("agg", "+", "state"), 1)],
-                handler=self.on_message, on_connect=self._on_connect,
+                handler=self.on_message, on_connect=self._on_connect, max_inflight=COMMANDS_IN_FLIGHT,
                 will=(messages.topic("sched", self.service_id, "state"), messages.encode({"status": "offline"}), 1, True))
             self.commands.bus = self.bus
             self._bus_stop = asyncio.Event()
