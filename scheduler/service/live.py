@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
 from scheduler import (
-    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeReport, Profile, SchedulerState, Tick, Wakeup,
+    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeLost, NodeReport, Profile, SchedulerState, Tick, Wakeup,
     WatchRules, load_profile, snapshot,
 )
 from scheduler.model import Job
@@ -127,6 +127,8 @@ class SchedulerService:
         self.k8s_binder: KubeBinder | None = None
         self.k8s_hold_s = 120.0  # a bound pod's resources are held this long (then its node's figures show it)
         self.batch_window_s = 0.01  # gather the events of this long into one core batch under load
+        self.batch_max_events = 1000  # a core batch takes at most this many events (the rest: the next one)
+        self.batch_max_lost = 10  # ... and at most this many lost nodes (a requeue storm goes in slices)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats = ServiceStats()
         self.commands = NodeCommands(command_timeout_s)
@@ -397,7 +399,11 @@ class SchedulerService:
     def round(self) -> None:
         """One pass: stale nodes, due Ticks, one core batch, service accounting, a snapshot when due."""
         now = self.clock()
+        part = self.stats.part
+        t0 = time.perf_counter()
         self.translator.check_stale(now)
+        t1 = time.perf_counter()
+        part("stale", t1 - t0)
         due = False
         while self._wakeups and self._wakeups[0] <= now:
             heapq.heappop(self._wakeups)
@@ -405,18 +411,61 @@ class SchedulerService:
         if due:
             self._events.append(Tick(_eid(), self.now()))
         if self._events:
-            batch, self._events = self._events, []
+            batch = self._take_batch()
             decisions = self.carrier.run_batch(batch)
             for d in decisions:
                 if isinstance(d, Wakeup) and d.at not in self._wakeups:
                     heapq.heappush(self._wakeups, d.at)
             self.translator.exiting.clear()
             self._batch_done(batch, decisions)
+            if self._events:  # the rest of a storm: its next slice at once
+                self._wake.set()
+        t2 = time.perf_counter()
+        part("batch", t2 - t1)
         if now - self._last_service >= 5.0:
             self._last_service = now
             self._account()
+            t3 = time.perf_counter()
+            part("account", t3 - t2)
+            t2 = t3
         self._watch_queue(now)
-        self.maybe_snapshot(now)
+        t3 = time.perf_counter()
+        part("queue", t3 - t2)
+        if self.maybe_snapshot(now):
+            part("snapshot", time.perf_counter() - t3)
+
+    def _take_batch(self) -> list[Event]:
+        """The core's next batch from the queued events, in their order: a node's reports superseded
+        by a later one of the same node are dropped (each carries the node's whole state: only the
+        latest matters), and a storm is cut in slices (at most ``batch_max_events`` events and
+        ``batch_max_lost`` lost nodes a batch; the rest waits, in order, for the next round).
+        The log holds the batches as the core saw them, so a replay cuts them the same way."""
+        events = self._events
+        latest: dict[str, int] = {}
+        for i, ev in enumerate(events):
+            if isinstance(ev, NodeReport):
+                latest[ev.node.id] = i
+        if len(latest) < sum(1 for ev in events if isinstance(ev, NodeReport)):
+            kept = []
+            for i, ev in enumerate(events):
+                if isinstance(ev, NodeReport) and latest[ev.node.id] != i:
+                    self.translator.published.pop(ev.stimulus_id, None)
+                    self.stats.coalesced += 1
+                    continue
+                kept.append(ev)
+            events = kept
+        cut, lost = len(events), 0
+        for i, ev in enumerate(events):
+            if i >= self.batch_max_events:
+                cut = i
+                break
+            if isinstance(ev, NodeLost):
+                lost += 1
+                if lost > self.batch_max_lost:
+                    cut = i
+                    break
+        self._events = events[cut:]
+        return events[:cut]
 
     def _batch_done(self, batch: list[Event], decisions: list[Any]) -> None:
         """Metrics of a batch, and the run times of the jobs it finished (the estimates' prior)."""
