@@ -238,10 +238,12 @@ def fleet_run(args, tmp: Path) -> dict[str, Any]:
             "running_at_kill": snap["core"]["running"], "requeued_by_kill": len(requeued),
             "requeued_placed_elsewhere": elsewhere, "requeued_running_again_p99_s": pct(back, 0.99),
             "jobs_by_state": counts, "jobs_lost": lost, "jobs_started_twice": len(twice), "twice": twice[:10],
-            "snapshot": stats["snapshot"], "stages": stage_breakdown(db, accepted)}
+            "snapshot": stats["snapshot"], "stages": stage_breakdown(db, accepted),
+            "round_ms": stats.get("round_ms"), "reports_coalesced": stats.get("reports_coalesced")}
 
 
-def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[str, Any]:
+def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors,
+             snapshot_core_s: float = float("inf")) -> dict[str, Any]:
     """Log ``n_events`` core events into ``db`` through the real service (in this process, no
     broker: the decisions are logged, as if their commands were answered), in the 1,000-node
     run's mix: 1,000 nodes of 8 GPUs reporting, 10 jobs/s arriving and each ending 60 s after
@@ -252,7 +254,7 @@ def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[
     from scheduler.service.store import JobStore
 
     svc = SchedulerService(JobStore(db, synchronous="NORMAL"), profile="dlshare", predictors=predictors,
-                           snapshot_events=snapshot_events)
+                           snapshot_events=snapshot_events, snapshot_core_s=snapshot_core_s)
     svc.commands.spawn = lambda coro, key=None: coro.close()
     t = [1_000_000.0]
     svc.clock = lambda: t[0]
@@ -306,12 +308,13 @@ def restart_run(args, tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"events": n}
     try:
         modes = set(filter(None, getattr(args, "restart_modes", "snapshots,whole_log").split(",")))
-        for mode, every in (("snapshots", args.snapshot_events), ("whole_log", 1 << 40)):
+        core_s = getattr(args, "snapshot_core_s", 1.0)
+        for mode, every, budget in (("snapshots", args.snapshot_events, core_s), ("whole_log", 1 << 40, float("inf"))):
             if mode not in modes:
                 continue
             db = tmp / f"restart-{mode}.db"
             print(f"sched-service: logging {n} core events ({mode}) ...", flush=True)
-            built = _fill_db(db, n, every, preds)
+            built = _fill_db(db, n, every, preds, budget)
             st = JobStore(db, synchronous="NORMAL")
             j = Journal(st)
             tail = j.events_after(j.latest_snapshot().batch if j.latest_snapshot() else 0)

@@ -54,6 +54,8 @@ def add_arguments(parser, seen: set[str]) -> None:
                      ("--restart-events", dict(type=int, default=100_000, help="logged events before the restart")),
                      ("--restart-repeats", dict(type=int, default=3, help="restarts timed per database")),
                      ("--snapshot-events", dict(type=int, default=2000, help="the service's sched.snapshot_events")),
+                     ("--snapshot-core-s", dict(type=float, default=1.0,
+                                                help="the service's sched.snapshot_core_s (sched-service restart)")),
                      ("--skip", dict(default="", help="sched-service parts to skip: burst,fleet,restart")),
                      ("--burst-modes", dict(default="FULL-thread,NORMAL-thread,FULL-loop",
                                             help="sched-service burst runs: SYNC-thread|SYNC-loop, comma-separated "
@@ -172,7 +174,7 @@ def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str,
             "started": len(lat), "done": counts.get("done", 0), "failed": counts.get("failed", 0),
             "jobs_lost": args.jobs - counts.get("done", 0), "jobs_started_twice": len(twice),
             "loop_lag_p99_ms": stats["loop_lag_ms"]["p99_ms"], "telemetry_to_core_p99_ms":
-            stats["telemetry_to_core_ms"]["p99_ms"],
+            stats["telemetry_to_core_ms"]["p99_ms"], "round_ms": stats.get("round_ms"),
             "stages": stage_breakdown(db), "burst_stages": stage_breakdown(db, [_spec(i)["id"] for i in range(n_seq,
                                                                                                         args.jobs)])}
 

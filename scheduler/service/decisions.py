@@ -85,6 +85,7 @@ class DecisionCarrier:
         self._agg_key: bytes | None = None
         self.batch = journal.last_batch()  # the number of the last logged batch
         self.events_logged = 0  # since the last snapshot (the service counts)
+        self.core_s = 0.0  # the core's time on the batches since the last snapshot (what a restart replays)
         # job -> wall-clock times of the stages on its way to running (the ``started`` event
         # carries them): committed, queued (on the loop), batch (its arrival's core batch began),
         # decided (the placing batch began), logged (that batch's transaction committed), sent,
@@ -113,6 +114,7 @@ class DecisionCarrier:
                 if isinstance(ev, JobArrived):
                     self.time_stage(ev.job.id, "batch", wall0)
         decisions, refused = self.core.handle_batch(events)
+        self.core_s += time.perf_counter() - t0
         for sid, why in refused:
             log.info("core refused event %s: %s", sid, why)
         self.batch += 1

@@ -86,8 +86,10 @@ class SchedulerService:
     bundle for a fresh core, or a function that makes it (only called when no usable
     snapshot exists: training takes seconds); ``core``: a ready core instead (tests);
     ``rules``: the :class:`WatchRules` (default :data:`LIVE_RULES`); ``snapshot_events``:
-    events between snapshots (the most a restart replays); ``snapshot_s``: at most this
-    long between snapshots while events come; ``limits``: the admission limits per user and account;
+    events between snapshots (the most a restart replays); ``snapshot_core_s``: also snapshot once
+    the core spent this long on the batches since the last one (a restart replays about that much
+    work, whatever the events' mix); ``snapshot_s``: at most this long between snapshots while
+    events come; ``limits``: the admission limits per user and account;
     ``default_user``: the user a job without an owner runs as (jobs from before owners were kept,
     and in-process submissions without one): the bootstrap token's user.  ``reasons_s``,
     ``forecast_s``, ``prior``, ``reason_event_gap_s``: how often waiting jobs are explained and their
@@ -100,7 +102,7 @@ class SchedulerService:
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
-                 snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
+                 snapshot_s: float = 120.0, snapshot_core_s: float = 1.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
                  reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
                  reason_event_gap_s: float = 300.0,
                  history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
@@ -119,6 +121,7 @@ class SchedulerService:
         self.clock = clock
         self.snapshot_events = snapshot_events
         self.snapshot_s = snapshot_s
+        self.snapshot_core_s = snapshot_core_s
         self.limits = limits
         self.default_user = default_user
         self.nodes: dict[str, LiveNode] = {}  # the live node table
@@ -509,9 +512,11 @@ class SchedulerService:
 
     def maybe_snapshot(self, now: float, force: bool = False) -> bool:
         """Snapshot the core and compact the log when ``snapshot_events`` events were logged since
-        the last one, or ``snapshot_s`` passed with any; the write runs off the loop."""
+        the last one, the core spent ``snapshot_core_s`` on them, or ``snapshot_s`` passed with any;
+        the write runs off the loop."""
         n = self.carrier.events_logged
         if self._snapshotting or n == 0 or not (force or n >= self.snapshot_events
+                                                 or self.carrier.core_s >= self.snapshot_core_s
                                                  or now - self._last_snapshot >= self.snapshot_s):
             return False
         t0 = time.perf_counter()
@@ -520,6 +525,7 @@ class SchedulerService:
         data = snapshot.dump(self.core, {"batch": batch})
         header = snapshot.header(data)
         self.carrier.events_logged = 0
+        self.carrier.core_s = 0.0
         self._last_snapshot = now
         dump_s = time.perf_counter() - t0
 

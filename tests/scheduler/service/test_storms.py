@@ -1,5 +1,6 @@
-"""The live loop's batches under storms: a node's queued reports reach the core as the latest one,
-and a storm of lost nodes goes to the core in slices, losing nothing (the log replays the same)."""
+"""The live loop under load: a node's queued reports reach the core as the latest one, a storm of
+lost nodes goes to the core in slices, losing nothing (the log replays the same), and a snapshot
+comes once the core has worked long enough that a restart would replay too much."""
 
 from __future__ import annotations
 
@@ -79,3 +80,18 @@ def test_a_storm_of_lost_nodes_goes_to_the_core_in_slices_and_loses_nothing(stor
     # The log, cut in slices, replays to the same decisions.
     check = replay_check(svc.journal, lambda: SchedulerState(svc.profile_obj, rules=svc.rules))
     assert check.events > 0 and check.differences == [] and check.unreadable == []
+
+
+def test_a_snapshot_comes_once_the_core_worked_snapshot_core_s_on_the_batches_since_the_last(store):
+    svc = _quiet(service_with_nodes(store, {"n1": (2, 8)}))
+    svc.snapshot_events, svc.snapshot_s = 10**9, 10**9  # neither the count nor the clock would call one
+    svc.snapshot_core_s = float("inf")
+    svc.submit({**GPU_JOB, "id": "a"})
+    svc.round()
+    assert svc.journal.latest_snapshot() is None and svc.carrier.core_s > 0
+    svc.snapshot_core_s = svc.carrier.core_s / 2  # the core's work since the last snapshot is past it
+    svc.submit({**GPU_JOB, "id": "b"})
+    svc.round()
+    snap = svc.journal.latest_snapshot()
+    assert snap is not None and snap.batch == svc.carrier.batch and svc.carrier.core_s == 0.0
+    assert svc.journal.events_after(snap.batch) == 0  # the log it covers is compacted away
