@@ -107,7 +107,10 @@ class SimNode:
         self.replies[cmd.id] = reply
         while len(self.replies) > 4096:
             self.replies.popitem(last=False)
-        await self.bus.publish(messages.node_topic(self.id, "reply"), reply, 1)
+        # As the daemon does: the reply leaves without the pump waiting for its acknowledgement.
+        task = asyncio.create_task(self.bus.publish(messages.node_topic(self.id, "reply"), reply, 1))
+        self.shard.pending.add(task)
+        task.add_done_callback(self.shard.pending.discard)
 
     async def exit(self, job: str, code: int) -> None:
         from nodesvc.bus import messages
@@ -161,6 +164,7 @@ class Shard:
     job_s: float = 30.0
     log: TextIO | None = None
     nodes: list[SimNode] = field(default_factory=list)
+    pending: set = field(default_factory=set)  # replies on their way to the broker
 
     def record(self, op: str, node: str, job: str, cmd: str) -> None:
         if self.log is not None:

@@ -16,7 +16,16 @@
 3. **Restart** (``restart_run``): the time to a listening API after ``--restart-events`` logged
    events, with snapshots and, as the baseline, from the whole log.
 
-Every run counts jobs lost or started twice.
+Every run counts jobs lost or started twice, and breaks each decision's time down by stage
+(``stages``/``burst_stages``, bench.sched_scale.STAGES: the store's group commit, the hand-over to
+the loop, the wait for a core batch, the core and its log, the command's dispatch, the broker's
+acknowledgement, the node taking it, its reply reaching the loop), from the times the service
+writes into each job's ``started`` event.
+
+Parts: ``--skip burst,fleet,restart``; ``--burst-modes`` picks the burst's runs (e.g. ``FULL-thread``
+alone) and ``--restart-modes snapshots`` leaves out the whole-log baseline (~2 min a restart), so
+``--burst-modes FULL-thread --restart-modes snapshots --restart-repeats 1`` is the targets' run in
+about 10 minutes.  ``--quick`` shrinks every part.
 """
 
 from __future__ import annotations

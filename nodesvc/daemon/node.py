@@ -97,6 +97,7 @@ class NodeDaemon:
             nvml = SimulatedNvml(int(n["fake_gpus"]), load=self._simulated_gpu_load)
         self.gpu = GpuProbe(nvml)
         self.replies = ReplyCache()
+        self._replying: set[asyncio.Task] = set()  # replies on their way to the broker
         self.last: dict[str, Any] | None = None
         self.metrics = NodeMetrics(self.node_id, lambda: self.last)
         self.metrics_port: int | None = None
@@ -242,7 +243,16 @@ class NodeDaemon:
             reply = await self.handle_command(payload, memory_only=True)
         else:
             return
-        await self.bus.publish(self.topic("reply"), reply, qos=1)
+        # The reply leaves without this pump waiting for the broker's acknowledgement: the next
+        # command is taken at once (replies are matched by id, their order does not matter).
+        task = asyncio.create_task(self.bus.publish(self.topic("reply"), reply, qos=1))
+        self._replying.add(task)
+        task.add_done_callback(self._replied)
+
+    def _replied(self, task: asyncio.Task) -> None:
+        self._replying.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sending a reply failed: %s", task.exception())
 
     async def handle_command(self, payload: bytes, memory_only: bool = False) -> bytes:
         """Validate and apply one command; always returns a reply payload.  ``memory_only``: it came
@@ -409,6 +419,8 @@ class NodeDaemon:
                 self.cgroups.release(job)
             except cgroups.CgroupError as exc:
                 log.warning("could not release %s: %s", job, exc)
+        if self._replying:  # the replies already on their way leave before the connection closes
+            await asyncio.wait(set(self._replying), timeout=5)
         bus_stop.set()
         try:
             await asyncio.wait_for(bus_task, timeout=5)
