@@ -39,8 +39,9 @@ class NodeCommands:
     async def send(self, node: str, op: str, args: dict[str, Any], cmd_id: str,
                    stages: dict[str, float] | None = None) -> dict[str, Any]:
         """Send one command (QoS 1) and wait for its reply; raises ``CommandError``.  With
-        ``stages``, the times it was handed to the bus (``publish``), the broker took it (``sent``), the node took it (``node``, when the reply says)
-        and its reply reached this loop (``reply``) are written there (wall clock)."""
+        ``stages``, the times it was handed to the bus (``publish``), the broker took it (``sent``),
+        the node took it (``node``, when the reply says) and its reply reached this loop
+        (``reply``) are written there (wall clock)."""
         if self.bus is None:
             raise CommandNotSent("no broker configured")
         if stages is None:

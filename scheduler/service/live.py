@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
 from scheduler import (
-    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeLost, NodeReport, Profile, SchedulerState, Tick, Wakeup,
-    WatchRules, load_profile, snapshot,
+    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeLost, NodeReport, Profile, SchedulerState, Tick,
+    Wakeup, WatchRules, load_profile, snapshot,
 )
 from scheduler.model import Job
 from scheduler.service.commands import NodeCommands
@@ -102,7 +102,8 @@ class SchedulerService:
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
-                 snapshot_s: float = 120.0, snapshot_core_s: float = 1.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
+                 snapshot_s: float = 120.0, snapshot_core_s: float = 1.0, limits: WaitingLimits = WaitingLimits(),
+                 default_user: str = "",
                  reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
                  reason_event_gap_s: float = 300.0,
                  history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
