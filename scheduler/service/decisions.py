@@ -24,6 +24,7 @@ command re-sent after a restart is answered from the node's reply cache.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -91,6 +92,37 @@ class DecisionCarrier:
         # decided (the placing batch began), logged (that batch's transaction committed), sent,
         # node, reply (see NodeCommands.send).  Only jobs accepted by this process are timed.
         self.stages: dict[str, dict[str, float]] = {}
+        self._acks: list[tuple[str, str | None, str | None, dict[str, Any] | None]] = []  # see ack()
+        self._ack_flush: Any = None  # the loop's handle of the flush to come
+
+    def ack(self, did: str, job: str | None = None, node: str | None = None,
+            started: dict[str, Any] | None = None) -> None:
+        """Decision ``did`` was carried out (and, with ``started``, its job runs on ``node``: the
+        ``started`` event with that data).  The rows change in one transaction with every other
+        acknowledgement of this turn of the loop, not one each: under a burst, each transaction of
+        the loop's would wait behind the API's fsync.  A crash before it commits leaves the
+        decision pending, and a restart re-sends it under its id (the node answers from its reply
+        cache), as a crash a moment before the acknowledgement would."""
+        self._acks.append((did, job, node, started))
+        if self._ack_flush is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (in-process use): at once
+            self.flush_acks()
+            return
+        self._ack_flush = loop.call_soon(self.flush_acks)
+
+    def flush_acks(self) -> None:
+        self._ack_flush = None
+        acks, self._acks = self._acks, []
+        if not acks:
+            return
+        with self.store.tx():
+            for did, job, node, started in acks:
+                self.store.set_decision_state(did, "acked")
+                if started is not None:
+                    self.store.log_event("started", job=job, node=node, data=started)
 
     def time_stage(self, job: str, stage: str, t: float) -> None:
         st = self.stages.get(job)
@@ -247,7 +279,7 @@ class DecisionCarrier:
                 await self.commands.send(d.node, "allocate", {"job": d.job, "cpus": max(0.01, d.cpus),
                                                               "memory_bytes": max(1 << 20, d.memory_bytes)},
                                          f"{did}/allocate")
-            self.store.set_decision_state(did, "acked")
+            self.ack(did)
         except CommandError as exc:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             log.warning("decision %s failed: %s", did, exc)
@@ -300,7 +332,5 @@ class DecisionCarrier:
         st = self.stages.pop(d.job, None)
         if st is not None:
             data["stages"] = {k: round(v, 6) for k, v in st.items()}
-        with self.store.tx():
-            self.store.set_decision_state(did, "acked")
-            self.store.log_event("started", job=d.job, node=d.node, data=data)
+        self.ack(did, d.job, d.node, data)
 

@@ -338,6 +338,7 @@ class SchedulerService:
         if self._snapshot_write is not None:  # the store closes after this: let the write end first
             await asyncio.gather(self._snapshot_write, return_exceptions=True)
         await self.commands.close()
+        self.carrier.flush_acks()  # the acknowledgements of this last turn, before the store closes
         for t in self._tasks:
             try:
                 await t
