@@ -56,14 +56,13 @@ class NodeCommands:
 
         self._replied[cmd_id] = (0.0, None)
         try:
-            res = await self.correlator.call(publish, node, op, args, cmd_id)
-        finally:
+            return await self.correlator.call(publish, node, op, args, cmd_id)
+        finally:  # a refusal was answered too: its times count
             seen, node_ts = self._replied.pop(cmd_id, (0.0, None))
-        if seen:
-            stages["reply"] = seen
-        if isinstance(node_ts, (int, float)) and not isinstance(node_ts, bool) and node_ts > 0:
-            stages["node"] = float(node_ts)
-        return res
+            if seen:
+                stages["reply"] = seen
+            if isinstance(node_ts, (int, float)) and not isinstance(node_ts, bool) and 0 < node_ts < 1e12:
+                stages["node"] = float(node_ts)  # a time (s since the epoch); anything else is ignored
 
     def resolve(self, reply: dict[str, Any]) -> None:
         """A reply arrived on ``.../reply``: wake whoever waits for it."""
