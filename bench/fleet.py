@@ -82,6 +82,7 @@ class SimNode:
         from nodesvc.bus import messages
 
         cmd = messages.parse_command(payload)
+        took = time.time()
         cached = self.replies.get(cmd.id)
         if cached is not None:
             await self.bus.publish(messages.node_topic(self.id, "reply"), cached, 1)
@@ -102,11 +103,14 @@ class SimNode:
                 await self.exit(job, -15)
         elif cmd.op not in ("allocate", "release", "ping"):
             ok, error = False, f"unknown op {cmd.op!r}"
-        reply = messages.reply(cmd.id, ok, {"op": cmd.op}, error=error)
+        reply = messages.reply(cmd.id, ok, {"op": cmd.op}, error=error, ts=took)
         self.replies[cmd.id] = reply
         while len(self.replies) > 4096:
             self.replies.popitem(last=False)
-        await self.bus.publish(messages.node_topic(self.id, "reply"), reply, 1)
+        # As the daemon does: the reply leaves without the pump waiting for its acknowledgement.
+        task = asyncio.create_task(self.bus.publish(messages.node_topic(self.id, "reply"), reply, 1))
+        self.shard.pending.add(task)
+        task.add_done_callback(self.shard.pending.discard)
 
     async def exit(self, job: str, code: int) -> None:
         from nodesvc.bus import messages
@@ -160,6 +164,7 @@ class Shard:
     job_s: float = 30.0
     log: TextIO | None = None
     nodes: list[SimNode] = field(default_factory=list)
+    pending: set = field(default_factory=set)  # replies on their way to the broker
 
     def record(self, op: str, node: str, job: str, cmd: str) -> None:
         if self.log is not None:

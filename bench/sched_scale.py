@@ -94,6 +94,51 @@ def job_latencies(db: Path) -> dict[str, dict[str, list[float]]]:
     return out
 
 
+# A decision's way from submitted to started, per stage (the ``started`` event's ``stages``, wall clock):
+# name -> (from, to).  ``round_trip`` overlaps ``to_node`` + ``node_to_loop`` (for replies without a ts).
+STAGES = (("commit", "submitted", "committed"),  # the store's group commit (fsync) on the API's side
+          ("handoff", "committed", "queued"),  # the API's thread -> the loop's thread
+          ("loop_queue", "queued", "batch"),  # waiting in the loop for its core batch
+          ("wait_capacity", "batch", "decided"),  # arrived at the core -> the batch that placed it
+          ("core_and_log", "decided", "logged"),  # the core, then the batch's log transaction
+          ("dispatch", "logged", "publish"),  # the command task queued behind others -> handed to the bus
+          ("puback", "publish", "sent"),  # handed to the bus -> the broker acknowledged it (QoS 1)
+          ("to_node", "publish", "node"),  # handed to the bus -> the broker -> the node took it
+          ("node_to_loop", "node", "reply"),  # the node's reply -> the broker -> the service's loop
+          ("round_trip", "publish", "reply"),
+          ("record", "reply", "started"))  # the reply -> the started event committed
+
+
+def stage_breakdown(db: Path, jobs: list[str] | None = None) -> dict[str, dict[str, float | None]]:
+    """p50/p99/max ms of each of :data:`STAGES`, over the jobs (all when ``jobs`` is None) whose
+    first ``started`` event carries stages."""
+    import json
+
+    con = sqlite3.connect(db)
+    try:
+        sub = dict(con.execute("SELECT job, MIN(ts) FROM events WHERE kind='submitted' GROUP BY job"))
+        rows = con.execute("SELECT job, ts, data FROM events WHERE kind='started' ORDER BY seq").fetchall()
+    finally:
+        con.close()
+    want = set(jobs) if jobs is not None else None
+    per: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    seen: set[str] = set()
+    for job, ts, data in rows:
+        if job in seen or (want is not None and job not in want) or job not in sub:
+            continue
+        seen.add(job)
+        st = (json.loads(data or "{}") or {}).get("stages")
+        if not st:
+            continue
+        t = {**st, "submitted": sub[job], "started": ts}
+        for name, a, b in STAGES:
+            if a in t and b in t:
+                per[name].append(max(0.0, t[b] - t[a]))
+    return {name: {"n": len(xs), "p50_ms": None if not xs else pct(xs, 0.5) * 1e3,
+                   "p99_ms": None if not xs else pct(xs, 0.99) * 1e3, "max_ms": None if not xs else max(xs) * 1e3}
+            for name, xs in per.items()}
+
+
 def _spec(i: int, prefix: str) -> dict[str, Any]:
     if i % 3 == 2:
         return {"id": f"{prefix}-{i:05d}", "kind": "data_prep", "gpus": 0, "cpus": 2.0, "memory_bytes": 2 << 30,
@@ -194,10 +239,12 @@ def fleet_run(args, tmp: Path) -> dict[str, Any]:
             "running_at_kill": snap["core"]["running"], "requeued_by_kill": len(requeued),
             "requeued_placed_elsewhere": elsewhere, "requeued_running_again_p99_s": pct(back, 0.99),
             "jobs_by_state": counts, "jobs_lost": lost, "jobs_started_twice": len(twice), "twice": twice[:10],
-            "snapshot": stats["snapshot"]}
+            "snapshot": stats["snapshot"], "stages": stage_breakdown(db, accepted),
+            "round_ms": stats.get("round_ms"), "reports_coalesced": stats.get("reports_coalesced")}
 
 
-def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[str, Any]:
+def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors,
+             snapshot_core_s: float = float("inf")) -> dict[str, Any]:
     """Log ``n_events`` core events into ``db`` through the real service (in this process, no
     broker: the decisions are logged, as if their commands were answered), in the 1,000-node
     run's mix: 1,000 nodes of 8 GPUs reporting, 10 jobs/s arriving and each ending 60 s after
@@ -208,7 +255,7 @@ def _fill_db(db: Path, n_events: int, snapshot_events: int, predictors) -> dict[
     from scheduler.service.store import JobStore
 
     svc = SchedulerService(JobStore(db, synchronous="NORMAL"), profile="dlshare", predictors=predictors,
-                           snapshot_events=snapshot_events)
+                           snapshot_events=snapshot_events, snapshot_core_s=snapshot_core_s)
     svc.commands.spawn = lambda coro, key=None: coro.close()
     t = [1_000_000.0]
     svc.clock = lambda: t[0]
@@ -261,10 +308,14 @@ def restart_run(args, tmp: Path) -> dict[str, Any]:
     broker, burl, _ = start_broker(tmp)
     out: dict[str, Any] = {"events": n}
     try:
-        for mode, every in (("snapshots", args.snapshot_events), ("whole_log", 1 << 40)):
+        modes = set(filter(None, getattr(args, "restart_modes", "snapshots,whole_log").split(",")))
+        core_s = getattr(args, "snapshot_core_s", 1.0)
+        for mode, every, budget in (("snapshots", args.snapshot_events, core_s), ("whole_log", 1 << 40, float("inf"))):
+            if mode not in modes:
+                continue
             db = tmp / f"restart-{mode}.db"
             print(f"sched-service: logging {n} core events ({mode}) ...", flush=True)
-            built = _fill_db(db, n, every, preds)
+            built = _fill_db(db, n, every, preds, budget)
             st = JobStore(db, synchronous="NORMAL")
             j = Journal(st)
             tail = j.events_after(j.latest_snapshot().batch if j.latest_snapshot() else 0)

@@ -16,7 +16,16 @@
 3. **Restart** (``restart_run``): the time to a listening API after ``--restart-events`` logged
    events, with snapshots and, as the baseline, from the whole log.
 
-Every run counts jobs lost or started twice.
+Every run counts jobs lost or started twice, and breaks each decision's time down by stage
+(``stages``/``burst_stages``, bench.sched_scale.STAGES: the store's group commit, the hand-over to
+the loop, the wait for a core batch, the core and its log, the command's dispatch, the broker's
+acknowledgement, the node taking it, its reply reaching the loop), from the times the service
+writes into each job's ``started`` event.
+
+Parts: ``--skip burst,fleet,restart``; ``--burst-modes`` picks the burst's runs (e.g. ``FULL-thread``
+alone) and ``--restart-modes snapshots`` leaves out the whole-log baseline (~2 min a restart), so
+``--burst-modes FULL-thread --restart-modes snapshots --restart-repeats 1`` is the targets' run in
+about 10 minutes.  ``--quick`` shrinks every part.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from typing import Any
 
 from bench import report
 from bench.fleet import Fleet, double_starts
-from bench.sched_scale import TOKEN, fleet_run, pct, restart_run, start_broker, start_service, stop_proc
+from bench.sched_scale import (
+    TOKEN, fleet_run, pct, restart_run, stage_breakdown, start_broker, start_service, stop_proc,
+)
 from nodesvc.bus.procs import wait_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +63,15 @@ def add_arguments(parser, seen: set[str]) -> None:
                      ("--restart-events", dict(type=int, default=100_000, help="logged events before the restart")),
                      ("--restart-repeats", dict(type=int, default=3, help="restarts timed per database")),
                      ("--snapshot-events", dict(type=int, default=2000, help="the service's sched.snapshot_events")),
-                     ("--skip", dict(default="", help="sched-service parts to skip: burst,fleet,restart"))):
+                     ("--snapshot-core-s", dict(type=float, default=1.0,
+                                                help="the service's sched.snapshot_core_s (sched-service restart)")),
+                     ("--skip", dict(default="", help="sched-service parts to skip: burst,fleet,restart")),
+                     ("--burst-modes", dict(default="FULL-thread,NORMAL-thread,FULL-loop",
+                                            help="sched-service burst runs: SYNC-thread|SYNC-loop, comma-separated "
+                                                 "(SYNC: FULL or NORMAL; loop: the API on the loop, the baseline)")),
+                     ("--restart-modes", dict(default="snapshots,whole_log",
+                                              help="sched-service restarts: snapshots,whole_log (the whole log "
+                                                   "is the slow baseline: ~2 min a restart)"))):
         if flag not in seen:
             parser.add_argument(flag, **kw)
             seen.add(flag)
@@ -164,7 +183,26 @@ def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str,
             "started": len(lat), "done": counts.get("done", 0), "failed": counts.get("failed", 0),
             "jobs_lost": args.jobs - counts.get("done", 0), "jobs_started_twice": len(twice),
             "loop_lag_p99_ms": stats["loop_lag_ms"]["p99_ms"], "telemetry_to_core_p99_ms":
-            stats["telemetry_to_core_ms"]["p99_ms"]}
+            stats["telemetry_to_core_ms"]["p99_ms"], "round_ms": stats.get("round_ms"),
+            "stages": stage_breakdown(db), "burst_stages": stage_breakdown(db, [_spec(i)["id"] for i in range(n_seq,
+                                                                                                        args.jobs)])}
+
+
+def _burst_modes(args) -> list[tuple[str, bool]]:
+    out = []
+    for m in filter(None, (x.strip() for x in getattr(args, "burst_modes", "FULL-thread").split(","))):
+        sync, _, where = m.partition("-")
+        if sync.upper() not in ("FULL", "NORMAL") or where not in ("thread", "loop"):
+            raise SystemExit(f"--burst-modes: {m!r} is not SYNC-thread or SYNC-loop (SYNC: FULL or NORMAL)")
+        out.append((sync.upper(), where == "thread"))
+    return out
+
+
+def stage_rows(name: str, stages: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per stage of a decision's way (bench.sched_scale.STAGES)."""
+    f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    return [{"run": name, "stage": k, "n": v["n"], "p50 ms": f(v["p50_ms"]), "p99 ms": f(v["p99_ms"]),
+             "max ms": f(v["max_ms"])} for k, v in stages.items() if v["n"]]
 
 
 def _core_baseline(args) -> dict[str, Any]:
@@ -211,7 +249,7 @@ def run(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dlshare-bench-sched-") as tmpd:
         tmp = Path(tmpd)
         if "burst" not in skip:
-            for mode, api_thread in (("FULL", True), ("NORMAL", True), ("FULL", False)):
+            for mode, api_thread in _burst_modes(args):
                 print(f"sched-service: {args.jobs} submissions, synchronous={mode}, API on "
                       f"{'its own thread' if api_thread else 'the loop (baseline)'} ...", flush=True)
                 runs.append(_burst_run(args, mode, api_thread, tmp))
@@ -220,8 +258,8 @@ def run(args) -> dict[str, Any]:
         if "restart" not in skip:
             restart = restart_run(args, tmp)
     base = _core_baseline(args)
-    full = runs[0] if runs else {}
-    baseline = runs[2] if len(runs) > 2 else {}
+    full = next((r for r in runs if r["synchronous"] == "FULL" and r["api_thread"]), {})
+    baseline = next((r for r in runs if not r["api_thread"]), {})
     lost = sum(r["jobs_lost"] for r in runs) + scale.get("jobs_lost", 0)
     twice = sum(r["jobs_started_twice"] for r in runs) + scale.get("jobs_started_twice", 0)
     metrics = {
@@ -260,6 +298,12 @@ def run(args) -> dict[str, Any]:
                      "started": scale["started"], "done": scale["jobs_by_state"].get("done", 0),
                      "lost": scale["jobs_lost"], "twice": scale["jobs_started_twice"]})
     print(report.markdown_table(rows))
+    srows = [x for r in runs for x in stage_rows(f"burst {r['synchronous']} "
+                                                 f"{'thread' if r['api_thread'] else 'loop'}", r["burst_stages"])]
+    if scale:
+        srows += stage_rows(f"{scale['nodes']} nodes", scale["stages"])
+    if srows:
+        print(report.markdown_table(srows))
     checks = []
     if full:
         checks += [("every submission started (FULL)", float(full["started"]), "==", float(args.jobs)),
@@ -292,7 +336,7 @@ def run(args) -> dict[str, Any]:
         fig.savefig(png, dpi=110)
         plt.close(fig)
         plots.append(str(png))
-    return report.envelope("sched-service", metrics, table=rows, targets=targets, plots=plots)
+    return report.envelope("sched-service", metrics, table=rows, stage_table=srows, targets=targets, plots=plots)
 
 
 __all__ = ["add_arguments", "run"]

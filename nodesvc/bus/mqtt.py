@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import select
 import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -59,13 +60,50 @@ def _no_delay(client: aiomqtt.Client) -> None:
         pass  # a paho without socket(); latency, not correctness
 
 
+READ_BURST = 256  # packets read per wakeup of the loop, at most
+PUMP_BATCH = 1024  # messages handled per pass of the pump, at most
+
+
+def _drain_reads(client: aiomqtt.Client, most: int = READ_BURST) -> None:
+    """Read every packet waiting on the socket per wakeup of the loop, up to ``most``.
+
+    aiomqtt's reader calls paho's ``loop_read`` once per wakeup, and that reads ONE packet when
+    no QoS exchange is in flight: a busy loop (or one that waits for the GIL behind another
+    thread) then takes in one message per iteration, and replies and telemetry queue in the
+    kernel's socket buffer for seconds.  The same callback, with a drain: read while the socket
+    stays readable.  A paho or aiomqtt without these internals keeps the one-packet reader."""
+    try:
+        paho = client._client
+        fd = paho.socket().fileno()
+        disconnected = client._disconnected
+    except (AttributeError, OSError):
+        return
+    if fd < 0:
+        return
+
+    def drain() -> None:
+        try:
+            for _ in range(most):
+                if paho.loop_read() != 0 or paho.socket() is None:
+                    return
+                ready, _, _ = select.select([fd], [], [], 0)
+                if not ready:
+                    return
+        except Exception as exc:  # noqa: BLE001 - as aiomqtt's own reader: the connection broke
+            if not disconnected.done():
+                disconnected.set_exception(exc)
+
+    asyncio.get_running_loop().add_reader(fd, drain)
+
+
 class Bus:
     """One resilient MQTT connection.
 
     ``subscriptions``: (topic filter, qos) pairs subscribed at every connect.
     ``on_connect(bus)``: awaited after every (re)connect, before messages flow.
     ``handler(topic, payload)``: awaited for each message; an exception in it is
-    logged and never ends the loop.
+    logged and never ends the loop.  ``max_inflight``: QoS 1 messages sent and not yet
+    acknowledged by the broker (paho's default, 20, when None); past it, publishes wait.
     """
 
     def __init__(
@@ -79,6 +117,7 @@ class Bus:
         keepalive: int = 10,
         backoff_initial: float = 0.2,
         backoff_max: float = 5.0,
+        max_inflight: int | None = None,
     ) -> None:
         self.addr = parse_broker_url(url)
         self.client_id = client_id
@@ -89,6 +128,7 @@ class Bus:
         self.keepalive = keepalive
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.max_inflight = max_inflight  # QoS 1 messages out awaiting their PUBACK (paho's default: 20)
         self.client: aiomqtt.Client | None = None
         self.connected = asyncio.Event()
         self.connects = 0
@@ -124,9 +164,11 @@ class Bus:
                     will=will,
                     keepalive=self.keepalive,
                     timeout=5,
+                    max_inflight_messages=self.max_inflight,
                 ) as client:
                     self.client = client
                     _no_delay(client)
+                    _drain_reads(client)
                     for filt, qos in self.subscriptions:
                         await client.subscribe(filt, qos=qos)
                     self.connected.set()
@@ -168,13 +210,24 @@ class Bus:
                     elif not nxt.cancelled():
                         nxt.exception()  # seen: a disconnect as we stop is no error to log
                     return
-                msg = nxt.result()
+                # The messages already queued are taken in the same pass: a waiting task per message
+                # costs several turns of the loop, and a loop that shares the GIL with another thread
+                # (the scheduler's API) then takes in a few dozen messages a second.
+                batch = [nxt.result()]
+                queued = getattr(client, "_queue", None)
+                while queued is not None and len(batch) < PUMP_BATCH:
+                    try:
+                        batch.append(queued.get_nowait())
+                    except (asyncio.QueueEmpty, AttributeError):
+                        break
                 if self.handler is None:
                     continue
-                try:
-                    payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else str(msg.payload).encode()
-                    await self.handler(str(msg.topic), bytes(payload))
-                except Exception:  # a bad message must never end the daemon
-                    log.exception("handler failed on a message on %s", msg.topic)
+                for msg in batch:
+                    try:
+                        payload = (msg.payload if isinstance(msg.payload, (bytes, bytearray))
+                                   else str(msg.payload).encode())
+                        await self.handler(str(msg.topic), bytes(payload))
+                    except Exception:  # a bad message must never end the daemon
+                        log.exception("handler failed on a message on %s", msg.topic)
         finally:
             stop_wait.cancel()

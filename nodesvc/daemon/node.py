@@ -97,6 +97,7 @@ class NodeDaemon:
             nvml = SimulatedNvml(int(n["fake_gpus"]), load=self._simulated_gpu_load)
         self.gpu = GpuProbe(nvml)
         self.replies = ReplyCache()
+        self._replying: set[asyncio.Task] = set()  # replies on their way to the broker
         self.last: dict[str, Any] | None = None
         self.metrics = NodeMetrics(self.node_id, lambda: self.last)
         self.metrics_port: int | None = None
@@ -242,7 +243,16 @@ class NodeDaemon:
             reply = await self.handle_command(payload, memory_only=True)
         else:
             return
-        await self.bus.publish(self.topic("reply"), reply, qos=1)
+        # The reply leaves without this pump waiting for the broker's acknowledgement: the next
+        # command is taken at once (replies are matched by id, their order does not matter).
+        task = asyncio.create_task(self.bus.publish(self.topic("reply"), reply, qos=1))
+        self._replying.add(task)
+        task.add_done_callback(self._replied)
+
+    def _replied(self, task: asyncio.Task) -> None:
+        self._replying.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sending a reply failed: %s", task.exception())
 
     async def handle_command(self, payload: bytes, memory_only: bool = False) -> bytes:
         """Validate and apply one command; always returns a reply payload.  ``memory_only``: it came
@@ -256,6 +266,7 @@ class NodeDaemon:
             log.warning("malformed command (id %s): %s", cid, exc)
             return messages.reply(cid, False, error=f"malformed command: {exc}")
         key = f"mem:{cmd.id}" if memory_only else cmd.id  # one topic's ids never answer the other's
+        took = round(time.time(), 6)  # when this node took the command (the reply's ts)
         cached = self.replies.get(key)
         if cached is not None:
             return cached
@@ -268,7 +279,7 @@ class NodeDaemon:
         label = cmd.op if known else "unknown"  # bounded label set: one series per real op
         try:
             result = await self._apply(cmd)
-            reply = messages.reply(cmd.id, True, result=result, op=cmd.op)
+            reply = messages.reply(cmd.id, True, result=result, op=cmd.op, ts=took)
             self.metrics.commands.labels(label, "ok").inc()
         except messages.PayloadError as exc:
             log.warning("rejected command %s %s: %s", cmd.id, cmd.op, exc)
@@ -408,6 +419,8 @@ class NodeDaemon:
                 self.cgroups.release(job)
             except cgroups.CgroupError as exc:
                 log.warning("could not release %s: %s", job, exc)
+        if self._replying:  # the replies already on their way leave before the connection closes
+            await asyncio.wait(set(self._replying), timeout=5)
         bus_stop.set()
         try:
             await asyncio.wait_for(bus_task, timeout=5)

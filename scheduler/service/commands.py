@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -33,16 +34,41 @@ class NodeCommands:
         self.bus: Bus | None = None  # set once the service has a broker connection
         self._tasks: set[asyncio.Task] = set()
         self._last: dict[str, asyncio.Task] = {}  # key (a job) -> its latest command task
+        self._replied: dict[str, tuple[float, Any]] = {}  # timed command id -> (reply seen, the node's ts)
 
-    async def send(self, node: str, op: str, args: dict[str, Any], cmd_id: str) -> dict[str, Any]:
-        """Send one command (QoS 1) and wait for its reply; raises ``CommandError``."""
+    async def send(self, node: str, op: str, args: dict[str, Any], cmd_id: str,
+                   stages: dict[str, float] | None = None) -> dict[str, Any]:
+        """Send one command (QoS 1) and wait for its reply; raises ``CommandError``.  With
+        ``stages``, the times it was handed to the bus (``publish``), the broker took it (``sent``),
+        the node took it (``node``, when the reply says) and its reply reached this loop
+        (``reply``) are written there (wall clock)."""
         if self.bus is None:
             raise CommandNotSent("no broker configured")
-        return await self.correlator.call(self.bus.publish, node, op, args, cmd_id)
+        if stages is None:
+            return await self.correlator.call(self.bus.publish, node, op, args, cmd_id)
+        bus = self.bus
+
+        async def publish(topic: str, payload: bytes, qos: int) -> bool:
+            stages.setdefault("publish", time.time())
+            ok = await bus.publish(topic, payload, qos)
+            stages["sent"] = time.time()
+            return ok
+
+        self._replied[cmd_id] = (0.0, None)
+        try:
+            return await self.correlator.call(publish, node, op, args, cmd_id)
+        finally:  # a refusal was answered too: its times count
+            seen, node_ts = self._replied.pop(cmd_id, (0.0, None))
+            if seen:
+                stages["reply"] = seen
+            if isinstance(node_ts, (int, float)) and not isinstance(node_ts, bool) and 0 < node_ts < 1e12:
+                stages["node"] = float(node_ts)  # a time (s since the epoch); anything else is ignored
 
     def resolve(self, reply: dict[str, Any]) -> None:
         """A reply arrived on ``.../reply``: wake whoever waits for it."""
-        self.correlator.resolve(reply)
+        cid = str(reply.get("id")) if isinstance(reply, dict) else ""
+        if self.correlator.resolve(reply) and cid in self._replied:
+            self._replied[cid] = (time.time(), reply.get("ts"))
 
     def spawn(self, coro: Coroutine[Any, Any, None], key: str | None = None) -> None:
         """Run ``coro`` in the background (kept until it ends, cancelled by :meth:`close`); with

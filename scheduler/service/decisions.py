@@ -24,6 +24,7 @@ command re-sent after a restart is answered from the node's reply cache.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -33,8 +34,8 @@ from typing import Any
 
 from nodesvc.bus.rpc import CommandError
 from scheduler import (
-    Allocate, Decision, Event, JobStarted, JobState, Place, PlacementFailed, Preempt, Reject, Release, SchedulerState,
-    Wakeup,
+    Allocate, Decision, Event, JobArrived, JobStarted, JobState, Place, PlacementFailed, Preempt, Reject, Release,
+    SchedulerState, Wakeup,
 )
 from scheduler.codec import decision_to_dict
 from scheduler.service.commands import NodeCommands
@@ -85,13 +86,67 @@ class DecisionCarrier:
         self._agg_key: bytes | None = None
         self.batch = journal.last_batch()  # the number of the last logged batch
         self.events_logged = 0  # since the last snapshot (the service counts)
+        self.core_s = 0.0  # the core's time on the batches since the last snapshot (what a restart replays)
+        # job -> wall-clock times of the stages on its way to running (the ``started`` event
+        # carries them): committed, queued (on the loop), batch (its arrival's core batch began),
+        # decided (the placing batch began), logged (that batch's transaction committed), sent,
+        # node, reply (see NodeCommands.send).  Only jobs accepted by this process are timed.
+        self.stages: dict[str, dict[str, float]] = {}
+        self._acks: list[tuple[str, str | None, str | None, dict[str, Any] | None]] = []  # see ack()
+        self._ack_flush: Any = None  # the loop's handle of the flush to come
+
+    def ack(self, did: str, job: str | None = None, node: str | None = None,
+            started: dict[str, Any] | None = None) -> None:
+        """Decision ``did`` was carried out (and, with ``started``, its job runs on ``node``: the
+        ``started`` event with that data).  The rows change in one transaction with every other
+        acknowledgement of this turn of the loop, not one each: under a burst, each transaction of
+        the loop's would wait behind the API's fsync.  A crash before it commits leaves the
+        decision pending, and a restart re-sends it under its id (the node answers from its reply
+        cache), as a crash a moment before the acknowledgement would."""
+        self._acks.append((did, job, node, started))
+        if self._ack_flush is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (in-process use): at once
+            self.flush_acks()
+            return
+        self._ack_flush = loop.call_soon(self.flush_acks)
+
+    def flush_acks(self) -> None:
+        self._ack_flush = None
+        acks, self._acks = self._acks, []
+        if not acks:
+            return
+        with self.store.tx():
+            for did, job, node, started in acks:
+                self.store.set_decision_state(did, "acked")
+                if started is not None:
+                    self.store.log_event("started", job=job, node=node, data=started)
+
+    def time_stage(self, job: str, stage: str, t: float) -> None:
+        st = self.stages.get(job)
+        if st is not None:
+            st.setdefault(stage, t)
+
+    def track(self, job: str, **times: float) -> None:
+        """Start timing ``job``'s stages (bounded: the oldest entries go first)."""
+        self.stages[job] = dict(times)
+        while len(self.stages) > 20000:
+            self.stages.pop(next(iter(self.stages)))
 
     def run_batch(self, events: list[Event]) -> list[Decision]:
         """Hand ``events`` to the core as one batch, log them with the decisions in one
         transaction, then carry the decisions out.  Returns the decisions (the loop keeps
         the :class:`Wakeup` ones)."""
         t0 = time.perf_counter()
+        wall0 = time.time()
+        if self.stages:
+            for ev in events:
+                if isinstance(ev, JobArrived):
+                    self.time_stage(ev.job.id, "batch", wall0)
         decisions, refused = self.core.handle_batch(events)
+        self.core_s += time.perf_counter() - t0
         for sid, why in refused:
             log.info("core refused event %s: %s", sid, why)
         self.batch += 1
@@ -113,6 +168,12 @@ class DecisionCarrier:
                                         for (job, node), d in allocs.items()
                                         if not any(isinstance(p, Place) and p.job == job for p in decisions)])
         self.events_logged += len(events)
+        if self.stages:
+            wall1 = time.time()
+            for d in decisions:
+                if isinstance(d, Place) and d.job in self.stages:
+                    self.time_stage(d.job, "decided", wall0)
+                    self.time_stage(d.job, "logged", wall1)
         if self.observe is not None:
             self.observe(events, time.perf_counter() - t0)
         for d, did, state in zip(decisions, ids, states):
@@ -218,7 +279,7 @@ class DecisionCarrier:
                 await self.commands.send(d.node, "allocate", {"job": d.job, "cpus": max(0.01, d.cpus),
                                                               "memory_bytes": max(1 << 20, d.memory_bytes)},
                                          f"{did}/allocate")
-            self.store.set_decision_state(did, "acked")
+            self.ack(did)
         except CommandError as exc:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             log.warning("decision %s failed: %s", did, exc)
@@ -260,14 +321,16 @@ class DecisionCarrier:
                     run["remote_memory_bytes"] = int(al.remote_bytes)  # (DLSHARE_REMOTE_MEMORY_BYTES)
                 if row.spec.get("cwd"):
                     run["cwd"] = row.spec["cwd"]
-                await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run")
+                await self.commands.send(s.node, "run", run, f"{did}/{s.node}/run", stages=self.stages.get(d.job))
                 self.post(JobStarted(_eid(), self.now(), d.job, s.node, d.stimulus_id))
         except CommandError as exc:
             self.store.set_decision_state(did, "failed", {"error": str(exc)})
             log.warning("decision %s failed: %s", did, exc)
             self.post(PlacementFailed(_eid(), self.now(), d.job, str(exc), d.stimulus_id))
             return
-        with self.store.tx():
-            self.store.set_decision_state(did, "acked")
-            self.store.log_event("started", job=d.job, node=d.node, data={"decision": did})
+        data: dict[str, Any] = {"decision": did}
+        st = self.stages.pop(d.job, None)
+        if st is not None:
+            data["stages"] = {k: round(v, 6) for k, v in st.items()}
+        self.ack(did, d.job, d.node, data)
 

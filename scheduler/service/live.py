@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 from nodesvc.bus import messages
 from nodesvc.bus.messages import PayloadError
 from scheduler import (
-    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeReport, Profile, SchedulerState, Tick, Wakeup,
-    WatchRules, load_profile, snapshot,
+    Event, JobArrived, JobBound, JobCancelled, JobFinished, JobState, NodeLost, NodeReport, Profile, SchedulerState, Tick,
+    Wakeup, WatchRules, load_profile, snapshot,
 )
 from scheduler.model import Job
 from scheduler.service.commands import NodeCommands
@@ -74,6 +74,9 @@ log = logging.getLogger("dlshare.sched.live")
 # The live cluster's clock-driven rules (scheduler.watch): a failed start waits 0.5 s, doubling to 30 s;
 # a started job its node has not listed for 15 s (three of the daemon's 5 s telemetry periods) vanished.
 LIVE_RULES = WatchRules(backoff_s=0.5, backoff_max_s=30.0, vanish_after_s=15.0)
+# Commands (QoS 1) on their way to the broker at once: paho's default of 20 made a burst's 500th
+# `run` wait for 480 acknowledgements before it left.
+COMMANDS_IN_FLIGHT = 1000
 
 
 class SchedulerService:
@@ -83,8 +86,10 @@ class SchedulerService:
     bundle for a fresh core, or a function that makes it (only called when no usable
     snapshot exists: training takes seconds); ``core``: a ready core instead (tests);
     ``rules``: the :class:`WatchRules` (default :data:`LIVE_RULES`); ``snapshot_events``:
-    events between snapshots (the most a restart replays); ``snapshot_s``: at most this
-    long between snapshots while events come; ``limits``: the admission limits per user and account;
+    events between snapshots (the most a restart replays); ``snapshot_core_s``: also snapshot once
+    the core spent this long on the batches since the last one (a restart replays about that much
+    work, whatever the events' mix); ``snapshot_s``: at most this long between snapshots while
+    events come; ``limits``: the admission limits per user and account;
     ``default_user``: the user a job without an owner runs as (jobs from before owners were kept,
     and in-process submissions without one): the bootstrap token's user.  ``reasons_s``,
     ``forecast_s``, ``prior``, ``reason_event_gap_s``: how often waiting jobs are explained and their
@@ -97,7 +102,8 @@ class SchedulerService:
                  node_timeout_s: float = 30.0, report_s: float = 10.0,
                  clock: Callable[[], float] = time.time, core: SchedulerState | None = None,
                  predictors: Any = None, rules: WatchRules | None = None, snapshot_events: int = 2000,
-                 snapshot_s: float = 120.0, limits: WaitingLimits = WaitingLimits(), default_user: str = "",
+                 snapshot_s: float = 120.0, snapshot_core_s: float = 1.0, limits: WaitingLimits = WaitingLimits(),
+                 default_user: str = "",
                  reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
                  reason_event_gap_s: float = 300.0,
                  history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
@@ -116,6 +122,7 @@ class SchedulerService:
         self.clock = clock
         self.snapshot_events = snapshot_events
         self.snapshot_s = snapshot_s
+        self.snapshot_core_s = snapshot_core_s
         self.limits = limits
         self.default_user = default_user
         self.nodes: dict[str, LiveNode] = {}  # the live node table
@@ -124,6 +131,8 @@ class SchedulerService:
         self.k8s_binder: KubeBinder | None = None
         self.k8s_hold_s = 120.0  # a bound pod's resources are held this long (then its node's figures show it)
         self.batch_window_s = 0.01  # gather the events of this long into one core batch under load
+        self.batch_max_events = 1000  # a core batch takes at most this many events (the rest: the next one)
+        self.batch_max_lost = 10  # ... and at most this many lost nodes (a requeue storm goes in slices)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats = ServiceStats()
         self.commands = NodeCommands(command_timeout_s)
@@ -240,16 +249,19 @@ class SchedulerService:
                     continue
                 created = [res[0] for res in results if not isinstance(res, Exception) and res[1]]
                 if created:
-                    self.call_soon(self.accepted, created)
+                    self.call_soon(self.accepted, created, time.time())
                 for (_, _, _, fut), res in zip(batch, results):
                     if not fut.done():
                         fut.set_result(res)
         finally:
             self._committing = False
 
-    def accepted(self, rows: list[JobRow]) -> None:
-        """Jobs committed to the table: they arrive at the core (on the loop's thread)."""
+    def accepted(self, rows: list[JobRow], committed: float | None = None) -> None:
+        """Jobs committed to the table (at ``committed``, wall clock): they arrive at the core (on
+        the loop's thread)."""
+        t = time.time()
         for row in rows:
+            self.carrier.track(row.id, committed=committed or t, queued=t)
             self.post(JobArrived(_eid(), self.now(), core_job(row, self.now())))
         self.metrics.submitted.inc(len(rows))
 
@@ -309,7 +321,7 @@ class SchedulerService:
                 self.broker_url, f"dlshare-sched-{self.service_id}-{uuid.uuid4().hex[:6]}",
                 subscriptions=[(messages.topic("node", "+", leaf), 1) for leaf in ("telemetry", "state", "reply", "events")]
                 + [(messages.topic("agg", "+", "telemetry"), 0), (messages.topic("agg", "+", "state"), 1)],
-                handler=self.on_message, on_connect=self._on_connect,
+                handler=self.on_message, on_connect=self._on_connect, max_inflight=COMMANDS_IN_FLIGHT,
                 will=(messages.topic("sched", self.service_id, "state"), messages.encode({"status": "offline"}), 1, True))
             self.commands.bus = self.bus
             self._bus_stop = asyncio.Event()
@@ -326,6 +338,7 @@ class SchedulerService:
         if self._snapshot_write is not None:  # the store closes after this: let the write end first
             await asyncio.gather(self._snapshot_write, return_exceptions=True)
         await self.commands.close()
+        self.carrier.flush_acks()  # the acknowledgements of this last turn, before the store closes
         for t in self._tasks:
             try:
                 await t
@@ -391,7 +404,11 @@ class SchedulerService:
     def round(self) -> None:
         """One pass: stale nodes, due Ticks, one core batch, service accounting, a snapshot when due."""
         now = self.clock()
+        part = self.stats.part
+        t0 = time.perf_counter()
         self.translator.check_stale(now)
+        t1 = time.perf_counter()
+        part("stale", t1 - t0)
         due = False
         while self._wakeups and self._wakeups[0] <= now:
             heapq.heappop(self._wakeups)
@@ -399,18 +416,61 @@ class SchedulerService:
         if due:
             self._events.append(Tick(_eid(), self.now()))
         if self._events:
-            batch, self._events = self._events, []
+            batch = self._take_batch()
             decisions = self.carrier.run_batch(batch)
             for d in decisions:
                 if isinstance(d, Wakeup) and d.at not in self._wakeups:
                     heapq.heappush(self._wakeups, d.at)
             self.translator.exiting.clear()
             self._batch_done(batch, decisions)
+            if self._events:  # the rest of a storm: its next slice at once
+                self._wake.set()
+        t2 = time.perf_counter()
+        part("batch", t2 - t1)
         if now - self._last_service >= 5.0:
             self._last_service = now
             self._account()
+            t3 = time.perf_counter()
+            part("account", t3 - t2)
+            t2 = t3
         self._watch_queue(now)
-        self.maybe_snapshot(now)
+        t3 = time.perf_counter()
+        part("queue", t3 - t2)
+        if self.maybe_snapshot(now):
+            part("snapshot", time.perf_counter() - t3)
+
+    def _take_batch(self) -> list[Event]:
+        """The core's next batch from the queued events, in their order: a node's reports superseded
+        by a later one of the same node are dropped (each carries the node's whole state: only the
+        latest matters), and a storm is cut in slices (at most ``batch_max_events`` events and
+        ``batch_max_lost`` lost nodes a batch; the rest waits, in order, for the next round).
+        The log holds the batches as the core saw them, so a replay cuts them the same way."""
+        events = self._events
+        latest: dict[str, int] = {}
+        for i, ev in enumerate(events):
+            if isinstance(ev, NodeReport):
+                latest[ev.node.id] = i
+        if len(latest) < sum(1 for ev in events if isinstance(ev, NodeReport)):
+            kept = []
+            for i, ev in enumerate(events):
+                if isinstance(ev, NodeReport) and latest[ev.node.id] != i:
+                    self.translator.published.pop(ev.stimulus_id, None)
+                    self.stats.coalesced += 1
+                    continue
+                kept.append(ev)
+            events = kept
+        cut, lost = len(events), 0
+        for i, ev in enumerate(events):
+            if i >= self.batch_max_events:
+                cut = i
+                break
+            if isinstance(ev, NodeLost):
+                lost += 1
+                if lost > self.batch_max_lost:
+                    cut = i
+                    break
+        self._events = events[cut:]
+        return events[:cut]
 
     def _batch_done(self, batch: list[Event], decisions: list[Any]) -> None:
         """Metrics of a batch, and the run times of the jobs it finished (the estimates' prior)."""
@@ -454,9 +514,11 @@ class SchedulerService:
 
     def maybe_snapshot(self, now: float, force: bool = False) -> bool:
         """Snapshot the core and compact the log when ``snapshot_events`` events were logged since
-        the last one, or ``snapshot_s`` passed with any; the write runs off the loop."""
+        the last one, the core spent ``snapshot_core_s`` on them, or ``snapshot_s`` passed with any;
+        the write runs off the loop."""
         n = self.carrier.events_logged
         if self._snapshotting or n == 0 or not (force or n >= self.snapshot_events
+                                                 or self.carrier.core_s >= self.snapshot_core_s
                                                  or now - self._last_snapshot >= self.snapshot_s):
             return False
         t0 = time.perf_counter()
@@ -465,6 +527,7 @@ class SchedulerService:
         data = snapshot.dump(self.core, {"batch": batch})
         header = snapshot.header(data)
         self.carrier.events_logged = 0
+        self.carrier.core_s = 0.0
         self._last_snapshot = now
         dump_s = time.perf_counter() - t0
 

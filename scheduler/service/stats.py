@@ -7,7 +7,9 @@ Each series keeps its latest samples (a bounded window) and reports p50/p99:
   ``NodeReport`` it became (after the batch was logged);
 * ``batch_ms``: the core's pass over one batch, logging included;
 * ``loop_lag_ms``: how late the loop's periodic wake-up ran (what a burst of
-  HTTP work or a long batch costs everything else on that thread).
+  HTTP work or a long batch costs everything else on that thread);
+* ``round_ms``: each part of the loop's rounds (``stale``, ``batch``, ``account``,
+  ``queue``, ``snapshot``), so a long hold of the loop says what held it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class ServiceStats:
         self.to_core = Series()
         self.batch = Series()
         self.loop_lag = Series()
+        self.parts: dict[str, Series] = {}
+        self.coalesced = 0  # node reports superseded by a newer one before the core saw them
         self.events = 0
         self.batches = 0
         self.refused = 0
@@ -61,7 +65,11 @@ class ServiceStats:
     def telemetry_to_core(self, seconds: float) -> None:
         self.to_core.add(max(0.0, seconds))
 
+    def part(self, name: str, seconds: float) -> None:
+        self.parts.setdefault(name, Series(2_000)).add(seconds)
+
     def to_json(self) -> dict[str, Any]:
-        return {"telemetry_seen_ms": self.seen.summary(), "telemetry_to_core_ms": self.to_core.summary(),
+        return {"round_ms": {k: v.summary() for k, v in self.parts.items()}, "reports_coalesced": self.coalesced,
+                "telemetry_seen_ms": self.seen.summary(), "telemetry_to_core_ms": self.to_core.summary(),
                 "batch_ms": self.batch.summary(), "loop_lag_ms": self.loop_lag.summary(), "events": self.events,
                 "batches": self.batches, "restore": self.restore, "snapshot": self.snapshot}

@@ -35,7 +35,7 @@ def service(tmp_path, clock, sent):
     svc = SchedulerService(JobStore(tmp_path / "t.db", synchronous="NORMAL"), profile="dlshare", clock=clock,
                            node_timeout_s=10.0, report_s=5.0)
 
-    async def send(node, op, args, cmd_id):
+    async def send(node, op, args, cmd_id, stages=None):
         sent.append((node, op, args))
         return {"ok": True}
 
