@@ -10,6 +10,7 @@ from scheduler.service.journal import replay_check
 from scheduler.service.live import SchedulerService
 
 from tests.scheduler.service.svc_helpers import service_with_nodes, telemetry
+from nodesvc.bus.messages import telemetry_from
 
 GPU_JOB = {"model": "resnet50", "batch_size": 32, "gpus": 1, "cpus": 1.0, "memory_bytes": 1 << 30,
            "command": ["python", "train.py"]}
@@ -29,8 +30,8 @@ def test_a_nodes_queued_reports_reach_the_core_as_the_latest_one(store):
     svc = _quiet(service_with_nodes(store, {"n1": (2, 8), "n2": (2, 8)}))
     before = len(_logged(svc))
     for cpus in (9, 10, 11):  # each one changes the node: each one is a report
-        svc.translator.on_telemetry(telemetry("n1", 2, cpus))
-    svc.translator.on_telemetry(telemetry("n2", 2, 16))
+        svc.translator.on_telemetry(telemetry_from(telemetry("n1", 2, cpus)))
+    svc.translator.on_telemetry(telemetry_from(telemetry("n2", 2, 16)))
     assert sum(isinstance(e, NodeReport) for e in svc._events) == 4
     svc.round()
     assert svc.core.nodes["n1"].node.cores == 11 and svc.core.nodes["n2"].node.cores == 16
@@ -54,7 +55,7 @@ def test_a_storm_of_lost_nodes_goes_to_the_core_in_slices_and_loses_nothing(stor
     batches_before = len(_logged(svc))
     for n in lost:
         svc.translator.on_node_state(n, {"status": "offline"})
-    svc.translator.on_telemetry(telemetry("n29", 1, 12))  # a survivor's report, queued behind the storm
+    svc.translator.on_telemetry(telemetry_from(telemetry("n29", 1, 12)))  # a survivor's report, queued behind the storm
     rounds = 0
     while svc._events:
         svc.round()
