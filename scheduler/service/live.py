@@ -292,7 +292,8 @@ class SchedulerService:
         return view is not None and view.status == "online" and ns is not None and ns.alive
 
     def cluster(self) -> dict[str, Any]:
-        return cluster_view(self)
+        return cluster_view(self.core, self.nodes.values(), self.aggregation.values(), self.store.count_by_state(),
+                            self.profile, self.clock())
 
     def metrics_view(self) -> bytes:
         """``GET /metrics``: the gauges from the cluster now (on the loop's thread), then every series."""

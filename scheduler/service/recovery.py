@@ -23,25 +23,46 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from scheduler import (
-    Decision, JobArrived, JobCancelled, JobFinished, JobState, Place, SchedulerState, snapshot,
+    Decision, Event, JobArrived, JobCancelled, JobFinished, JobState, Place, SchedulerState, snapshot,
 )
 from scheduler.codec import CodecError, decision_from_dict
 from scheduler.replay import replay
 from scheduler.service.core_log import CoreLogError, core_job, decode_event
 from scheduler.service.core_log import new_event_id as _eid
-from scheduler.service.decisions import decision_ids
+from scheduler.service.commands import NodeCommands
+from scheduler.service.decisions import DecisionCarrier, decision_ids
+from scheduler.service.journal import Journal
 from scheduler.service.models import TERMINAL_STATES
+from scheduler.service.store import JobStore
+from scheduler.profile import Profile
+from scheduler.watch import WatchRules
 
 log = logging.getLogger("dlshare.sched.live")
+
+
+class RecoveryHost(Protocol):
+    """What recovery reads and sets of the service (the live service is one).  ``core`` is set by
+    :meth:`Recovery.restore`; ``carrier`` exists by the time :meth:`Recovery.reconcile` runs."""
+
+    store: JobStore
+    journal: Journal
+    profile_obj: Profile
+    rules: WatchRules
+    core: SchedulerState
+    carrier: DecisionCarrier
+    commands: NodeCommands
+
+    def now(self) -> float: ...
+    def post(self, ev: Event) -> None: ...
 
 
 class Recovery:
     """Rebuilds the core at start and re-sends what was left unacknowledged (see the module docstring)."""
 
-    def __init__(self, svc: Any) -> None:
+    def __init__(self, svc: RecoveryHost) -> None:
         self.svc = svc
         self.resend: list[tuple[str, Decision]] = []  # (id, decision) logged but never carried out to the end
         self.stops: list[tuple[str, str, str]] = []  # (job, node, command id) to stop after a rebuild

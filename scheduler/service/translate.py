@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from nodesvc.bus.messages import NodeTelemetry
-from scheduler import DonorReclaimed, Event, JobFinished, JobSample, JobState, NodeLost, NodeReport
+from scheduler import DonorReclaimed, Event, JobFinished, JobSample, JobState, NodeLost, NodeReport, SchedulerState
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.nodes import LiveNode, apply_telemetry, core_node
+from scheduler.service.stats import ServiceStats
+from scheduler.service.store import JobStore
 
 log = logging.getLogger("dlshare.sched.live")
 
@@ -51,11 +53,26 @@ def donor_reclaim(core: Any, node_id: str, lendable: int, now: float,
     return DonorReclaimed(_eid(), now, node_id, int(known - max(0, lendable)))
 
 
+class TranslatorHost(Protocol):
+    """What the translator reads of the service (the live service is one): its core, store, node
+    table, statistics, clocks and two settings; nothing else."""
+
+    core: SchedulerState
+    store: JobStore
+    nodes: dict[str, LiveNode]
+    stats: ServiceStats
+    report_s: float  # a node's report reaches the core at least this often while it runs jobs
+    node_timeout_s: float  # a node silent this long is lost
+
+    def clock(self) -> float: ...  # wall time (the store's timestamps)
+    def now(self) -> float: ...  # the core's time
+
+
 class Translator:
     """Node messages -> core events (see the module docstring).  It shares the service's node
     table, store, core and clock; ``post`` queues an event for the next batch."""
 
-    def __init__(self, svc: Any, post: Callable[[Event], None]) -> None:
+    def __init__(self, svc: TranslatorHost, post: Callable[[Event], None]) -> None:
         self.svc = svc
         self.post = post
         self.exiting: set[str] = set()  # JobFinished posted, not yet handled (cleared after each batch)

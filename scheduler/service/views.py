@@ -3,16 +3,19 @@ lent memory and the aggregation servers' load (pure: built from the service's st
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from scheduler.service.nodes import LiveNode
+from scheduler.state import SchedulerState
 
-def cluster_view(svc: Any) -> dict[str, Any]:
+
+def cluster_view(core: SchedulerState, nodes_seen: Iterable[LiveNode], aggregation: Iterable[Mapping[str, Any]],
+                 jobs_by_state: dict[str, int], profile: str, now: float) -> dict[str, Any]:
     """``GET /v1/cluster``; the status page and the tour read it too.  The node table gives the
     measured figures; who runs where, and with what, is the core's (on the loop's thread)."""
-    now = svc.clock()
-    core = svc.core
     nodes = []
-    for n in sorted(svc.nodes.values(), key=lambda n: n.id):
+    for n in sorted(nodes_seen, key=lambda n: n.id):
         ns = core.nodes.get(n.id)
         jobs = sorted(ns.jobs) if ns is not None and ns.alive else []
         residents = ns.residents if ns is not None and ns.alive else []
@@ -36,10 +39,10 @@ def cluster_view(svc: Any) -> dict[str, Any]:
                       "memory_used_bytes": g.memory_used_bytes, "memory_total_bytes": g.memory_total_bytes,
                       "jobs": list(residents[g.index]) if g.index < len(residents) else []} for g in n.gpus],
             "gpu_reason": n.gpu_reason, "jobs": jobs})
-    agg = [a for a in svc.aggregation.values() if now - a.get("_seen", 0) < 60 and isinstance(a.get("pool", {}), dict)]
+    agg = [a for a in aggregation if now - a.get("_seen", 0) < 60 and isinstance(a.get("pool", {}), dict)]
     online = [n for n in nodes if n["status"] == "online"]
     return {
-        "ts": now, "nodes": nodes, "jobs_by_state": svc.store.count_by_state(),
+        "ts": now, "nodes": nodes, "jobs_by_state": jobs_by_state,
         "gpus_total": sum(len(n["gpus"]) for n in online),
         "gpus_allocated": sum(1 for n in online for g in n["gpus"] if g["jobs"]),
         "cpus_total": float(sum(n["cpu_count"] for n in online)),
@@ -55,7 +58,7 @@ def cluster_view(svc: Any) -> dict[str, Any]:
             "busy_cores": float(sum(_num((a.get("pool") or {}).get("demand_cores")) for a in agg)),
             "bytes_in_per_s": float(sum(_num(a.get("bytes_in_per_s")) for a in agg)),
         },
-        "profile": svc.profile,
+        "profile": profile,
     }
 
 
