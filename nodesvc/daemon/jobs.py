@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,10 +102,12 @@ class JobTable:
     """The jobs of one daemon.  ``state_dir`` holds ``jobs/`` (or ``job_dir``), the root of the
     jobs' own directories."""
 
-    def __init__(self, state_dir: str, job_dir: str = "") -> None:
+    def __init__(self, state_dir: str, job_dir: str = "", clock: Callable[[], float] = time.time) -> None:
+        """``clock``: wall time, for when a job exited and when it is forgotten (a test moves it by hand)."""
         self.state_dir = Path(state_dir)
         self.job_dir = Path(job_dir) if job_dir else self.state_dir / "jobs"
         self.jobs: dict[str, JobProcess] = {}
+        self.clock = clock
 
     def start(self, job: str, argv: list[str], env: dict[str, str], cwd: str | None,
               cgroup_procs: list[str], creds: JobCredentials, gpus: tuple[int, ...] = (),
@@ -185,15 +188,15 @@ class JobTable:
             if jp.popen is not None:
                 rc = jp.popen.poll()
                 if rc is not None:
-                    jp.exit_code, jp.exited_at = rc, time.time()
+                    jp.exit_code, jp.exited_at = rc, self.clock()
                     ended.append(jp)
             elif jp.pids and not any(self._same_process(jp, p) for p in jp.pids):
-                jp.exit_code, jp.exited_at = 0, time.time()
+                jp.exit_code, jp.exited_at = 0, self.clock()
                 ended.append(jp)
         return ended
 
     def forget_exited(self, older_than_s: float = 300.0) -> None:
-        now = time.time()
+        now = self.clock()
         for job in [j for j, p in self.jobs.items() if p.exited_at and now - p.exited_at > older_than_s]:
             del self.jobs[job]
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nodesvc import __version__, cgroups, telemetry
@@ -68,8 +69,11 @@ def sd_notify(state: str) -> None:
 
 
 class NodeDaemon:
-    def __init__(self, cfg: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, cfg: dict[str, dict[str, Any]], clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the daemon's wall time (telemetry and state timestamps, a reply's ``ts``, when
+        a job exited and when its record is forgotten); a test may move it by hand."""
         self.cfg = cfg
+        self.clock = clock
         n = cfg["node"]
         self.node_id = messages.check_id(n["id"] or socket.gethostname().split(".")[0], "node id")
         self.interval = float(n["interval"])
@@ -80,7 +84,7 @@ class NodeDaemon:
             cgroups.driver(n["cgroup_root"], n["cgroup_base"] or None, group=f"dlshare/{self.node_id}")
             if n["enforce"] else cgroups.NoCgroups("enforcement disabled (node.enforce = false)")
         )
-        self.jobs = JobTable(n["state_dir"] or default_state_dir(self.node_id), n["job_dir"])
+        self.jobs = JobTable(n["state_dir"] or default_state_dir(self.node_id), n["job_dir"], clock)
         self.allow_run = bool(n["allow_run"])
         self.allow_root_jobs = bool(n["allow_root_jobs"])
         self.min_job_uid = int(n["min_job_uid"])
@@ -115,7 +119,7 @@ class NodeDaemon:
             will=(self.topic("state"), messages.encode({"node": self.node_id, "status": "offline",
                                                          "reason": "connection lost"}), 1, True),
         )
-        self.started = time.time()
+        self.started = clock()
         self._stop = asyncio.Event()
 
     # --- telemetry ----------------------------------------------------------------------------
@@ -146,7 +150,7 @@ class NodeDaemon:
         promised = sum(a.memory_bytes or 0 for a in allocations.values())
         t = {
             "node": self.node_id,
-            "ts": time.time(),
+            "ts": self.clock(),
             "cpu": telemetry.cpu(),
             "memory": telemetry.memory(promised, reserved_unused),
             "gpus": self.gpu.sample(),
@@ -183,7 +187,7 @@ class NodeDaemon:
                                                               "lent_to")}
         return messages.encode({
             "node": self.node_id, "status": "online", "version": __version__, "pid": os.getpid(),
-            "started": self.started, "ts": time.time(), "metrics_port": self.metrics_port,
+            "started": self.started, "ts": self.clock(), "metrics_port": self.metrics_port,
             "cgroup_version": self.cgroups.version, "summary": summary,
         })
 
@@ -266,7 +270,7 @@ class NodeDaemon:
             log.warning("malformed command (id %s): %s", cid, exc)
             return messages.reply(cid, False, error=f"malformed command: {exc}")
         key = f"mem:{cmd.id}" if memory_only else cmd.id  # one topic's ids never answer the other's
-        took = round(time.time(), 6)  # when this node took the command (the reply's ts)
+        took = round(self.clock(), 6)  # when this node took the command (the reply's ts)
         cached = self.replies.get(key)
         if cached is not None:
             return cached
@@ -299,7 +303,7 @@ class NodeDaemon:
                 return await handler(cmd.args)
         spec = parse_op(cmd, self.protected_pids)
         if isinstance(spec, Ping):
-            return {"node": self.node_id, "ts": time.time()}
+            return {"node": self.node_id, "ts": self.clock()}
         if isinstance(spec, AllocateSpec):
             # Checked as processes: writing a thread id to cgroup.procs moves its whole process.
             pids = thread_groups(spec.pids, {p: tgid_of(p) for p in spec.pids}, self.protected_pids)

@@ -216,3 +216,25 @@ def test_a_daemon_that_is_not_root_starts_jobs_only_as_itself(monkeypatch, alice
     assert runas.resolve(None, False, 1000).uid == alice.uid
     with pytest.raises(runas.RunAsError, match="allow_root_jobs"):
         runas.resolve("root", False, 1000)
+
+
+def test_an_exited_jobs_record_is_forgotten_after_five_minutes_on_the_daemons_clock(tmp_path):
+    """The job table's time is injected: five minutes pass in a millisecond."""
+    from nodesvc.daemon.jobs import JobTable
+    from nodesvc.daemon.runas import resolve
+    from nodesvc.bus.procs import wait_until
+    from tests.fake_clock import ManualClock
+
+    clock = ManualClock(5000.0)
+    table = JobTable(str(tmp_path), clock=clock)
+    creds = resolve(None, allow_root=True, min_uid=1000)
+    table.start("j1", ["/bin/true"], {"PATH": "/usr/bin:/bin", **creds.base_env()}, None, [], creds)
+    ended: list = []
+    wait_until(lambda: ended.extend(table.reap()) or ended, timeout=60)
+    assert [jp.exit_code for jp in ended] == [0] and ended[0].exited_at == 5000.0
+    clock.advance(300.0)
+    table.forget_exited()
+    assert "j1" in table.jobs  # exactly five minutes: kept
+    clock.advance(0.1)
+    table.forget_exited()
+    assert "j1" not in table.jobs
