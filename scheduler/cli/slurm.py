@@ -57,7 +57,7 @@ def _predictors(kind: str, journal: str):
 def build_shell(cfg):
     """The :class:`~scheduler.slurm.shell.SlurmShell` for config ``cfg``, its journal replayed."""
     from scheduler import SchedulerState
-    from scheduler.slurm.journal import JournalError
+    from scheduler.slurm.shell_log import ShellLogError
     from scheduler.slurm.runner import SlurmCLI
     from scheduler.slurm.shell import SlurmShell
 
@@ -83,7 +83,7 @@ def build_shell(cfg):
                        telemetry=feed, telemetry_s=s["telemetry_s"], start_timeout_s=s["start_timeout_s"])
     try:
         shell.recover()
-    except (JournalError, ValueError) as exc:
+    except (ShellLogError, ValueError) as exc:
         raise config.ConfigError(f"journal: {exc}") from None
     if feed is not None:
         feed.start()

@@ -9,7 +9,7 @@ Pure parts (unit-tested, fuzzed): :mod:`~scheduler.slurm.comment` (the ``--comme
 form), :mod:`~scheduler.slurm.squeue` (Slurm's JSON), :mod:`~scheduler.slurm.book` (Slurm's queue
 -> core events), :mod:`~scheduler.slurm.plan` (core state -> ``scontrol`` lines),
 :mod:`~scheduler.slurm.core_io` (the one place that names the core's event fields).
-I/O: :mod:`~scheduler.slurm.runner` (subprocess), :mod:`~scheduler.slurm.journal` (its log),
+I/O: :mod:`~scheduler.slurm.runner` (subprocess), :mod:`~scheduler.slurm.shell_log` (its log),
 :mod:`~scheduler.slurm.shell` (the loop), :mod:`~scheduler.slurm.testbed` (a throwaway Slurm on
 one host, for tests, the benchmark and trying it out).
 

@@ -33,7 +33,7 @@ from scheduler.codec import event_from_dict, event_to_dict
 from scheduler.events import Place, Preempt, Reject, Wakeup
 from scheduler.slurm import core_io
 from scheduler.slurm.book import Book, Snapshot, Tracked, forget_done, observe
-from scheduler.slurm.journal import VERSION, Journal, JournalError
+from scheduler.slurm.shell_log import VERSION, ShellLog, ShellLogError
 from scheduler.slurm.plan import Action, plan
 from scheduler.slurm.runner import SlurmCLI, SlurmUnavailable
 
@@ -73,7 +73,7 @@ class SlurmShell:
         self.core = core
         self.partition = partition
         self.cli = cli or SlurmCLI()
-        self.journal = Journal(journal, fsync=fsync)
+        self.journal = ShellLog(journal, fsync=fsync)
         self.book = Book(partition, respect_requests=respect_requests, gpu_slots=gpu_slots,
                          start_timeout_s=start_timeout_s)
         prof = core.profile
@@ -107,11 +107,11 @@ class SlurmShell:
             return 0
         hdr = records[0]
         if hdr.get("t") != "hdr" or hdr.get("v") != VERSION:
-            raise JournalError(f"{self.journal.path}: not a dlshare slurm journal (version {VERSION})")
+            raise ShellLogError(f"{self.journal.path}: not a dlshare slurm journal (version {VERSION})")
         for key, want in (("partition", self.partition), ("profile", self.core.profile.name),
                           ("predictors", self.predictors), ("gpu_slots", self.book.gpu_slots)):
             if hdr.get(key, "") != want:
-                raise JournalError(f"{self.journal.path} was written for {key} {hdr.get(key)!r}, not {want!r}: "
+                raise ShellLogError(f"{self.journal.path} was written for {key} {hdr.get(key)!r}, not {want!r}: "
                                    "replaying it would not rebuild the same state (use another journal)")
         n = 0
         for rec in records[1:]:
@@ -286,7 +286,7 @@ def release_held(cli: SlurmCLI, partition: str, journal: str | Path) -> tuple[in
     from scheduler.slurm.plan import restore_commands
 
     originals = {}
-    for rec in Journal(journal).load():
+    for rec in ShellLog(journal).load():
         if rec.get("t") == "job":
             originals[str(rec["id"])] = Tracked.from_record(rec).original
     snap = cli.snapshot(partition, time.time())

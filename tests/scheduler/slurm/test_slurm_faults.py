@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from nodesvc.bus.procs import stop_proc, wait_until
-from scheduler.slurm.journal import Journal
+from scheduler.slurm.shell_log import ShellLog
 from tests.scheduler.slurm.conftest import drive, make_shell
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_kill9_of_dlshare_slurm_loses_nothing_and_runs_nothing_twice(slurm, tmp_
     # Slurm's own record of every hold released (the journal's "rel" lines are intents written before the
     # scontrol call; a kill between the two makes the next process do it, once)
     assert releases_in_slurm_log(c, ids) == {j: 1 for j in ids}, "a job was released twice or never"
-    assert set(r["id"] for r in Journal(journal).load() if r["t"] == "rel") == set(ids)
+    assert set(r["id"] for r in ShellLog(journal).load() if r["t"] == "rel") == set(ids)
 
 
 def test_slurmctld_restart_while_dlshare_runs(slurm, tmp_path):

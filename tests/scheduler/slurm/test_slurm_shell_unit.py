@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from scheduler import SchedulerState, load_profile
 from scheduler.model import JobState
-from scheduler.slurm.journal import Journal, JournalError
+from scheduler.slurm.shell_log import ShellLog, ShellLogError
 from scheduler.slurm.plan import restore_commands
 from scheduler.slurm.shell import SlurmShell, release_held
 from scheduler.slurm.squeue import parse_job
@@ -298,24 +298,24 @@ def test_kill_between_any_two_commands_loses_and_doubles_nothing(crash_at, finis
 
 def test_journal_torn_last_line_is_dropped_other_damage_is_an_error(tmp_path):
     p = tmp_path / "j"
-    j = Journal(p)
+    j = ShellLog(p)
     j.append({"t": "hdr", "v": 1})
     j.append({"t": "job", "id": "1"})
     j.close()
     with open(p, "ab") as f:
         f.write(b'{"t": "ev", "ev": {"ty')
-    assert [r["t"] for r in Journal(p).load()] == ["hdr", "job"]
+    assert [r["t"] for r in ShellLog(p).load()] == ["hdr", "job"]
     assert p.read_bytes().endswith(b"}\n")  # the torn tail is cut off
     with open(p, "ab") as f:
         f.write(b"garbage\n" + b'{"t": "job", "id": "2"}\n')
-    with pytest.raises(JournalError, match="line 3"):
-        Journal(p).load()
+    with pytest.raises(ShellLogError, match="line 3"):
+        ShellLog(p).load()
 
 
 def test_journal_of_another_partition_or_profile_is_refused(tmp_path):
     slurm = FakeSlurm()
     make_shell(slurm, tmp_path / "j").close()
-    with pytest.raises(JournalError, match="profile"):
+    with pytest.raises(ShellLogError, match="profile"):
         make_shell(slurm, tmp_path / "j", profile="las")
 
 

@@ -28,11 +28,11 @@ from typing import Any
 VERSION = 1
 
 
-class JournalError(ValueError):
+class ShellLogError(ValueError):
     """A journal that cannot be replayed; the message names the file and line."""
 
 
-class Journal:
+class ShellLog:
     def __init__(self, path: str | Path, fsync: bool = True) -> None:
         self.path = Path(path)
         self.fsync = fsync
@@ -46,7 +46,7 @@ class Journal:
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise JournalError(f"{self.path}: cannot read: {exc}") from None
+            raise ShellLogError(f"{self.path}: cannot read: {exc}") from None
         *complete, torn = raw.split(b"\n")  # a crash mid-write leaves a last line without its newline
         out = []
         for i, line in enumerate(complete, start=1):
@@ -55,9 +55,9 @@ class Journal:
             try:
                 rec = json.loads(line)
             except ValueError as exc:
-                raise JournalError(f"{self.path}: line {i}: {exc}") from None
+                raise ShellLogError(f"{self.path}: line {i}: {exc}") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("t"), str):
-                raise JournalError(f"{self.path}: line {i}: not a journal record")
+                raise ShellLogError(f"{self.path}: line {i}: not a journal record")
             out.append(rec)
         if torn:
             with open(self.path, "r+b") as f:  # nothing acted on a line that was never finished
