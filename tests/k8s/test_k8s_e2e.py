@@ -1,0 +1,127 @@
+"""The extender under a real kube-apiserver and kube-scheduler (1.20, tests/k8s/conftest.py):
+kube-scheduler calls dlshare's filter, prioritize and bind over the wire; dlshare posts the
+Binding to the real API server; faults are real (``kill -9`` of dlshare, an API server restart)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import yaml
+
+from nodesvc.bus.procs import wait_until
+from scheduler.service import k8s_testbed as tb
+
+_n = itertools.count()
+NS = "default"
+
+
+def pod_name(prefix: str) -> str:
+    return f"{prefix}-{next(_n)}"
+
+
+def node_of(k8s, name: str) -> str | None:
+    return k8s.api.pod(NS, name)["spec"].get("nodeName")
+
+
+def wait_bound(k8s, name: str, timeout: float = 60.0) -> str:
+    return wait_until(lambda: node_of(k8s, name), timeout=timeout, what=f"pod {name} bound", interval=0.2,
+                      ignore=(tb.TestbedError,))
+
+
+def dlshare_view(k8s) -> dict[str, str]:
+    """dlshare's books: pod name -> the node its core holds it on (its job ids are k8s.NS.NAME.UID8)."""
+    out = {}
+    for n in k8s.dlshare.client().cluster()["nodes"]:
+        for j in n["jobs"]:
+            if j.startswith(f"k8s.{NS}."):
+                out[j[len(f"k8s.{NS}."):].rsplit(".", 1)[0]] = n["id"]
+    return out
+
+
+def scheduling_message(k8s, name: str) -> str:
+    pod = k8s.api.pod(NS, name)
+    conds = [c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"]
+    msgs = [c.get("message", "") for c in conds if c.get("status") == "False"]
+    msgs += [e.get("message", "") for e in k8s.api.events(NS, name) if e.get("reason") == "FailedScheduling"]
+    return "\n".join(msgs)
+
+
+def test_shipped_config_becomes_v1beta1_by_its_api_version_alone(k8s):
+    shipped = yaml.safe_load((tb.DEPLOY / "scheduler-config.yaml").read_text())
+    cfg = tb.v1beta1_config(shipped, "http://127.0.0.1:1/k8s", k8s.kube.kubeconfig)
+    assert cfg["apiVersion"] == "kubescheduler.config.k8s.io/v1beta1"
+    ext, orig = cfg["extenders"][0], shipped["extenders"][0]
+    assert {k: v for k, v in ext.items() if k != "urlPrefix"} == {k: v for k, v in orig.items() if k != "urlPrefix"}
+    # ...and the running kube-scheduler accepted it (it would exit on an unknown or mistyped field)
+    assert k8s.kube.procs["kube-scheduler"].poll() is None, k8s.kube.log_tail("kube-scheduler")
+
+
+def test_gpu_pod_filtered_scored_and_bound_by_dlshare(k8s):
+    names = [pod_name("gpu") for _ in range(3)]
+    for n in names:
+        k8s.api.create_pod(n, gpus=1, cpu="100m", memory="64Mi")
+    nodes = {n: wait_bound(k8s, n) for n in names}
+    # kn3 has the most GPUs but no dlshare node daemon: only dlshare's filter keeps pods off it
+    assert set(nodes.values()) <= {"kn1", "kn2"}, nodes
+    # dlshare bound them (kube-scheduler tells the extender nothing else): its books hold each pod on
+    # the node the API server has
+    view = wait_until(lambda: (v := dlshare_view(k8s)) and all(n in v for n in names) and v, timeout=30,
+                      what="dlshare holds the pods", interval=0.2)
+    assert {n: view[n] for n in names} == nodes
+    log = (k8s.dlshare.root / "sched.log").read_text(errors="replace")
+    for n in names:
+        assert f"bound pod {NS}/{n} to node {nodes[n]}" in log
+    # the lifecycle driver ran them (no kubelet): Running on their node
+    wait_until(lambda: all(k8s.api.pod(NS, n)["status"].get("phase") == "Running" for n in names), timeout=30,
+               what="pods Running", interval=0.2)
+
+
+def test_pod_that_cannot_fit_carries_dlshare_reason(k8s):
+    name = pod_name("big")
+    k8s.api.create_pod(name, gpus=8, cpu="100m", memory="64Mi")  # only kn3 has 8 GPUs, and dlshare refuses it
+    msg = wait_until(lambda: (m := scheduling_message(k8s, name)) and "dlshare" in m and m, timeout=60,
+                     what="FailedScheduling with dlshare's reason", interval=0.3)
+    assert "no dlshare node daemon reports from this node" in msg, msg
+    assert "Insufficient nvidia.com/gpu" in msg, msg  # kube-scheduler's own filters for kn1 and kn2
+    assert node_of(k8s, name) is None
+    k8s.api.delete_pod(NS, name)
+
+
+GROUPS = {"v1": "/api/v1"}
+
+
+def resource_path(obj: dict[str, Any]) -> str:
+    kind, api_version = obj["kind"], obj["apiVersion"]
+    base = GROUPS.get(api_version, f"/apis/{api_version}")
+    plural = kind.lower()
+    plural = plural[:-1] + "ies" if plural.endswith("y") else plural + ("es" if plural.endswith("s") else "s")
+    ns = (obj.get("metadata") or {}).get("namespace")
+    return f"{base}/namespaces/{ns}/{plural}" if ns else f"{base}/{plural}"
+
+
+def test_manifests_accepted_by_the_real_api_server_in_a_server_side_dry_run(k8s):
+    docs = [d for f in ("dlshare-node-daemonset.yaml", "dlshare-sched.yaml")
+            for d in yaml.safe_load_all((tb.DEPLOY / f).read_text()) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"DaemonSet", "StatefulSet", "ClusterRole", "ClusterRoleBinding", "NetworkPolicy", "Namespace"} <= kinds
+    # the namespace for real (a dry-run object in a namespace that does not exist is refused), then the rest
+    for d in docs:
+        if d["kind"] == "Namespace":
+            k8s.api.request("POST", resource_path(d), ok=(201, 409), json=d)
+    for d in docs:
+        if d["kind"] == "Namespace":
+            continue
+        out = k8s.api.create(resource_path(d), d, dry_run=True)  # raises with the API server's message
+        assert out["kind"] == d["kind"] and out["metadata"]["name"] == d["metadata"]["name"]
+    # dry run: nothing was created
+    assert k8s.api.request("GET", "/apis/apps/v1/namespaces/dlshare-system/statefulsets")["items"] == []
+    # and a broken manifest is refused, so the check can fail
+    bad = next(d for d in docs if d["kind"] == "DaemonSet")
+    bad = {**bad, "spec": {**bad["spec"], "selector": {"matchLabels": {"app": "other"}}}}
+    try:
+        k8s.api.create(resource_path(bad), bad, dry_run=True)
+    except tb.TestbedError as exc:
+        assert "422" in str(exc) and "selector" in str(exc)
+    else:
+        raise AssertionError("the API server accepted a DaemonSet whose selector does not match its template")
