@@ -161,7 +161,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from nodesvc.bus.procs import split_hostport
     from scheduler.service.api import create_app
     from scheduler.service.http_limits import server_options
-    from scheduler.service.k8s import BinderConfigError, binder_from_config
+    from scheduler.service.k8s import BinderConfigError, PodSync, binder_from_config
     from scheduler.service.store import JobStore, load_or_create_token
     from scheduler.service.tokens import TokenBook, TokenError
 
@@ -187,6 +187,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         store.close()
         raise
     service.k8s_binder = binder
+    if binder is not None:
+        service.k8s_hold_s = None  # PodSync ends a bound pod's hold when the API server says the pod ended
     try:
         book = TokenBook(store, token, token_user(cfg))
         env_allow = jobenv.check_patterns(s["job_env_allow"], "sched.job_env_allow")
@@ -211,9 +213,16 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     failed: list[BaseException] = []
 
     async def api() -> None:
+        sync_stop = asyncio.Event()
+        # With a binder, PodSync keeps the core's books equal to the API server's pods (ended pods free
+        # their GPUs at once, so no hold needs to run out; pods bound while dlshare was down are taken in).
+        sync = asyncio.create_task(PodSync(service, binder).run(sync_stop)) if binder is not None else None
         try:
             await server.serve()
         finally:
+            if sync is not None:
+                sync_stop.set()
+                await sync
             if binder is not None:
                 await binder.aclose()  # its connections belong to the API's loop
 

@@ -1,0 +1,44 @@
+"""``k8s.sync_plan``: what the core must learn from the API server's pods (PodSync's pure part;
+the real API server drives it in tests/k8s)."""
+
+from __future__ import annotations
+
+from scheduler.service import k8s
+
+
+def pod(name: str, node: str | None = None, phase: str = "Pending", uid: str = "0123456789ab", gpus: int = 1) -> dict:
+    return {"metadata": {"name": name, "namespace": "default", "uid": uid},
+            "spec": {"schedulerName": "dlshare", **({"nodeName": node} if node else {}),
+                     "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+            "status": {"phase": phase}}
+
+
+def jid(name: str, uid: str = "0123456789ab") -> str:
+    return k8s.pod_job_id("default", name, uid)
+
+
+def test_bound_pods_the_core_does_not_hold_are_bound_and_ended_ones_finished():
+    pods = [pod("a", "n1", "Running"), pod("b", "n2", "Pending"), pod("c"), pod("d", "n1", "Succeeded"),
+            pod("e", "n2", "Failed")]
+    held = {jid("a"): "n1", jid("d"): "n1", jid("e"): "n2", jid("gone"): "n1"}
+    to_bind, to_finish = k8s.sync_plan(pods, held, set(held))
+    assert [(r.name, n) for r, n in to_bind] == [("b", "n2")]  # c is not bound, a is held already
+    assert to_bind[0][0].job["spec"]["gpus"] == 1 and to_bind[0][0].uid == "0123456789ab"
+    assert sorted(to_finish) == [(jid("d"), False), (jid("e"), True), (jid("gone"), False)]
+
+
+def test_a_pod_recreated_under_its_name_is_another_job_and_a_finished_one_is_not_bound_again():
+    held = {jid("a", "old-uid-000"): "n1"}
+    to_bind, to_finish = k8s.sync_plan([pod("a", "n2", "Running", uid="new-uid-111")], held, set(held))
+    assert [(r.uid, n) for r, n in to_bind] == [("new-uid-111", "n2")]
+    assert to_finish == [(jid("a", "old-uid-000"), False)]
+    # a job the core has a record of (it ended there) is not bound again from a stale list
+    to_bind, _ = k8s.sync_plan([pod("x", "n1", "Running")], {}, {jid("x")})
+    assert to_bind == []
+
+
+def test_unreadable_pods_are_skipped_not_fatal():
+    bad = pod("q", "n1", "Running")
+    bad["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "lots"
+    to_bind, to_finish = k8s.sync_plan([bad, {"metadata": {}}, pod("ok", "n1", "Running")], {}, set())
+    assert [r.name for r, _ in to_bind] == ["ok"] and to_finish == []
