@@ -24,6 +24,7 @@ BENCHES = {
     "sched": "bench.sched",
     "sched-service": "bench.sched_service",
     "slurm": "bench.slurm",
+    "k8s": "bench.k8s",
     "forecast": "bench.forecast",
 }
 

@@ -284,6 +284,7 @@ class PodDriver:
         self.kube, self.ns, self.interval = kube, ns, interval
         self.pods: dict[str, dict[str, Any]] = {}  # name -> {"node", "started", "ended", "uid"}
         self.errors: list[str] = []
+        self.bound_twice: set[str] = set()  # pods seen on one node, then on another
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="k8s-pod-driver", daemon=True)
 
@@ -317,6 +318,8 @@ class PodDriver:
                 continue
             rec = self.pods.setdefault(name, {"node": node, "started": None, "ended": None,
                                               "uid": p["metadata"].get("uid")})
+            if rec["node"] != node and rec["uid"] == p["metadata"].get("uid"):
+                self.bound_twice.add(name)
             if phase == "Pending":
                 c.patch_status(self.ns, name, {"phase": "Running", "startTime": stamp, "conditions": [
                     {"type": "Ready", "status": "True", "lastTransitionTime": stamp}]})
