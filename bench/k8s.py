@@ -10,7 +10,8 @@
 * **Runs, interleaved ``--k8s-reps`` times:** (a) kube-scheduler alone (the shipped config without its
   extender: GPUs as an extended resource); (b) kube-scheduler with the dlshare extender (the shipped
   config as v1beta1), with a ``kill -9`` of ``dlshare sched`` at 40 % of the span (restarted at once) and
-  a kube-apiserver restart at 60 %; (c) ``dlshare sim`` on the same scaled slice (profiles dlshare and
+  a kube-apiserver restart at 60 %; (b') the same with ``[sched] k8s_order`` (the extender refuses a pod
+  while one ahead of it in dlshare's order fits), no faults; (c) ``dlshare sim`` on the same scaled slice (profiles dlshare and
   fifo), the cluster the same.  Every pod is created at its arrival time with the same spec in (a) and (b).
 * **Metrics:** mean and p99 JCT (creation to Succeeded), pods completed, the extender's latency per call
   (measured by a forwarding proxy between kube-scheduler and dlshare: what kube-scheduler waits, plus
@@ -154,8 +155,9 @@ def live_run(mode: str, trace: list[Any], kube: Any, root: Path, node_names: lis
     created: dict[str, float] = {}
     events: list[str] = []
     try:
-        if mode == "dlshare":
-            dl = tb.Dlshare(root / f"dlshare-{tag}", kube, {n: GPUS for n in node_names}, predictors="data").start()
+        if mode in ("dlshare", "order"):
+            dl = tb.Dlshare(root / f"dlshare-{tag}", kube, {n: GPUS for n in node_names}, predictors="data",
+                            env={"DLSHARE_SCHED_K8S_ORDER": "true"} if mode == "order" else None).start()
             proxy = TimingProxy(dl.port).start()
             kube.start_scheduler(tb.v1beta1_config(shipped, f"http://127.0.0.1:{proxy.port}/k8s", kube.kubeconfig))
         else:
@@ -252,7 +254,7 @@ def run(args) -> dict[str, Any]:
     trace, a_scale, d_scale = scaled_trace(n, span, args.k8s_load, args.k8s_min_s, nodes)
     print(f"k8s: {len(trace)} jobs of vc_0e4a51, arrivals x {a_scale:.3g} over {span:.0f} s, durations x "
           f"{d_scale:.3g} (offered load {args.k8s_load:g}) on {nodes}x{GPUS} GPUs", flush=True)
-    sims, runs = [], {"alone": [], "dlshare": []}
+    sims, runs = [], {"alone": [], "dlshare": [], "order": []}
     names = [f"kn{i + 1}" for i in range(nodes)]
     with tempfile.TemporaryDirectory(prefix="dlshare-bench-k8s-") as tmp:
         kube = tb.LocalKube(Path(tmp) / "kube").start()
@@ -262,7 +264,7 @@ def run(args) -> dict[str, Any]:
                 api.create_node(name, GPUS, cpus=64)
             api.close()
             for r in range(reps):
-                for mode in ("alone", "dlshare", "sim"):
+                for mode in ("alone", "dlshare", "order", "sim"):
                     print(f"k8s: rep {r + 1}/{reps}: {mode} ...", flush=True)
                     if mode == "sim":
                         sims.append(simulate(trace, nodes))
@@ -279,13 +281,13 @@ def run(args) -> dict[str, Any]:
         xs = [x[key] for x in runs[mode] if x.get(key) is not None]
         return sum(xs) / len(xs) if xs else None
 
-    a_jct, b_jct = mean_of("alone", "mean_jct_s"), mean_of("dlshare", "mean_jct_s")
+    a_jct, b_jct, o_jct = mean_of("alone", "mean_jct_s"), mean_of("dlshare", "mean_jct_s"), mean_of("order", "mean_jct_s")
     sim_d = sum(s["dlshare"]["mean_jct_s"] for s in sims) / len(sims)
     sim_f = sum(s["fifo"]["mean_jct_s"] for s in sims) / len(sims)
     total = sum(x["pods_total"] for m in runs.values() for x in m)
     completed = sum(x["pods_completed"] for m in runs.values() for x in m)
-    lost_twice = sum(x["lost"] + x["bound_twice"] for x in runs["dlshare"]) + sum(
-        1 for x in runs["dlshare"] if x.get("dlshare_held_after_end"))
+    lost_twice = sum(x["lost"] + x["bound_twice"] for m in ("dlshare", "order") for x in runs[m]) + sum(
+        1 for m in ("dlshare", "order") for x in runs[m] if x.get("dlshare_held_after_end"))
     p99s = [x["extender_p99_ms"] for x in runs["dlshare"] if x.get("extender_p99_ms") is not None]
     metrics = {
         "jobs": len(trace), "nodes": nodes, "gpus_per_node": GPUS, "span_s": span, "offered_load": args.k8s_load,
@@ -300,6 +302,10 @@ def run(args) -> dict[str, Any]:
         "k8s_mean_jct_vs_sim": b_jct / sim_d if b_jct and sim_d else None,
         "k8s_default_vs_sim_fifo": a_jct / sim_f if a_jct and sim_f else None,
         "k8s_extender_p99_ms": max(p99s) if p99s else None,
+        "k8s_order_mean_jct_s": o_jct, "k8s_order_p99_jct_s": mean_of("order", "p99_jct_s"),
+        "k8s_order_mean_jct_vs_default": o_jct / a_jct if a_jct and o_jct else None,
+        "k8s_order_extender_p99_ms": max((x["extender_p99_ms"] for x in runs["order"]
+                                          if x.get("extender_p99_ms") is not None), default=None),
         "runs": runs, "sim": sims,
     }
     rows = [
@@ -308,6 +314,9 @@ def run(args) -> dict[str, Any]:
         {"run": "(b) kube-scheduler + dlshare extender (kill -9, apiserver restart)", "mean JCT s": b_jct,
          "p99 JCT s": metrics["k8s_dlshare_p99_jct_s"], "lost": sum(x["lost"] for x in runs["dlshare"]),
          "bound twice": sum(x["bound_twice"] for x in runs["dlshare"])},
+        {"run": "(b') with the extender and k8s_order (dlshare's order by refusal)", "mean JCT s": o_jct,
+         "p99 JCT s": metrics["k8s_order_p99_jct_s"], "lost": sum(x["lost"] for x in runs["order"]),
+         "bound twice": sum(x["bound_twice"] for x in runs["order"])},
         {"run": "(c) simulator, profile dlshare", "mean JCT s": sim_d},
         {"run": "(c) simulator, profile fifo", "mean JCT s": sim_f},
     ]

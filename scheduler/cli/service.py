@@ -44,9 +44,11 @@ config.register_section("sched", {
     "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
     "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
     "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed
-    # /k8s/bind (kube-scheduler's bindVerb): post the pod's v1.Binding to the API server, then record it.
-    # false: only record (the pods stay Pending unless something else binds them).
+    # Talk to the API server: list the dlshare pods every second (PodSync: the core holds what the API
+    # server has bound, frees what ended) and, for /k8s/bind (bindVerb), post the pod's v1.Binding first.
+    # false: /k8s/bind only records (the pods stay Pending unless something else binds them).
     "k8s_bind": False,
+    "k8s_order": False,  # the extender refuses a pod while one ahead of it in dlshare's order fits (needs k8s_bind)
     "k8s_api": "",  # API server URL; empty: in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
     "k8s_token_file": "/var/run/secrets/kubernetes.io/serviceaccount/token",  # re-read per bind; empty: no token
     "k8s_ca_file": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",  # empty: the system CAs
@@ -187,6 +189,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         store.close()
         raise
     service.k8s_binder = binder
+    service.k8s_order = bool(s["k8s_order"]) and binder is not None  # the waiting pods come from PodSync
     if binder is not None:
         service.k8s_hold_s = None  # PodSync ends a bound pod's hold when the API server says the pod ended
     try:

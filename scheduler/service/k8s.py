@@ -451,6 +451,11 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         if labels:
             await service.call(note_gpu_types, service, labels)
         ok, failed, _ = await service.call(evaluate, service, pod.job, names)
+        if ok and getattr(service, "k8s_order", False):
+            why = await service.call(order_refusal, service, pod)
+            if why:
+                failed.update({n: why for n in ok})
+                ok = []
         return filter_result(args, ok, failed, as_names)
 
     @app.post("/k8s/prioritize", dependencies=[*auth, known_query()], tags=["kubernetes"],
@@ -546,6 +551,63 @@ def sync_plan(pods: list[dict[str, Any]], held: Mapping[str, str],
     return to_bind, to_finish
 
 
+def waiting_pods(pods: list[dict[str, Any]]) -> dict[str, tuple[PodRequest, float]]:
+    """The pods not bound yet and not ended, job id -> (pod, creation time in epoch seconds)."""
+    from datetime import datetime
+
+    out: dict[str, tuple[PodRequest, float]] = {}
+    for p in pods:
+        spec = p.get("spec") if isinstance(p.get("spec"), dict) else {}
+        status = p.get("status") if isinstance(p.get("status"), dict) else {}
+        if spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        try:
+            req = pod_to_job(p)
+        except ExtenderError:
+            continue
+        try:
+            created = datetime.fromisoformat(str(p["metadata"]["creationTimestamp"]).replace("Z", "+00:00")).timestamp()
+        except (KeyError, TypeError, ValueError):
+            created = 0.0
+        out[pod_job_id(req.namespace, req.name, req.uid)] = (req, created)
+    return out
+
+
+def order_refusal(service, pod: PodRequest) -> str:
+    """With ``[sched] k8s_order``: why ``pod`` must not be placed now, or "".  kube-scheduler pops its
+    own queue (priority, then arrival); the extender imposes dlshare's order by refusing every node to
+    a pod while a waiting pod ahead of it in the core's order (its fair-share level, then the order
+    plugin's key, as for the core's own queue) fits somewhere now.  A pod ahead that fits nowhere
+    does not hold the others back (backfill).  On the loop's thread."""
+    from scheduler.model import JobRecord
+
+    pending: dict[str, tuple[PodRequest, float]] = getattr(service, "k8s_waiting", {})
+    me = pod_job_id(pod.namespace, pod.name, pod.uid)
+    if me not in pending:
+        return ""  # not listed yet (the list is a second old): no opinion
+    core = service.core
+    ctx = core.ledger.context()
+    online = [n for n in core.nodes if service.node_online(n)]
+
+    def rec(jid: str) -> JobRecord:
+        req, created = pending[jid]
+        return JobRecord(job=pod_job(req, created), queued_since=created)
+
+    try:
+        mine = core.ledger.sort_key(rec(me), ctx)
+        ahead = sorted((core.ledger.sort_key(rec(j), ctx), pending[j][1], j) for j in pending if j != me)
+    except (TypeError, ValueError, KeyError):
+        return ""
+    for key, created, jid in ahead:
+        if not key < mine:
+            break
+        r = rec(jid)
+        if any(True for _ in core.candidates(r.job, online)):
+            other = pending[jid][0]
+            return f"dlshare order: pod {other.namespace}/{other.name} goes first (it fits now)"
+    return ""
+
+
 def held_k8s_jobs(service) -> tuple[dict[str, str], set[str]]:
     """(active Kubernetes jobs -> node, every Kubernetes job id the core knows); on the loop's thread."""
     held: dict[str, str] = {}
@@ -582,6 +644,7 @@ def apply_sync(service, pods: list[dict[str, Any]]) -> tuple[int, int]:
 
     held, known = held_k8s_jobs(service)
     to_bind, to_finish = sync_plan(pods, held, known)
+    service.k8s_waiting = waiting_pods(pods)
     bound = 0
     for req, node in to_bind:
         if service.node_online(node) and not bind_once(service, req, node):

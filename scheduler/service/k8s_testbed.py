@@ -344,12 +344,13 @@ class Dlshare:
     URL kube-scheduler calls)."""
 
     def __init__(self, root: Path, kube: LocalKube, nodes: dict[str, int], profile: str = "dlshare",
-                 python: str | None = None, predictors: str = "default") -> None:
+                 python: str | None = None, predictors: str = "default", env: dict[str, str] | None = None) -> None:
         import sys
 
         self.root, self.kube, self.nodes, self.profile = root, kube, nodes, profile
         self.python = python or sys.executable
         self.predictors = predictors
+        self.env = dict(env or {})  # more DLSHARE_SCHED_* settings (DLSHARE_SCHED_K8S_ORDER, ...)
         root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -395,7 +396,7 @@ class Dlshare:
                "DLSHARE_SCHED_PREDICTORS": self.predictors, "DLSHARE_SCHED_K8S_OPEN": "true",
                "DLSHARE_SCHED_K8S_BIND": "true", "DLSHARE_SCHED_K8S_API": self.kube.url,
                "DLSHARE_SCHED_K8S_TOKEN_FILE": str(self.root / "kube-token"),
-               "DLSHARE_SCHED_K8S_CA_FILE": str(self.kube.ca)}
+               "DLSHARE_SCHED_K8S_CA_FILE": str(self.kube.ca), **self.env}
         p = self._spawn("sched", [self.python, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{self.port}",
                                   "--db", str(self.root / "sched.db"), "--token", SCHED_TOKEN,
                                   "--broker", self.broker_url, "--profile", self.profile], env=env)

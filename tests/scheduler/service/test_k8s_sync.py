@@ -42,3 +42,28 @@ def test_unreadable_pods_are_skipped_not_fatal():
     bad["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "lots"
     to_bind, to_finish = k8s.sync_plan([bad, {"metadata": {}}, pod("ok", "n1", "Running")], {}, set())
     assert [r.name for r, _ in to_bind] == ["ok"] and to_finish == []
+
+
+def test_order_refuses_a_pod_while_one_ahead_in_dlshares_order_fits(store):
+    """``k8s_order``: the core's order among the waiting pods decides; a pod ahead that fits nowhere
+    does not hold the others back."""
+    from tests.scheduler.service.svc_helpers import pod as kpod, service_with_nodes
+
+    svc = service_with_nodes(store, {"n1": (4, 16)}, profile="fifo")  # FIFO: the earlier pod goes first
+    early, late, huge = kpod("early"), kpod("late"), kpod("huge", gpus=8)
+    early["metadata"].update(uid="uid-early-0", creationTimestamp="2026-11-21T08:00:00Z")
+    late["metadata"].update(uid="uid-late-00", creationTimestamp="2026-11-21T08:00:05Z")
+    huge["metadata"].update(uid="uid-huge-00", creationTimestamp="2026-11-21T07:00:00Z")
+    k8s.apply_sync(svc, [early, late, huge])
+    assert set(svc.k8s_waiting) == {k8s.pod_job_id("ml", n, u) for n, u in
+                                    (("early", "uid-early-0"), ("late", "uid-late-00"), ("huge", "uid-huge-00"))}
+    why = k8s.order_refusal(svc, k8s.pod_to_job(late))
+    assert why == "dlshare order: pod ml/early goes first (it fits now)"
+    # the earliest pod (huge) needs 8 GPUs and fits nowhere: it does not block early
+    assert k8s.order_refusal(svc, k8s.pod_to_job(early)) == ""
+    # once early is bound (it left the waiting list), late may go
+    early_bound = {**early, "spec": {**early["spec"], "nodeName": "n1"}, "status": {"phase": "Running"}}
+    k8s.apply_sync(svc, [early_bound, late, huge])
+    assert k8s.order_refusal(svc, k8s.pod_to_job(late)) == ""
+    # a pod not listed yet gets no opinion
+    assert k8s.order_refusal(svc, k8s.pod_to_job(kpod("unlisted"))) == ""
