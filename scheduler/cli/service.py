@@ -223,9 +223,10 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         try:
             await server.serve()
         finally:
-            if sync is not None:
+            if sync is not None:  # stopped, not awaited through a list or a call still in flight
                 sync_stop.set()
-                await sync
+                sync.cancel()
+                await asyncio.gather(sync, return_exceptions=True)
             if binder is not None:
                 await binder.aclose()  # its connections belong to the API's loop
 

@@ -695,6 +695,11 @@ class PodSync:
                 if self.errors in (1, 10) or self.errors % 100 == 0:
                     log.warning("cannot list pods from the API server at %s (%d times): %s: %s", self.binder.api_url,
                                 self.errors, type(exc).__name__, str(exc)[:200])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a pod the core refuses must not end the sync for good
+                self.errors += 1
+                log.exception("pod sync failed; trying again in %g s", self.interval_s)
             try:
                 await asyncio.wait_for(stop.wait(), self.interval_s)
             except TimeoutError:
