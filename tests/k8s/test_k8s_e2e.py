@@ -241,3 +241,38 @@ def test_with_bind_verb_dlshare_binds_and_a_pod_waits_while_it_is_down(k8s):
         assert dlshare_holds(k8s).count((w, wb)) == 1
     finally:
         k8s.restart_scheduler()
+
+
+def test_k8s_order_imposes_dlshares_order_on_kube_schedulers_queue(k8s):
+    """``[sched] k8s_order``: kube-scheduler pops the earlier pod first, dlshare refuses it while the pod
+    ahead of it in dlshare's order (higher ``dlshare.io/priority``) fits, so that one is bound first."""
+    dl = k8s.dlshare
+    dl.env["DLSHARE_SCHED_K8S_ORDER"] = "true"
+    dl.kill9_sched()
+    dl.start_sched()
+    try:
+        blockers = [pod_name("block") for _ in range(sum(NODES.values()))]
+        for b in blockers:
+            k8s.api.create_pod(b, gpus=1, cpu="100m", memory="64Mi")
+        for b in blockers:
+            wait_bound(k8s, b)
+        low, high = pod_name("low"), pod_name("high")
+        k8s.api.create_pod(low, gpus=1, cpu="100m", memory="64Mi")
+        k8s.api.create_pod(high, gpus=1, cpu="100m", memory="64Mi", annotations={"dlshare.io/priority": "10"})
+        # both wait for a GPU, and dlshare's pod list has them both
+        for n in (low, high):
+            wait_until(lambda n=n: "Insufficient nvidia.com/gpu" in scheduling_message(k8s, n), timeout=60,
+                       what=f"{n} waits for a GPU", interval=0.3)
+        wait_until(lambda: dl.client()._call("GET", "/v1/stats")["k8s_waiting_pods"] == 2, timeout=30,
+                   what="dlshare lists the two waiting pods", interval=0.3)
+        k8s.api.delete_pod(NS, blockers[0])  # one GPU frees: kube-scheduler retries both, low first
+        node = wait_bound(k8s, high)
+        assert node in NODES and node_of(k8s, low) is None
+        wait_until(lambda: "dlshare order: pod default/" + high + " goes first" in scheduling_message(k8s, low),
+                   timeout=30, what="low refused with dlshare's order as the reason", interval=0.3)
+        k8s.api.delete_pod(NS, blockers[1])
+        wait_bound(k8s, low)  # nothing ahead of it now
+    finally:
+        dl.env.pop("DLSHARE_SCHED_K8S_ORDER", None)
+        dl.kill9_sched()
+        dl.start_sched()
