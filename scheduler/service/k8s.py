@@ -637,12 +637,17 @@ def bind_once(service, pod: PodRequest, node: str) -> str:
     return err
 
 
-def apply_sync(service, pods: list[dict[str, Any]]) -> tuple[int, int]:
-    """Apply :func:`sync_plan` to the core (on the loop's thread); (bound, finished)."""
+def apply_sync(service, pods: list[dict[str, Any]], listed_at: float | None = None) -> tuple[int, int]:
+    """Apply :func:`sync_plan` to the core (on the loop's thread); (bound, finished).  ``listed_at``:
+    the service's clock when the list was asked for; a pod bound since (by ``/k8s/bind``) may be
+    missing from the list as bound, so it is not finished on this list's word."""
     from scheduler import JobFinished
     from scheduler.service.core_log import new_event_id
 
     held, known = held_k8s_jobs(service)
+    if listed_at is not None:
+        recs = service.core.records
+        held = {j: n for j, n in held.items() if (recs[j].run_since or 0.0) < listed_at - 0.5}
     to_bind, to_finish = sync_plan(pods, held, known)
     service.k8s_waiting = waiting_pods(pods)
     bound = 0
@@ -682,8 +687,9 @@ class PodSync:
         return items if isinstance(items, list) else []
 
     async def once(self) -> tuple[int, int]:
+        listed_at = self.service.now()
         pods = await self.list_pods()
-        return await self.service.call(apply_sync, self.service, pods)
+        return await self.service.call(apply_sync, self.service, pods, listed_at)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()

@@ -410,13 +410,22 @@ class Dlshare:
         p = self.procs.pop("sched")
         p.kill()
         p.wait(timeout=10)
+        if getattr(self, "_client", None) is not None:  # its pooled connections died with the process
+            self._client.close()
+            self._client = None
 
     def client(self):
+        """The service's API client (one, kept: callers poll it)."""
         from scheduler.client import SchedulerClient
 
-        return SchedulerClient(self.url, SCHED_TOKEN)
+        if getattr(self, "_client", None) is None:
+            self._client = SchedulerClient(self.url, SCHED_TOKEN)
+        return self._client
 
     def stop(self) -> None:
+        if getattr(self, "_client", None) is not None:
+            self._client.close()
+            self._client = None
         for name in ["sched", *[n for n in self.procs if n.startswith("node-")], "mosquitto"]:
             p = self.procs.pop(name, None)
             if p is not None:

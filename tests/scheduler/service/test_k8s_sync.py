@@ -67,3 +67,23 @@ def test_order_refuses_a_pod_while_one_ahead_in_dlshares_order_fits(store):
     assert k8s.order_refusal(svc, k8s.pod_to_job(late)) == ""
     # a pod not listed yet gets no opinion
     assert k8s.order_refusal(svc, k8s.pod_to_job(kpod("unlisted"))) == ""
+
+
+def test_a_list_older_than_a_binding_does_not_finish_it(store):
+    from tests.scheduler.service.svc_helpers import pod as kpod, service_with_nodes
+
+    svc = service_with_nodes(store, {"n1": (4, 16)})
+    p = kpod("bound")
+    p["spec"]["nodeName"] = "n1"
+    p["status"]["phase"] = "Running"
+    assert k8s.apply_sync(svc, [p]) == (1, 0)  # taken in: a JobBound
+    svc.round()
+    jid = k8s.pod_job_id("ml", "bound", p["metadata"]["uid"])
+    rec = svc.core.records[jid]
+    assert rec.external and rec.job.state.active and rec.run_since is not None
+    # a list asked for before the binding (the bind route's race) omits the pod: not finished on its word
+    assert k8s.apply_sync(svc, [], listed_at=rec.run_since - 5.0) == (0, 0)
+    # a list asked for after it: the pod is gone, so it is finished
+    assert k8s.apply_sync(svc, [], listed_at=rec.run_since + 5.0) == (0, 1)
+    svc.round()
+    assert not svc.core.records[jid].job.state.active
