@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import agg, cache, forecast, memory, paging, report, sched, sched_service, slurm
+from bench import agg, cache, forecast, k8s, memory, paging, report, sched, sched_service, slurm
 
 BENCHES = {
     "memory": memory,
@@ -22,6 +22,7 @@ BENCHES = {
     "sched": sched,
     "sched-service": sched_service,
     "slurm": slurm,
+    "k8s": k8s,
     "forecast": forecast,
 }
 

@@ -3,7 +3,9 @@
 * **Cluster:** a real Slurm on this host (``scheduler.slurm.testbed``): one slurmctld, ``--slurm-nodes``
   slurmd of 4 fake GPUs, 12 CPUs and 250 GiB each.
 * **Trace:** the first ``--slurm-jobs`` jobs of philly/vc_0e4a51, arrivals scaled so they span
-  ``--slurm-span-s`` seconds, durations by the same factor (at least ``--slurm-min-s``).  Each job is
+  ``--slurm-span-s`` seconds, durations scaled so the offered load over the span is ``--slurm-load``
+  (1.5: a queue forms; 0: the arrivals' factor, which leaves the cluster mostly idle), at least
+  ``--slurm-min-s``.  Each job is
   ``bench/slurm_workload.py``: it progresses at the simulator's ground-truth speed (slower when
   sharing a GPU) and checkpoints, so preemption and co-location change its finish time as the
   simulator models them.
@@ -49,6 +51,9 @@ def add_arguments(parser, seen: set[str]) -> None:
                      ("--slurm-nodes", dict(type=int, default=4, help="slurmd nodes of 4 GPUs (slurm)")),
                      ("--slurm-span-s", dict(type=float, default=150.0, help="arrivals scaled to this span (slurm)")),
                      ("--slurm-min-s", dict(type=float, default=3.0, help="shortest scaled job, s (slurm)")),
+                     ("--slurm-load", dict(type=float, default=1.5,
+                                           help="durations scaled so the offered load over the span is this "
+                                                "(above 1: a queue forms); 0: by the arrivals' factor (slurm)")),
                      ("--slurm-time-factor", dict(type=float, default=2.0,
                                                   help="each job's --time is this x its duration + 1 min; 0: none "
                                                        "(slurm)"))):
@@ -57,14 +62,21 @@ def add_arguments(parser, seen: set[str]) -> None:
             seen.add(flag)
 
 
-def scaled_trace(n: int, span_s: float, min_s: float) -> tuple[list[Any], float]:
+def scaled_trace(n: int, span_s: float, min_s: float, load: float = 0.0,
+                 gpus_total: int = 0) -> tuple[list[Any], float]:
+    """The first ``n`` jobs, arrivals scaled to span ``span_s``; durations by the same factor, or with
+    ``load`` and ``gpus_total`` so that the GPU-seconds asked are ``load`` x what the cluster has over
+    the span (the trace's own factor leaves the cluster mostly idle: no queue, nothing to order)."""
     from scheduler import data
     from scheduler.trace import TraceJob, load_trace
 
     full = load_trace(data.path("philly/vc_0e4a51.csv"))[:n]
     scale = span_s / max(max(t.arrival_s for t in full), 1.0)
+    d_scale = scale
+    if load > 0 and gpus_total > 0:
+        d_scale = load * span_s * gpus_total / sum(t.gpus * t.duration_s for t in full)
     return [TraceJob(t.id, t.arrival_s * scale, t.model, t.batch_size, t.gpus, t.steps,
-                     max(min_s, t.duration_s * scale)) for t in full], scale
+                     max(min_s, t.duration_s * d_scale)) for t in full], scale
 
 
 def _type_key(t: Any) -> str:
@@ -253,7 +265,8 @@ def run(args) -> dict[str, Any]:
     n, span, nodes = args.slurm_jobs, args.slurm_span_s, args.slurm_nodes
     if getattr(args, "quick", False):
         n, span = min(n, 30), min(span, 60.0)
-    trace, scale = scaled_trace(n, span, args.slurm_min_s)
+    load = getattr(args, "slurm_load", 0.0)
+    trace, scale = scaled_trace(n, span, args.slurm_min_s, load, nodes * GPUS)
     print(f"slurm: {n} jobs of vc_0e4a51 x {scale:.3g} (arrivals over {span:.0f} s) on {nodes}x{GPUS} GPUs",
           flush=True)
     sim = simulate(trace, nodes)
@@ -269,11 +282,13 @@ def run(args) -> dict[str, Any]:
     sim_b = sim["dlshare"]["avg_jct_s"]
     metrics = {
         "jobs": n, "nodes": nodes, "gpus_per_node": GPUS, "time_scale": scale, "span_s": span,
+        "offered_load": sum(t.gpus * t.duration_s for t in trace) / (span * nodes * GPUS),
         "slurm_avg_jct_s": a["avg_jct_s"], "slurm_p99_jct_s": a["p99_jct_s"],
         "dlshare_avg_jct_s": b["avg_jct_s"], "dlshare_p99_jct_s": b["p99_jct_s"],
         "sim_avg_jct_s": sim_b, "sim_p99_jct_s": sim["dlshare"]["p99_jct_s"],
         "sim_fifo_avg_jct_s": sim["fifo"]["avg_jct_s"],
         "dlshare_vs_slurm": b["avg_jct_s"] / a["avg_jct_s"] if a["avg_jct_s"] and b["avg_jct_s"] else None,
+        "slurm_mean_jct_vs_slurm": b["avg_jct_s"] / a["avg_jct_s"] if a["avg_jct_s"] and b["avg_jct_s"] else None,
         "live_vs_sim": b["avg_jct_s"] / sim_b if b["avg_jct_s"] and sim_b else None,
         "decisions_carried_out": b.get("decisions_carried_out"),
         "decision_to_running_p50_s": b.get("decision_to_running_p50_s"),
@@ -297,7 +312,7 @@ def run(args) -> dict[str, Any]:
           f"{b.get('decision_to_running_p50_s')}/{b.get('decision_to_running_p99_s')} s")
     gap = abs(metrics["live_vs_sim"] - 1.0) if metrics["live_vs_sim"] is not None else None
     targets = report.target_rows([
-        ("dlshare avg JCT / Slurm alone", metrics["dlshare_vs_slurm"], "<=", 1.0),
+        ("slurm_mean_jct_vs_slurm (dlshare / Slurm alone, with a queue)", metrics["slurm_mean_jct_vs_slurm"], "<=", 0.8),
         ("|live / simulator - 1|", gap, "<=", 0.15),
         ("jobs lost (both runs, kill included)", float(metrics["jobs_lost"]), "==", 0.0),
         ("jobs run twice (both runs, kill included)", float(metrics["jobs_run_twice"]), "==", 0.0),

@@ -44,9 +44,11 @@ config.register_section("sched", {
     "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
     "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
     "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed
-    # /k8s/bind (kube-scheduler's bindVerb): post the pod's v1.Binding to the API server, then record it.
-    # false: only record (the pods stay Pending unless something else binds them).
+    # Talk to the API server: list the dlshare pods every second (PodSync: the core holds what the API
+    # server has bound, frees what ended) and, for /k8s/bind (bindVerb), post the pod's v1.Binding first.
+    # false: /k8s/bind only records (the pods stay Pending unless something else binds them).
     "k8s_bind": False,
+    "k8s_order": False,  # the extender refuses a pod while one ahead of it in dlshare's order fits (needs k8s_bind)
     "k8s_api": "",  # API server URL; empty: in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
     "k8s_token_file": "/var/run/secrets/kubernetes.io/serviceaccount/token",  # re-read per bind; empty: no token
     "k8s_ca_file": "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",  # empty: the system CAs
@@ -165,7 +167,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from nodesvc.bus.procs import split_hostport
     from scheduler.service.api import create_app
     from scheduler.service.http_limits import server_options
-    from scheduler.service.k8s import BinderConfigError, binder_from_config
+    from scheduler.service.k8s import BinderConfigError, PodSync, binder_from_config
     from scheduler.service.store import JobStore, load_or_create_token
     from scheduler.service.tokens import TokenBook, TokenError
 
@@ -191,6 +193,9 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         store.close()
         raise
     service.k8s_binder = binder
+    service.k8s_order = bool(s["k8s_order"]) and binder is not None  # the waiting pods come from PodSync
+    if binder is not None:
+        service.k8s_hold_s = None  # PodSync ends a bound pod's hold when the API server says the pod ended
     try:
         book = TokenBook(store, token, token_user(cfg))
         env_allow = jobenv.check_patterns(s["job_env_allow"], "sched.job_env_allow")
@@ -215,9 +220,17 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     failed: list[BaseException] = []
 
     async def api() -> None:
+        sync_stop = asyncio.Event()
+        # With a binder, PodSync keeps the core's books equal to the API server's pods (ended pods free
+        # their GPUs at once, so no hold needs to run out; pods bound while dlshare was down are taken in).
+        sync = asyncio.create_task(PodSync(service, binder).run(sync_stop)) if binder is not None else None
         try:
             await server.serve()
         finally:
+            if sync is not None:  # stopped, not awaited through a list or a call still in flight
+                sync_stop.set()
+                sync.cancel()
+                await asyncio.gather(sync, return_exceptions=True)
             if binder is not None:
                 await binder.aclose()  # its connections belong to the API's loop
 

@@ -451,6 +451,11 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         if labels:
             await service.call(note_gpu_types, service, labels)
         ok, failed, _ = await service.call(evaluate, service, pod.job, names)
+        if ok and getattr(service, "k8s_order", False):
+            why = await service.call(order_refusal, service, pod)
+            if why:
+                failed.update({n: why for n in ok})
+                ok = []
         return filter_result(args, ok, failed, as_names)
 
     @app.post("/k8s/prioritize", dependencies=[*auth, known_query()], tags=["kubernetes"],
@@ -498,7 +503,210 @@ def add_routes(app: FastAPI, service, auth: list) -> None:
         pod = PodRequest(pod.namespace, pod.name, str(args.get("PodUID") or pod.uid), pod.job)
         # A core event (JobBound), logged and replayed like any other: the core holds the pod's
         # resources on the node until its usage shows in the node's figures; kubelet runs it.
-        err = await service.call(lambda: service.bind(pod_job(pod, service.core.now), node, pod.uid))
+        err = await service.call(bind_once, service, pod, node)
         if err:
             return {"Error": err}
         return {"Error": ""} if binder is not None else {"Error": "", "Note": NOT_BOUND_NOTE}
+
+
+# --- Keeping the core's books equal to the API server's ----------------------------------------
+
+POD_SYNC_S = 1.0  # how often PodSync lists the scheduler's pods
+
+
+def pod_job_id(namespace: str, name: str, uid: str) -> str:
+    """The core's job id for a pod (as :func:`pod_job` makes it)."""
+    return (f"k8s.{namespace}.{name}"[:128] + (f".{uid[:8]}" if uid else ""))[:128]
+
+
+def sync_plan(pods: list[dict[str, Any]], held: Mapping[str, str],
+              known: set[str] | frozenset[str] = frozenset()) -> tuple[list[tuple[PodRequest, str]], list[tuple[str, bool]]]:
+    """What the core must learn from the API server's pods (``pods``: the scheduler's, from a list):
+    ``(to_bind, to_finish)``.  ``held``: the core's active Kubernetes jobs, id -> node; ``known``:
+    every job id the core has a record of (a pod it once held and that ended is not bound again).
+
+    * a pod bound to a node and not ended that the core does not hold (kube-scheduler bound it while
+      dlshare was down, with ``ignorable``; or dlshare died between the Binding and its record): bind it;
+    * a job the core holds whose pod ended (Succeeded/Failed), is gone, or was recreated: finish it
+      (failed when the pod failed).  Pure: the tests drive it with the API server's own JSON."""
+    live: dict[str, tuple[PodRequest, str]] = {}
+    ended: dict[str, bool] = {}
+    for p in pods:
+        try:
+            req = pod_to_job(p)
+        except ExtenderError:
+            continue  # a pod the extender could not read either: not ours to account
+        spec = p.get("spec") if isinstance(p.get("spec"), dict) else {}
+        status = p.get("status") if isinstance(p.get("status"), dict) else {}
+        node, phase = spec.get("nodeName"), status.get("phase")
+        jid = pod_job_id(req.namespace, req.name, req.uid)
+        if not isinstance(node, str) or not node:
+            continue
+        if phase in ("Succeeded", "Failed"):
+            ended[jid] = phase == "Failed"
+        else:
+            live[jid] = (req, node)
+    to_bind = [(req, node) for jid, (req, node) in live.items() if jid not in held and jid not in known]
+    to_finish = [(jid, ended.get(jid, False)) for jid in held if jid not in live]
+    return to_bind, to_finish
+
+
+def waiting_pods(pods: list[dict[str, Any]]) -> dict[str, tuple[PodRequest, float]]:
+    """The pods not bound yet and not ended, job id -> (pod, creation time in epoch seconds)."""
+    from datetime import datetime
+
+    out: dict[str, tuple[PodRequest, float]] = {}
+    for p in pods:
+        spec = p.get("spec") if isinstance(p.get("spec"), dict) else {}
+        status = p.get("status") if isinstance(p.get("status"), dict) else {}
+        if spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        try:
+            req = pod_to_job(p)
+        except ExtenderError:
+            continue
+        try:
+            created = datetime.fromisoformat(str(p["metadata"]["creationTimestamp"]).replace("Z", "+00:00")).timestamp()
+        except (KeyError, TypeError, ValueError):
+            created = 0.0
+        out[pod_job_id(req.namespace, req.name, req.uid)] = (req, created)
+    return out
+
+
+def order_refusal(service, pod: PodRequest) -> str:
+    """With ``[sched] k8s_order``: why ``pod`` must not be placed now, or "".  kube-scheduler pops its
+    own queue (priority, then arrival); the extender imposes dlshare's order by refusing every node to
+    a pod while a waiting pod ahead of it in the core's order (its fair-share level, then the order
+    plugin's key, as for the core's own queue) fits somewhere now.  A pod ahead that fits nowhere
+    does not hold the others back (backfill).  On the loop's thread."""
+    from scheduler.model import JobRecord
+
+    pending: dict[str, tuple[PodRequest, float]] = getattr(service, "k8s_waiting", {})
+    me = pod_job_id(pod.namespace, pod.name, pod.uid)
+    if me not in pending:
+        return ""  # not listed yet (the list is a second old): no opinion
+    core = service.core
+    ctx = core.ledger.context()
+    online = [n for n in core.nodes if service.node_online(n)]
+
+    def rec(jid: str) -> JobRecord:
+        req, created = pending[jid]
+        return JobRecord(job=pod_job(req, created), queued_since=created)
+
+    try:
+        mine = core.ledger.sort_key(rec(me), ctx)
+        ahead = sorted((core.ledger.sort_key(rec(j), ctx), pending[j][1], j) for j in pending if j != me)
+    except (TypeError, ValueError, KeyError):
+        return ""
+    for key, created, jid in ahead:
+        if not key < mine:
+            break
+        r = rec(jid)
+        if any(True for _ in core.candidates(r.job, online)):
+            other = pending[jid][0]
+            return f"dlshare order: pod {other.namespace}/{other.name} goes first (it fits now)"
+    return ""
+
+
+def held_k8s_jobs(service) -> tuple[dict[str, str], set[str]]:
+    """(active Kubernetes jobs -> node, every Kubernetes job id the core knows); on the loop's thread."""
+    held: dict[str, str] = {}
+    known: set[str] = set()
+    for jid, rec in service.core.records.items():
+        if not jid.startswith("k8s."):
+            continue
+        known.add(jid)
+        if rec.job.state.active and rec.external:
+            held[jid] = rec.shards[0].node if rec.shards else ""
+    known |= getattr(service, "k8s_posted", set())
+    return held, known
+
+
+def bind_once(service, pod: PodRequest, node: str) -> str:
+    """``service.bind`` unless the core holds the pod already or a bind of it is queued (the bind
+    route and :class:`PodSync` may both see one pod).  On the loop's thread."""
+    job = pod_job(pod, service.core.now)
+    posted = service.__dict__.setdefault("k8s_posted", set())
+    if job.id in service.core.records or job.id in posted:
+        return ""
+    err = service.bind(job, node, pod.uid)
+    if not err:
+        posted.add(job.id)
+        while len(posted) > 100_000:
+            posted.pop()
+    return err
+
+
+def apply_sync(service, pods: list[dict[str, Any]], listed_at: float | None = None) -> tuple[int, int]:
+    """Apply :func:`sync_plan` to the core (on the loop's thread); (bound, finished).  ``listed_at``:
+    the service's clock when the list was asked for; a pod bound since (by ``/k8s/bind``) may be
+    missing from the list as bound, so it is not finished on this list's word."""
+    from scheduler import JobFinished
+    from scheduler.service.core_log import new_event_id
+
+    held, known = held_k8s_jobs(service)
+    if listed_at is not None:
+        recs = service.core.records
+        held = {j: n for j, n in held.items() if (recs[j].run_since or 0.0) < listed_at - 0.5}
+    to_bind, to_finish = sync_plan(pods, held, known)
+    service.k8s_waiting = waiting_pods(pods)
+    bound = 0
+    for req, node in to_bind:
+        if service.node_online(node) and not bind_once(service, req, node):
+            log.info("pod %s/%s runs on node %s without dlshare having bound it: now accounted", req.namespace,
+                     req.name, node)
+            bound += 1
+    for jid, failed in to_finish:
+        service.post(JobFinished(new_event_id(), service.now(), jid, failed,
+                                 "the pod failed" if failed else "the pod ended"))
+    return bound, len(to_finish)
+
+
+class PodSync:
+    """Lists the pods of ``scheduler_name`` from the API server every ``interval_s`` and keeps
+    the core's books equal to them (:func:`apply_sync`): a pod that ended frees its GPUs at once
+    (no hold to run out), and after a restart of dlshare, or an outage during which kube-scheduler
+    bound pods itself (``ignorable: true``), the core holds exactly the pods the API server has on
+    each node.  Runs on the API's loop, with the binder's client, token and CA."""
+
+    def __init__(self, service, binder: KubeBinder, scheduler_name: str = "dlshare",
+                 interval_s: float = POD_SYNC_S) -> None:
+        self.service, self.binder, self.scheduler_name, self.interval_s = service, binder, scheduler_name, interval_s
+        self.errors = 0
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line a second for each list
+
+    async def list_pods(self) -> list[dict[str, Any]]:
+        headers = {"Accept": "application/json"}
+        token = self.binder._token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        r = await self.binder._http().get("/api/v1/pods", headers=headers,
+                                          params={"fieldSelector": f"spec.schedulerName={self.scheduler_name}"})
+        r.raise_for_status()
+        items = r.json().get("items")
+        return items if isinstance(items, list) else []
+
+    async def once(self) -> tuple[int, int]:
+        listed_at = self.service.now()
+        pods = await self.list_pods()
+        return await self.service.call(apply_sync, self.service, pods, listed_at)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            try:
+                await self.once()
+            except (OSError, ssl.SSLError, httpx.HTTPError, ValueError) as exc:
+                self.errors += 1
+                if self.errors in (1, 10) or self.errors % 100 == 0:
+                    log.warning("cannot list pods from the API server at %s (%d times): %s: %s", self.binder.api_url,
+                                self.errors, type(exc).__name__, str(exc)[:200])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a pod the core refuses must not end the sync for good
+                self.errors += 1
+                log.exception("pod sync failed; trying again in %g s", self.interval_s)
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+            except TimeoutError:
+                pass

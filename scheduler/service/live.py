@@ -129,7 +129,9 @@ class SchedulerService:
         self.aggregation: dict[str, dict[str, Any]] = {}  # aggregation server -> its last telemetry
         self.bus: Bus | None = None
         self.k8s_binder: KubeBinder | None = None
-        self.k8s_hold_s = 120.0  # a bound pod's resources are held this long (then its node's figures show it)
+        self.k8s_hold_s: float | None = 120.0  # a bound pod's hold (None: until PodSync sees the pod end)
+        self.k8s_order = False  # the extender imposes the core's order on kube-scheduler (k8s.order_refusal)
+        self.k8s_waiting: dict[str, Any] = {}  # PodSync's last list: the dlshare pods not bound yet
         self.batch_window_s = 0.01  # gather the events of this long into one core batch under load
         self.batch_max_events = 1000  # a core batch takes at most this many events (the rest: the next one)
         self.batch_max_lost = 10  # ... and at most this many lost nodes (a requeue storm goes in slices)
@@ -308,7 +310,8 @@ class SchedulerService:
         out.update(queued_events=len(self._events), commands_in_flight=self.commands.correlator.in_flight,
                    core={"jobs": len(self.core.records), "waiting": len(self.core.waiting),
                          "running": len(self.core.running), "nodes": len(self.core.nodes)},
-                   last_batch=self.carrier.batch, events_since_snapshot=self.carrier.events_logged)
+                   last_batch=self.carrier.batch, events_since_snapshot=self.carrier.events_logged,
+                   k8s_waiting_pods=len(self.k8s_waiting))
         return out
 
     # --- MQTT -------------------------------------------------------------------------------

@@ -23,6 +23,15 @@ def test_scaled_trace_spans_the_arrivals_and_keeps_the_order():
     assert [t.arrival_s for t in trace] == sorted(t.arrival_s for t in trace)
 
 
+def test_scaled_trace_with_a_load_asks_that_many_gpu_seconds():
+    trace, scale = bs.scaled_trace(20, 30.0, 0.0, load=1.5, gpus_total=16)
+    plain, scale2 = bs.scaled_trace(20, 30.0, 0.0)
+    assert scale == scale2 and [t.arrival_s for t in trace] == [t.arrival_s for t in plain]
+    asked = sum(t.gpus * t.duration_s for t in trace)
+    assert abs(asked / (30.0 * 16) - 1.5) < 1e-9
+    assert asked > 1.5 * sum(t.gpus * t.duration_s for t in plain)  # the trace's own factor: far less load
+
+
 def test_speed_table_is_the_simulators_ground_truth():
     trace, _ = bs.scaled_trace(20, 30.0, 2.0)
     table = bs.speed_table(trace)
