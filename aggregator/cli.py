@@ -41,11 +41,11 @@ def _run(args, cfg) -> int:
 
 
 async def drain(broker: str, server: str, wait: bool = True, timeout_s: float = 600.0, poll_s: float = 0.5,
-                progress=None) -> dict[str, Any]:
+                progress=None, reply_timeout_s: float = 10.0) -> dict[str, Any]:
     """Drain aggregation server ``server`` and (``wait``) return its stats once the move finished.
 
-    Raises :class:`nodesvc.bus.rpc.CommandError` when the server refuses or does not answer, and
-    :class:`TimeoutError` when the move does not finish within ``timeout_s``.
+    Raises :class:`nodesvc.bus.rpc.CommandError` when the server refuses or does not answer within
+    ``reply_timeout_s``, and :class:`TimeoutError` when the move does not finish within ``timeout_s``.
     """
     import aiomqtt
 
@@ -54,7 +54,7 @@ async def drain(broker: str, server: str, wait: bool = True, timeout_s: float = 
     from nodesvc.bus.rpc import Correlator
 
     addr = parse_broker_url(broker)
-    rpc = Correlator("dlshare-agg-drain", timeout_s=10.0)
+    rpc = Correlator("dlshare-agg-drain", timeout_s=reply_timeout_s)
     async with aiomqtt.Client(addr.host, addr.port, username=addr.username, password=addr.password,
                               identifier=rpc.prefix + f"-{time.monotonic_ns()}", timeout=5) as client:
         await client.subscribe(messages.topic("agg", server, "reply"), qos=1)
@@ -113,7 +113,8 @@ def _drain_cmd(args, cfg) -> int:
             shown.append(line)
 
     try:
-        st = asyncio.run(drain(broker, args.server, not args.no_wait, args.wait_timeout, progress=progress))
+        st = asyncio.run(drain(broker, args.server, not args.no_wait, args.wait_timeout, progress=progress,
+                               reply_timeout_s=args.reply_timeout))
     except (CommandError, TimeoutError) as exc:
         print(f"dlshare agg drain: {exc}", file=sys.stderr)
         return 1
@@ -142,12 +143,14 @@ def register(cli) -> None:
     cli.config_flag(p, "--max-cores", "agg", "max_cores", help="largest pool size (0: all CPUs)")
     cli.config_flag(p, "--round-timeout-s", "agg", "round_timeout_s", help="fail a round after this many seconds")
     cli.config_flag(p, "--trace-file", "agg", "trace_file",
-                help="record every chunk's stage times and write them to this JSON file at exit")
+                    help="record every chunk's stage times and write them to this JSON file at exit")
     cli.config_flag(p, "--metrics-listen", "agg", "metrics_listen",
-                help="HOST:PORT for Prometheus metrics (default 127.0.0.1:9466; port -1: none)")
+                    help="HOST:PORT for Prometheus metrics (default 127.0.0.1:9466; port -1: none)")
     p.add_argument("--no-wait", action="store_true", help="drain: return once the server is draining")
     p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
                    help="drain: give up waiting after S seconds (default 600)")
+    p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S",
+                   help="drain: a server that does not answer within S seconds is an error (default 10)")
 
 
 if __name__ == "__main__":

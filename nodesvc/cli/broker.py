@@ -43,5 +43,5 @@ def register(cli) -> None:
                 sections=["broker"])
     cli.config_flag(p, "--listen", "broker", "listen", help="HOST:PORT to listen on (default 127.0.0.1:1883); several, comma-separated")
     cli.config_flag(p, "--password-file", "broker", "password_file",
-                help="mosquitto_passwd file of users; anonymous clients are then refused")
+                    help="mosquitto_passwd file of users; anonymous clients are then refused")
     cli.config_flag(p, "--acl-file", "broker", "acl_file", help="mosquitto ACL file of topic rights")

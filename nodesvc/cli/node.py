@@ -57,8 +57,8 @@ def register(cli) -> None:
     cli.config_flag(p, "--lend", "node", "lend", action="store_const", const=True, help="lend idle memory")
     cli.config_flag(p, "--fake-gpus", "node", "fake_gpus", type=int, help="simulate N GPUs (for GPU-less demos)")
     cli.config_flag(p, "--allow-run", "node", "allow_run", action="store_const", const=True,
-                help="start job processes on request (the run command); restrict the broker's ACLs")
+                    help="start job processes on request (the run command); restrict the broker's ACLs")
     cli.config_flag(p, "--no-enforce", "node", "enforce", action="store_const", const=False,
-                help="do not apply allocations through cgroups")
+                    help="do not apply allocations through cgroups")
     cli.config_flag(p, "--allow-root-jobs", "node", "allow_root_jobs", action="store_const", const=True,
-                help="let run start jobs as root (uid 0); by default a job whose owner is root is refused")
+                    help="let run start jobs as root (uid 0); by default a job whose owner is root is refused")

@@ -364,8 +364,8 @@ def register(cli) -> None:
     cli.config_flag(p, "--fake-gpus", "up", "fake_gpus", type=int, help="simulated GPUs per node")
     cli.config_flag(p, "--state-dir", "up", "state_dir", help="where logs and the scheduler database go")
     cli.config_flag(p, "--broker", "up", "broker", choices=["amqtt", "mosquitto"],
-                help="which MQTT broker to run (default amqtt, the embedded one)")
+                    help="which MQTT broker to run (default amqtt, the embedded one)")
     cli.config_flag(p, "--netns", "up", "netns", choices=["auto", "on", "off"],
-                help="node daemons in network namespaces, as separate hosts (default auto)")
+                    help="node daemons in network namespaces, as separate hosts (default auto)")
     p.add_argument("--tour", action="store_true", help="run the scripted tour, then stop")
     p.add_argument("--duration", type=float, default=0, help="stop after this many seconds (0: until Ctrl-C)")

@@ -126,12 +126,12 @@ def register(cli) -> None:
     cli.config_flag(p, "--slurm-conf", "slurm", "slurm_conf", help="SLURM_CONF for Slurm's commands")
     cli.config_flag(p, "--poll", "slurm", "poll_s", type=float, help="seconds between reads of the queue (default 1)")
     cli.config_flag(p, "--gpu-slots", "slurm", "gpu_slots", type=int,
-                help="count-only gpu GRES per physical GPU on the partition's nodes (default 2)")
+                    help="count-only gpu GRES per physical GPU on the partition's nodes (default 2)")
     cli.config_flag(p, "--telemetry", "slurm", "telemetry", action="store_const", const=True,
-                help="feed telemetry of `dlshare node` beside slurmd (from --broker) to the core")
+                    help="feed telemetry of `dlshare node` beside slurmd (from --broker) to the core")
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL (for --telemetry)")
     cli.config_flag(p, "--predictors", "slurm", "predictors", choices=["data", "default"],
-                help="predictors at start (default data)")
+                    help="predictors at start (default data)")
     p.add_argument("--once", action="store_true", help="one poll and its actions, then exit")
     p.add_argument("--release-held", action="store_true",
                    help="take dlshare out: give held jobs their own requests back and release them, then exit")

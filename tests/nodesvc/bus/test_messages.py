@@ -48,7 +48,7 @@ def test_parse_telemetry_random_objects(obj):
     assert messages.valid_id(t.node) and t.memory_total_bytes >= 0
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(cpu=json_values, gpus=st.one_of(json_values, st.fixed_dictionaries({}, optional={
            "devices": st.lists(st.one_of(json_values, st.dictionaries(
                st.sampled_from(["index", "name", "util_percent", "memory_util_percent", "memory_used_bytes",

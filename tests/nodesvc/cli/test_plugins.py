@@ -12,15 +12,16 @@ import pytest
 import nodesvc.cli
 from nodesvc.bus import commands
 from tests.conftest import ROOT
+from tests.source_tree import parsed, sources
 
 PACKAGES = ["nodesvc", "rdma", "aggregator", "scheduler", "bench"]
 
 
-def _imports_by_name(source: str) -> list[tuple[int, str]]:
+def _imports_by_name(tree: ast.Module) -> list[tuple[int, str]]:
     """``(line, call)`` for each import of a module named by a value: ``importlib.import_module(...)``,
     ``import_module(...)``, ``__import__(...)``."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
@@ -32,14 +33,13 @@ def _imports_by_name(source: str) -> list[tuple[int, str]]:
 def test_the_scan_finds_imports_by_name():
     src = "import importlib\nm = importlib.import_module('scheduler.cli.tour')\nx = __import__('bench')\n" \
           "from importlib import import_module\ny = import_module(name)\nimport scheduler\n"
-    assert [line for line, _ in _imports_by_name(src)] == [2, 3, 5]
+    assert [line for line, _ in _imports_by_name(ast.parse(src))] == [2, 3, 5]
 
 
 def test_no_project_module_imports_a_module_by_name():
     hits = []
-    for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            hits += [f"{path.relative_to(ROOT)}:{line}: {call}" for line, call in _imports_by_name(path.read_text())]
+    for path in sources(*PACKAGES):
+        hits += [f"{path.relative_to(ROOT)}:{line}: {call}" for line, call in _imports_by_name(parsed(path))]
     assert not hits, "modules imported by name (use a plain import, or an entry point):\n" + "\n".join(hits)
 
 
@@ -117,13 +117,12 @@ def test_with_no_command_registered_dlshare_says_to_install_the_package(monkeypa
 def test_no_package_names_the_cli_package_in_its_imports():
     """lint-imports forbids it (make test runs it); this says so in the suite too, file by file."""
     bad = []
-    for pkg in ["rdma", "aggregator", "scheduler", "bench"]:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-                bad += [f"{path.relative_to(ROOT)}:{node.lineno}" for m in mods
-                        if m == "nodesvc.cli" or m.startswith("nodesvc.cli.")]
+    for path in sources("rdma", "aggregator", "scheduler", "bench"):
+        for node in ast.walk(parsed(path)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}" for m in mods
+                    if m == "nodesvc.cli" or m.startswith("nodesvc.cli.")]
     assert not bad, bad
 
 

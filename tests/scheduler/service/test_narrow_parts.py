@@ -14,6 +14,7 @@ from scheduler.service.recovery import RecoveryHost
 from scheduler.service.store import JobStore
 from scheduler.service.translate import TranslatorHost
 from tests.conftest import ROOT
+from tests.source_tree import parsed, sources
 
 
 def _members(proto: type) -> set[str]:
@@ -24,7 +25,7 @@ def _members(proto: type) -> set[str]:
 def _svc_uses(path) -> set[str]:
     """Attributes read through ``svc`` or ``self.svc`` in a module."""
     used = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Attribute):
             v = node.value
             if (isinstance(v, ast.Name) and v.id == "svc") or (isinstance(v, ast.Attribute) and v.attr == "svc"):
@@ -48,8 +49,8 @@ def test_the_service_is_each_protocol(tmp_path):
 
 def test_no_part_of_the_service_takes_the_whole_service_untyped():
     bad = []
-    for path in sorted(p for pkg in ("scheduler", "aggregator", "nodesvc", "rdma") for p in (ROOT / pkg).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for path in sources("scheduler", "aggregator", "nodesvc", "rdma"):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.arg) and node.arg in ("svc", "service", "client") and \
                     isinstance(node.annotation, ast.Name) and node.annotation.id == "Any":
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.arg}: Any")
