@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import signal
 import sys
 import tempfile
@@ -38,7 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import report, trace_replay
+from bench.trace_replay import percentile
 
 GPUS, CPUS, MEM_MB = 8, 2, 24000  # per node (the simulator's cluster; the node daemons report this host's CPUs)
 
@@ -71,23 +71,7 @@ def scaled_trace(n: int, span_s: float, load: float, min_s: float, nodes: int) -
 
 
 def simulate(trace: list[Any], nodes: int) -> dict[str, dict[str, float]]:
-    from scheduler.predictors import Predictors
-    from scheduler.sim import Cluster, simulate as sim
-
-    cluster = Cluster(nodes, GPUS, CPUS, MEM_MB * (1 << 20) / 1e9)
-    out = {}
-    for prof in ("dlshare", "fifo"):
-        m = sim(trace, cluster, prof, predictors=Predictors.from_data(), report_delay_s=1e15).metrics()
-        out[prof] = {"mean_jct_s": m["avg_jct_h"] * 3600, "p99_jct_s": m["p99_jct_h"] * 3600,
-                     "makespan_s": m["makespan_h"] * 3600, "preemptions": m["preemptions"]}
-    return out
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    return trace_replay.simulate(trace, nodes, GPUS, CPUS, MEM_MB)
 
 
 class TimingProxy:
@@ -209,7 +193,7 @@ def live_run(mode: str, trace: list[Any], kube: Any, root: Path, node_names: lis
             except TimeoutError:
                 held_after = _held(dl)
         out = {"pods_total": len(created), "pods_completed": len(jct),
-               "mean_jct_s": sum(jct) / len(jct) if jct else None, "p99_jct_s": _pct(jct, 0.99),
+               "mean_jct_s": sum(jct) / len(jct) if jct else None, "p99_jct_s": percentile(jct, 0.99),
                "makespan_s": (max(driver.pods[n]["ended"] for n in created if driver.pods.get(n, {}).get("ended"))
                               - t0) if jct else None,
                "lost": len(created) - len(jct), "bound_twice": bound_twice, "faults": events}
@@ -217,9 +201,9 @@ def live_run(mode: str, trace: list[Any], kube: Any, root: Path, node_names: lis
             out["dlshare_held_after_end"] = held_after
             out["extender_calls"] = {v: len(xs) for v, xs in proxy.times.items()}
             out["extender_failed_calls"] = proxy.failed
-            out["extender_ms"] = {v: {"p50": _pct(xs, 0.5), "p99": _pct(xs, 0.99)} for v, xs in proxy.times.items()}
+            out["extender_ms"] = {v: {"p50": percentile(xs, 0.5), "p99": percentile(xs, 0.99)} for v, xs in proxy.times.items()}
             allx = [x for xs in proxy.times.values() for x in xs]
-            out["extender_p99_ms"] = _pct(allx, 0.99)
+            out["extender_p99_ms"] = percentile(allx, 0.99)
         return out
     finally:
         driver.stop()

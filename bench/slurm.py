@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
+from bench import report, trace_replay
+from bench.trace_replay import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS, CPUS, MEM_MB = 4, 12, 256000  # per node; the simulator's cluster is the same (below)
@@ -100,24 +101,7 @@ def speed_table(trace: list[Any]) -> dict[str, dict[str, float]]:
 
 
 def simulate(trace: list[Any], nodes: int) -> dict[str, dict[str, float]]:
-    from scheduler.predictors import Predictors
-    from scheduler.sim import Cluster, simulate as sim
-
-    cluster = Cluster(nodes, GPUS, CPUS, MEM_MB * (1 << 20) / 1e9)
-    out = {}
-    for prof in ("dlshare", "fifo"):
-        # No telemetry reaches the live core in this run (report_delay_s: never), as in (b).
-        m = sim(trace, cluster, prof, predictors=Predictors.from_data(), report_delay_s=1e15).metrics()
-        out[prof] = {"avg_jct_s": m["avg_jct_h"] * 3600, "p99_jct_s": m["p99_jct_h"] * 3600,
-                     "makespan_s": m["makespan_h"] * 3600, "preemptions": m["preemptions"]}
-    return out
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    return trace_replay.simulate(trace, nodes, GPUS, CPUS, MEM_MB)
 
 
 def _dlshare(cluster: Any, work: Path, log: Path) -> subprocess.Popen:
@@ -189,7 +173,7 @@ def live_run(mode: str, trace: list[Any], root: Path, nodes: int, kill_at_s: flo
     run_twice = sorted({j for j in twice} | {j for j, ss in starts.items() if j in ends and any(s > ends[j] for s in ss)})
     out: dict[str, Any] = {
         "mode": mode, "jobs": len(trace), "finished": len(jct), "avg_jct_s": sum(jct) / len(jct) if jct else None,
-        "p99_jct_s": _pct(jct, 0.99), "makespan_s": (max(ends.values()) - min(submitted.values())) if ends else None,
+        "p99_jct_s": percentile(jct, 0.99), "makespan_s": (max(ends.values()) - min(submitted.values())) if ends else None,
         "jobs_lost": len(lost), "jobs_run_twice": len(run_twice), "restarts": sum(len(s) - 1 for s in starts.values()),
         "kills": kills,
     }
@@ -204,7 +188,7 @@ def live_run(mode: str, trace: list[Any], root: Path, nodes: int, kill_at_s: flo
         out.update({"decisions_carried_out": _count(log, r"slurm: (released|requeue|hold) job"),
                     "releases": sum(len(v) for v in rel.values()), "releases_in_slurm_log": releases_in_log,
                     "requeues": _count(log, r"slurm: requeue job"),
-                    "decision_to_running_p50_s": _pct(lat, 0.5), "decision_to_running_p99_s": _pct(lat, 0.99),
+                    "decision_to_running_p50_s": percentile(lat, 0.5), "decision_to_running_p99_s": percentile(lat, 0.99),
                     "refused_or_failed_actions": _count(log, r"failed \(exit")})
     return out
 
@@ -279,14 +263,14 @@ def run(args) -> dict[str, Any]:
                                   args.slurm_time_factor)
             print(f"slurm: {mode}: " + json.dumps({k: v for k, v in runs[mode].items()}, default=str), flush=True)
     a, b = runs["alone"], runs["dlshare"]
-    sim_b = sim["dlshare"]["avg_jct_s"]
+    sim_b = sim["dlshare"]["mean_jct_s"]
     metrics = {
         "jobs": n, "nodes": nodes, "gpus_per_node": GPUS, "time_scale": scale, "span_s": span,
         "offered_load": sum(t.gpus * t.duration_s for t in trace) / (span * nodes * GPUS),
         "slurm_avg_jct_s": a["avg_jct_s"], "slurm_p99_jct_s": a["p99_jct_s"],
         "dlshare_avg_jct_s": b["avg_jct_s"], "dlshare_p99_jct_s": b["p99_jct_s"],
         "sim_avg_jct_s": sim_b, "sim_p99_jct_s": sim["dlshare"]["p99_jct_s"],
-        "sim_fifo_avg_jct_s": sim["fifo"]["avg_jct_s"],
+        "sim_fifo_avg_jct_s": sim["fifo"]["mean_jct_s"],
         "dlshare_vs_slurm": b["avg_jct_s"] / a["avg_jct_s"] if a["avg_jct_s"] and b["avg_jct_s"] else None,
         "slurm_mean_jct_vs_slurm": b["avg_jct_s"] / a["avg_jct_s"] if a["avg_jct_s"] and b["avg_jct_s"] else None,
         "live_vs_sim": b["avg_jct_s"] / sim_b if b["avg_jct_s"] and sim_b else None,
@@ -304,7 +288,7 @@ def run(args) -> dict[str, Any]:
          "run twice": b["jobs_run_twice"]},
         {"run": "(c) simulator, profile dlshare", "avg JCT s": sim_b, "p99 JCT s": sim["dlshare"]["p99_jct_s"],
          "makespan s": sim["dlshare"]["makespan_s"]},
-        {"run": "(c) simulator, profile fifo", "avg JCT s": sim["fifo"]["avg_jct_s"],
+        {"run": "(c) simulator, profile fifo", "avg JCT s": sim["fifo"]["mean_jct_s"],
          "p99 JCT s": sim["fifo"]["p99_jct_s"], "makespan s": sim["fifo"]["makespan_s"]},
     ]
     print(report.markdown_table(rows))
