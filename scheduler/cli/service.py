@@ -167,7 +167,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     from nodesvc.bus.procs import split_hostport
     from scheduler.service.api import create_app
     from scheduler.service.http_limits import server_options
-    from scheduler.service.k8s import BinderConfigError, PodSync, binder_from_config
+    from scheduler.service.k8s import PodSync
+    from scheduler.service.k8s_api import BinderConfigError, binder_from_config
     from scheduler.service.store import JobStore, load_or_create_token
     from scheduler.service.tokens import TokenBook, TokenError
 

@@ -67,7 +67,7 @@ from scheduler.service.views import cluster_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from nodesvc.bus.mqtt import Bus
-    from scheduler.service.k8s import KubeBinder
+    from scheduler.service.k8s_api import KubeBinder
 
 log = logging.getLogger("dlshare.sched.live")
 

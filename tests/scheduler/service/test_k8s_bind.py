@@ -20,7 +20,7 @@ import yaml
 from fastapi.testclient import TestClient
 from nodesvc.bus import config
 from nodesvc.bus.procs import free_port
-from scheduler.service import k8s
+from scheduler.service import k8s, k8s_api
 from scheduler.service.api import create_app
 from tests.scheduler.service.svc_helpers import POD_UID, TOKEN, auth, pod, service_with_nodes
 
@@ -213,11 +213,11 @@ class Extender:
         return [e["data"]["pod"] for e in self.svc.store.events() if e["kind"] == "k8s_bind"]
 
 
-def in_cluster_binder(apiserver: FakeAPIServer, token_file: Path, timeout_s: float = 2.0) -> k8s.KubeBinder:
+def in_cluster_binder(apiserver: FakeAPIServer, token_file: Path, timeout_s: float = 2.0) -> k8s_api.KubeBinder:
     sched = {**config.defaults()["sched"], "k8s_bind": True, "k8s_token_file": str(token_file),
              "k8s_ca_file": str(apiserver.ca_file), "k8s_timeout_s": timeout_s}
     env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(apiserver.port)}
-    binder = k8s.binder_from_config(sched, env=env)
+    binder = k8s_api.binder_from_config(sched, env=env)
     assert binder is not None and binder.api_url == f"https://127.0.0.1:{apiserver.port}"
     return binder
 
@@ -286,7 +286,7 @@ def test_timeout_and_connection_refused_are_errors_in_time(store, apiserver, tok
         assert ext.recorded("slow") is None
     apiserver.release.set()
     dead = f"http://127.0.0.1:{free_port()}"
-    with Extender(store, k8s.KubeBinder(dead, token_file=str(token_file), timeout_s=1.0)) as ext:
+    with Extender(store, k8s_api.KubeBinder(dead, token_file=str(token_file), timeout_s=1.0)) as ext:
         err = ext.schedule("p1")["Error"]
         assert err.startswith(f"binding pod ml/p1 to node cpu-c: cannot reach the API server at {dead}: ConnectError")
         assert ext.recorded("p1") is None and ext.bind_events() == []
@@ -294,11 +294,11 @@ def test_timeout_and_connection_refused_are_errors_in_time(store, apiserver, tok
 
 def test_tls_is_verified_against_the_configured_ca(store, apiserver, token_file, tmp_path):
     apiserver.pods[("ml", "p1")] = {"uid": UID, "node": None}
-    with Extender(store, k8s.KubeBinder(apiserver.url, token_file=str(token_file), ca_file="")) as ext:
+    with Extender(store, k8s_api.KubeBinder(apiserver.url, token_file=str(token_file), ca_file="")) as ext:
         err = ext.schedule("p1")["Error"]  # the system CAs do not know the cluster's CA
         assert "cannot reach the API server" in err and "CERTIFICATE_VERIFY_FAILED" in err
     missing = tmp_path / "no-ca.crt"
-    with Extender(store, k8s.KubeBinder(apiserver.url, token_file=str(token_file), ca_file=str(missing))) as ext:
+    with Extender(store, k8s_api.KubeBinder(apiserver.url, token_file=str(token_file), ca_file=str(missing))) as ext:
         assert f"cannot load the API server's CA from {missing}" in ext.schedule("p1")["Error"]
     assert apiserver.requests == [] and apiserver.pods[("ml", "p1")]["node"] is None
 
@@ -310,7 +310,7 @@ def test_plain_http_api_without_a_token(store, tmp_path):
     try:
         fake.pods.update({("ml", "p1"): {"uid": UID, "node": None}, ("ml", "p2"): {"uid": UID, "node": None}})
         sched = {**config.defaults()["sched"], "k8s_bind": True, "k8s_api": fake.url + "/", "k8s_token_file": ""}
-        binder = k8s.binder_from_config(sched, env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+        binder = k8s_api.binder_from_config(sched, env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
         assert binder.api_url == fake.url
         with Extender(store, binder) as ext:
             assert ext.schedule("p1") == {"Error": ""} and ext.recorded("p1") is not None
@@ -336,19 +336,19 @@ def test_config_keys_and_in_cluster_discovery():
     cfg = config.load(path=None, env={"DLSHARE_SCHED_K8S_BIND": "true", "DLSHARE_SCHED_K8S_TIMEOUT_S": "2.5"})
     s = cfg["sched"]
     assert s["k8s_bind"] is True and s["k8s_timeout_s"] == 2.5 and s["k8s_api"] == ""
-    assert s["k8s_token_file"] == k8s.SA_TOKEN == "/var/run/secrets/kubernetes.io/serviceaccount/token"
-    assert s["k8s_ca_file"] == k8s.SA_CA == "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    assert s["k8s_token_file"] == k8s_api.SA_TOKEN == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    assert s["k8s_ca_file"] == k8s_api.SA_CA == "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
     assert config.defaults()["sched"]["k8s_bind"] is False
-    assert k8s.binder_from_config(config.defaults()["sched"], env={}) is None
-    b = k8s.binder_from_config(s, env={"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"})
+    assert k8s_api.binder_from_config(config.defaults()["sched"], env={}) is None
+    b = k8s_api.binder_from_config(s, env={"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"})
     assert b.api_url == "https://[fd00::1]:6443" and b.timeout_s == 2.5
-    assert k8s.api_server_url("", {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}) == "https://10.96.0.1:443"
-    with pytest.raises(k8s.BinderConfigError, match="KUBERNETES_SERVICE_HOST is unset"):
-        k8s.binder_from_config(s, env={})
-    with pytest.raises(k8s.BinderConfigError, match="http"):
-        k8s.api_server_url("kube:6443")
-    with pytest.raises(k8s.BinderConfigError, match="positive"):
-        k8s.KubeBinder("https://x", timeout_s=0)
+    assert k8s_api.api_server_url("", {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}) == "https://10.96.0.1:443"
+    with pytest.raises(k8s_api.BinderConfigError, match="KUBERNETES_SERVICE_HOST is unset"):
+        k8s_api.binder_from_config(s, env={})
+    with pytest.raises(k8s_api.BinderConfigError, match="http"):
+        k8s_api.api_server_url("kube:6443")
+    with pytest.raises(k8s_api.BinderConfigError, match="positive"):
+        k8s_api.KubeBinder("https://x", timeout_s=0)
 
 
 def test_deploy_binds_through_dlshare_with_the_rbac_it_needs():
