@@ -55,12 +55,13 @@ class Original:
     required_nodes: tuple[str, ...]
     node_count: int = 1
     tasks: int = 1
+    time_limit_min: int | None = None  # --time in minutes as submitted (None: none)
 
     def to_dict(self) -> dict[str, Any]:
         return {"gres_per_node": [str(g) for g in self.gres_per_node], "gres_per_job": [str(g) for g in self.gres_per_job],
                 "gres_per_task": [str(g) for g in self.gres_per_task], "cpus": self.cpus,
                 "memory_mb": self.memory_mb, "required_nodes": list(self.required_nodes),
-                "node_count": self.node_count, "tasks": self.tasks}
+                "node_count": self.node_count, "tasks": self.tasks, "time_limit_min": self.time_limit_min}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Original":
@@ -69,12 +70,13 @@ class Original:
         return cls(parse_gres(",".join(d.get("gres_per_node", []))), parse_gres(",".join(d.get("gres_per_job", []))),
                    parse_gres(",".join(d.get("gres_per_task", []))), int(d.get("cpus", 1)),
                    None if d.get("memory_mb") is None else int(d["memory_mb"]), tuple(d.get("required_nodes", [])),
-                   int(d.get("node_count", 1)), int(d.get("tasks", 1)))
+                   int(d.get("node_count", 1)), int(d.get("tasks", 1)),
+                   None if d.get("time_limit_min") is None else int(d["time_limit_min"]))
 
     @classmethod
     def of(cls, j: SlurmJob) -> "Original":
         return cls(j.gres_per_node, j.gres_per_job, j.gres_per_task, j.cpus, j.memory_mb, j.required_nodes,
-                   j.node_count, j.tasks)
+                   j.node_count, j.tasks, j.time_limit_min)
 
     def gpu_type(self) -> str:
         for g in (*self.gres_per_node, *self.gres_per_job, *self.gres_per_task):

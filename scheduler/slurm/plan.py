@@ -19,6 +19,11 @@ is already done, which is why no job is released twice.
   (``scontrol requeuehold``).
 * The core waits a job that Slurm has pending but not held (requeued by Slurm, released by its
   user): **hold** it again.
+* A running job that shares a GPU: **extend** its time limit (``scontrol update JobId=.. TimeLimit=..``)
+  by its predicted slowdown there (:func:`shared_time_limit`), so that a job slowed by a partner dlshare
+  chose is not killed at the ``--time`` its user set for running alone.  A newcomer placed on a shared
+  GPU gets its longer limit in the release itself.  Limits only grow while a job runs (a shorter one
+  could end it at once); a job dlshare gives back (``--release-held``) gets its own limit again.
 * A job the core cannot place now, or ever, or that dlshare cannot read: a **note** in its comment
   (`` | dlshare: waiting (Resources): ...``, the core's reason), visible in ``squeue -o "%i %k"``.
 
@@ -37,13 +42,20 @@ from scheduler.slurm.comment import with_status
 from scheduler.slurm.squeue import GresRequest, SlurmJob
 
 MiB = 1 << 20
+# The longest a shared GPU may stretch a job's time limit, and the least: sharing that the core admits
+# keeps every job at >= half its speed by prediction (the co-location filter's floor), and a pair
+# time-sliced on one GPU without any gain runs each at half speed; the limit covers at least that, and a
+# worse prediction up to 4x.  A job killed at its limit loses all it has done; one that overruns a
+# generous limit only holds its slot longer, so the rule errs long.
+SHARED_LIMIT_MIN_FACTOR = 2.0
+SHARED_LIMIT_MAX_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
 class Action:
     """One intent for one job, as the ``scontrol`` command lines that carry it out (in order)."""
 
-    kind: str  # release | requeue | hold | note
+    kind: str  # release | requeue | hold | extend | note
     job: str
     commands: tuple[tuple[str, ...], ...]
     key: str  # the intent (the same key is not sent again within retry_s)
@@ -69,9 +81,44 @@ def gres_text(reqs: tuple[GresRequest, ...]) -> str:
     return ",".join(str(g) for g in reqs)
 
 
+def shared_time_limit(core: Any, rec: Any, limit_min: int | None) -> int | None:
+    """The time limit (minutes) a job with ``--time`` = ``limit_min`` needs while the core has it on a
+    GPU shared with others: ``limit_min`` / s, where s is the lowest of its predicted speed beside its
+    partners on any of its GPUs and its last measured speed, stretched by at least
+    ``SHARED_LIMIT_MIN_FACTOR`` and at most ``SHARED_LIMIT_MAX_FACTOR``.  None when the job shares no GPU
+    or has no limit."""
+    if not limit_min:
+        return None
+    speed = 1.0
+    shared = False
+    for sh in rec.shards:
+        ns = core.nodes.get(sh.node)
+        if ns is None:
+            continue
+        for g in sh.gpus:
+            others = [core.records[o].job for o in ns.residents[g] if o != rec.job.id and o in core.records]
+            if not others:
+                continue
+            shared = True
+            s = core.predictors.colocated_speeds(rec.job.job_type, [o.job_type for o in others], rec.job, others)[0]
+            if s == s:  # an unknown pair (NaN) leaves the floor's factor
+                speed = min(speed, s)
+    if not shared:
+        return None
+    measured = getattr(rec, "speed", 1.0)
+    if 0.0 < measured < speed:
+        speed = measured
+    factor = min(SHARED_LIMIT_MAX_FACTOR, max(SHARED_LIMIT_MIN_FACTOR, 1.0 / max(speed, 1e-9)))
+    return int(math.ceil(limit_min * factor))
+
+
+def extend_commands(job_id: str, limit_min: int) -> tuple[tuple[str, ...], ...]:
+    return (("scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit_min}"),)
+
+
 def release_commands(job_id: str, nodes: tuple[str, ...], gres: str | None, clear_per_job: bool, num_cpus: int,
                      cpus_per_task: int | None, memory_mb: int, admin: str, comment: str,
-                     held: bool) -> tuple[tuple[str, ...], ...]:
+                     held: bool, time_limit_min: int | None = None) -> tuple[tuple[str, ...], ...]:
     """The ``scontrol`` lines that place a held job and let it go."""
     upd = ["scontrol", "update", f"JobId={job_id}", f"NodeList={','.join(nodes)}", f"NumNodes={len(nodes)}",
            f"NumCPUs={num_cpus}"]
@@ -82,6 +129,8 @@ def release_commands(job_id: str, nodes: tuple[str, ...], gres: str | None, clea
         upd.append(f"Gres={gres}")
     if clear_per_job:
         upd.append("TresPerJob=")
+    if time_limit_min is not None:
+        upd.append(f"TimeLimit={time_limit_min}")
     upd += [f"AdminComment={admin}", f"Comment={comment}", "StartTime=now"]
     out = [tuple(upd)]
     if held:
@@ -178,11 +227,13 @@ def _release(book: Book, core: Any, t: Tracked, j: SlurmJob, rec: Any, free: Fre
         cpus = max(tasks, cpus - cpus % tasks)
         cpt = cpus // tasks
     where = ", ".join(f"{sh.node} GPU {','.join(map(str, sh.gpus))}" for sh in shards)
+    limit = shared_time_limit(core, rec, o.time_limit_min)
     status = f"placed on {where}" + (f" shared with {','.join(shared_with)}" if shared_with else "") + \
-        f" ({cpus} CPUs, {_gib(mem)})"
+        f" ({cpus} CPUs, {_gib(mem)}" + (f", time limit {limit} min while shared" if limit else "") + ")"
     comment = with_status(j.comment, status)
     admin = binding(shards)
-    cmds = release_commands(t.job_id, nodes, gres, clear_per_job, cpus, cpt, int(mem), admin, comment, j.held)
+    cmds = release_commands(t.job_id, nodes, gres, clear_per_job, cpus, cpt, int(mem), admin, comment, j.held,
+                            limit if limit is not None and limit > (j.time_limit_min or 0) else None)
     return Action("release", t.job_id, cmds, f"release:{admin}:{j.restart_count}", nodes, status, admin)
 
 
@@ -220,6 +271,10 @@ def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 
         if state is JobState.RUNNING:
             if j.pending and (j.held or t.released_restart != j.restart_count):
                 releases.append((t, j, rec))
+            elif j.running and j.time_limit_min is not None:
+                limit = shared_time_limit(core, rec, t.original.time_limit_min)
+                if limit is not None and limit > j.time_limit_min:
+                    first.append(Action("extend", j.job_id, extend_commands(j.job_id, limit), f"extend:{limit}"))
         elif state.active:  # queued or preempted in the core
             if j.running:
                 status = f"preempted, waiting (run {rec.preemptions})" if state is JobState.PREEMPTED else "requeued"
@@ -262,6 +317,8 @@ def restore_commands(j: SlurmJob, original: Any | None) -> tuple[tuple[str, ...]
             upd.append(f"CPUsPerTask={original.cpus // max(1, original.tasks)}")
         if original.memory_mb:
             upd.append(f"MinMemoryNode={original.memory_mb}")
+        if original.time_limit_min:
+            upd.append(f"TimeLimit={original.time_limit_min}")
         upd.append(f"Gres={gres_text(original.gres_per_node)}")
         per_job = [g for g in original.gres_per_job if g.name == "gpu"]
         if per_job:

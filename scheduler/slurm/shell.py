@@ -253,6 +253,9 @@ class SlurmShell:
             log.info("slurm: released job %s: %s", a.job, a.status)
         elif a.kind in ("requeue", "hold"):
             log.info("slurm: %s job %s: %s", a.kind, a.job, a.status)
+        elif a.kind == "extend":
+            log.info("slurm: job %s shares a GPU: time limit %s min (asked %s)", a.job, a.commands[0][-1][10:],
+                     t.original.time_limit_min)
         return True
 
     # ------------------------------------------------------------------ loop

@@ -78,6 +78,7 @@ class SlurmJob:
     user: str = ""  # Slurm's user_name ("": unknown, the core's anonymous user)
     account: str = ""  # Slurm's account ("": none)
     owner_note: str = ""  # why user/account are not what Slurm wrote (a fallback was used); "" when they are
+    time_limit_min: int | None = None  # the job's --time in minutes (None: unlimited or not set)
 
     @property
     def held(self) -> bool:
@@ -231,6 +232,18 @@ def _num(rec: dict[str, Any], key: str, default: int | None = 0, where: str = ""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
         raise SlurmJsonError(f"{where}: {key}: expected a number, got {v!r}")
     return int(v)
+
+
+# Slurm's INFINITE (0xffffffff) and NO_VAL (0xfffffffe) as a 32-bit number of minutes.
+_NO_LIMIT = 0xFFFFFFFE
+
+
+def _time_limit(rec: dict[str, Any], where: str) -> int | None:
+    """``time_limit`` in minutes; None for a job without one (UNLIMITED, unset, or Slurm's sentinels)."""
+    v = _num(rec, "time_limit", None, where)
+    if v is None or v <= 0 or v >= _NO_LIMIT:
+        return None
+    return v
 
 
 def _text(rec: dict[str, Any], key: str, where: str) -> str:
@@ -388,7 +401,7 @@ def parse_job(rec: Any) -> SlurmJob:
         end_time=float(_num(rec, "end_time", 0, where) or 0),
         exit_code=int(exit_code) if isinstance(exit_code, int) and not isinstance(exit_code, bool) else 0,
         restart_count=_num(rec, "restart_cnt", 0, where) or 0,
-        user=user, account=account, owner_note=owner_note,
+        user=user, account=account, owner_note=owner_note, time_limit_min=_time_limit(rec, where),
     )
 
 

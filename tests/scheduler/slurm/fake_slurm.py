@@ -1,7 +1,8 @@
 """An in-memory stand-in for Slurm's commands, for the Slurm shell's unit tests.
 
 It answers :meth:`snapshot` and :meth:`run` like :class:`scheduler.slurm.runner.SlurmCLI` and keeps
-just enough of Slurm's rules: only a pending job can be updated; release/hold need a held/unheld
+just enough of Slurm's rules: only a pending job can be updated (a running one only its comments and
+time limit, as an operator can); release/hold need a held/unheld
 pending job; ``requeuehold`` puts a running job back pending and held, with its restart count up;
 :meth:`schedule` starts released jobs on their required nodes when slots, CPUs and memory fit, as
 Slurm's own scheduler does.  ``crash_after`` raises :class:`Crash` before the N-th command, to cut a
@@ -98,7 +99,7 @@ class FakeSlurm:
         if verb == "update":
             kv = dict(a.split("=", 1) for a in argv[2:])
             j = self.jobs[kv.pop("JobId")]
-            if j["job_state"] != "PENDING" and set(kv) - {"Comment", "AdminComment"}:
+            if j["job_state"] != "PENDING" and set(kv) - {"Comment", "AdminComment", "TimeLimit"}:
                 return Result(tuple(argv), 1, "", "Job is no longer pending execution")
             for k, v in kv.items():
                 if k == "NodeList":
@@ -115,6 +116,8 @@ class FakeSlurm:
                     j["admin_comment"] = v
                 elif k == "Gres":
                     j["tres_per_node"] = f"gres:{v}" if v else ""
+                elif k == "TimeLimit":
+                    j["time_limit"] = int(v)
             return Result(tuple(argv), 0, "", "")
         j = self.jobs.get(argv[2])
         if j is None:

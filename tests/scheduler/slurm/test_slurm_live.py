@@ -67,6 +67,12 @@ def squeue(c, jid):
     return c.job(jid)
 
 
+def time_limit(c, jid) -> int:
+    """The job's time limit in minutes as Slurm shows it now."""
+    v = c.job(jid)["time_limit"]
+    return int(v["number"] if isinstance(v, dict) else v)
+
+
 def test_placement_cpu_and_memory_by_sensitivity(slurm, tmp_path):
     c = slurm
     sh = make_shell(c, tmp_path, "synergy")
@@ -98,12 +104,18 @@ def test_placement_cpu_and_memory_by_sensitivity(slurm, tmp_path):
 def test_colocation_in_declared_gpu_slots(slurm, tmp_path):
     c = slurm
     sh = make_shell(c, tmp_path, PACK)
-    ids = [submit(c, tmp_path, "--gres=gpu:1", name="ResNet-18@32") for _ in range(14)]
+    ids = [submit(c, tmp_path, "--gres=gpu:1", "--time=10", name="ResNet-18@32") for _ in range(14)]
     got = drive(sh, lambda: (lambda s: s if len(s) == 14 else None)(starts(tmp_path)), timeout=90,
                 what="14 jobs on 12 GPUs")
     shared = [j for j in ids if sh.core.records[j].shards and
               len(sh.core.nodes[sh.core.records[j].shards[0].node].residents[sh.core.records[j].shards[0].gpus[0]]) > 1]
     assert len(shared) == 4  # two GPUs hold two jobs each
+    # A job slowed by a partner is not killed at the --time it asked for running alone: both partners'
+    # limits (the resident's and the newcomer's) grow by the predicted slowdown, at least 2x; no other's does.
+    limits = drive(sh, lambda: (lambda m: m if all(m[j] >= 20 for j in shared) else None)(
+        {j: time_limit(c, j) for j in ids}), timeout=60, what="shared jobs' time limits extended")
+    assert all(limits[j] <= 40 for j in shared)
+    assert {limits[j] for j in ids if j not in shared} == {10}
     by_gpu = {}
     for j in shared:
         ((node, gpus, _, _),) = got[j]

@@ -319,6 +319,44 @@ def test_journal_of_another_partition_or_profile_is_refused(tmp_path):
         make_shell(slurm, tmp_path / "j", profile="las")
 
 
+def test_jobs_sharing_a_gpu_get_longer_time_limits_and_no_one_else(tmp_path):
+    slurm = FakeSlurm(nodes=1, gpus=2, slots=2)
+    a = slurm.submit("ResNet-18@32", time_limit=30)
+    sh = make_shell(slurm, tmp_path / "j", PACK)
+    sh.step()
+    assert slurm.schedule() == [a]
+    b, c, d = (slurm.submit("ResNet-18@32", time_limit=30), slurm.submit("ResNet-18@32", time_limit=30),
+               slurm.submit("ResNet-18@32"))
+    sh.clock.t += 1
+    sh.step()
+    slurm.schedule()
+    shards = {j: sh.core.records[j].shards[0] for j in (a, b, c, d)}
+    shared = {j for j in shards if sum(shards[o] == shards[j] for o in shards) > 1}
+    assert len(shared) == 4 and d in shared  # 4 jobs on 2 GPUs
+    release_b = next(cmd for cmd in slurm.commands if cmd[:3] == ("scontrol", "update", f"JobId={b}"))
+    limit_b = int(next(x for x in release_b if x.startswith("TimeLimit="))[10:])
+    assert 60 <= limit_b <= 120  # the newcomer's release carries its longer limit
+    assert job(slurm, b).time_limit_min == limit_b and "while shared" in job(slurm, b).comment
+    assert 60 <= job(slurm, a).time_limit_min <= 120  # the resident, running already, in the same step
+    assert job(slurm, d).time_limit_min is None  # no limit: nothing to extend
+    n = len(slurm.commands)
+    sh.clock.t += 20
+    sh.step()  # level-triggered: done once, not again
+    assert not [cmd for cmd in slurm.commands[n:] if any(x.startswith("TimeLimit=") for x in cmd)]
+
+
+def test_a_job_alone_on_its_gpus_keeps_its_time_limit(tmp_path):
+    slurm = FakeSlurm(nodes=1, gpus=2, slots=2)
+    a, b = slurm.submit("LM@20", gpus=2, time_limit=30), slurm.submit("ResNet-18@32", time_limit=30)
+    sh = make_shell(slurm, tmp_path / "j")  # fifo: no sharing
+    sh.step()
+    slurm.schedule()
+    sh.clock.t += 20
+    sh.step()
+    assert job(slurm, a).time_limit_min == 30 and job(slurm, b).time_limit_min == 30
+    assert not [cmd for cmd in slurm.commands if any(x.startswith("TimeLimit=") for x in cmd)]
+
+
 def test_release_held_gives_jobs_their_own_request_back(tmp_path):
     slurm = FakeSlurm(nodes=1, gpus=1, slots=1)
     a, b = slurm.submit("A", cpus=3, memory_per_node=64000), slurm.submit("B", cpus=2, memory_per_node=1000)
@@ -333,6 +371,22 @@ def test_release_held_gives_jobs_their_own_request_back(tmp_path):
     assert not jb.held and jb.cpus == 2 and jb.memory_mb == 1000 and jb.comment == "" and jb.admin_comment == ""
     cmds = restore_commands(jb, None)
     assert cmds[0][:3] == ("scontrol", "update", f"JobId={b}") and len(cmds) == 1
+
+
+def test_release_held_gives_a_job_its_own_time_limit_back(tmp_path):
+    slurm = FakeSlurm(nodes=1, gpus=1, slots=2)
+    a = slurm.submit("ResNet-18@32", time_limit=30)
+    sh = make_shell(slurm, tmp_path / "j", PACK)
+    sh.step()
+    slurm.schedule()
+    b = slurm.submit("ResNet-18@32", time_limit=30)
+    sh.clock.t += 1
+    sh.step()  # b's release sets a longer limit; Slurm has not started it yet
+    sh.close()
+    assert job(slurm, b).time_limit_min > 30 and job(slurm, a).time_limit_min > 30
+    slurm.jobs[b].update(priority=0)  # held again before it started (an operator's hold)
+    release_held(slurm, "dlshare", tmp_path / "j")
+    assert job(slurm, b).time_limit_min == 30 and not job(slurm, b).held
 
 
 class FakeFeed:

@@ -42,6 +42,21 @@ def test_later_versions_wrapped_numbers_and_lists():
     assert j.state == "RUNNING" and j.priority == 5 and j.memory_mb == 4096
 
 
+@pytest.mark.parametrize("value,minutes", [
+    (30, 30), (None, None), (0, None), (0xFFFFFFFE, None), (0xFFFFFFFF, None),
+    ({"set": True, "infinite": False, "number": 45}, 45), ({"set": True, "infinite": True, "number": 0}, None),
+    ({"set": False, "infinite": False, "number": 0}, None),
+])
+def test_time_limit_in_every_shape(value, minutes):
+    assert parse_job(job_json(4, time_limit=value)).time_limit_min == minutes
+    assert parse_job(job_json(4)).time_limit_min is None  # absent: none
+
+
+def test_a_time_limit_that_is_not_a_number_names_the_field():
+    with pytest.raises(SlurmJsonError, match="job 4: time_limit"):
+        parse_job(job_json(4, time_limit="1:00:00"))
+
+
 def test_nodes():
     nodes = parse_nodes({"nodes": [
         node_json("n1"), node_json("n2", state="idle", state_flags=["DRAIN"], reason="maintenance"),
