@@ -122,7 +122,7 @@ def _service(cfg: dict[str, dict[str, Any]], store):
     log; the predictors are trained only when no snapshot holds them)."""
     from scheduler import WatchRules
     from scheduler.service.live import SchedulerService
-    from scheduler.service.store import WaitingLimits
+    from scheduler.service.rows import WaitingLimits
 
     s = cfg["sched"]
     if not (0 <= s["max_waiting_per_user"] <= 1 << 30 and 0 <= s["max_waiting_per_account"] <= 1 << 30):

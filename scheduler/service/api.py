@@ -37,7 +37,7 @@ from scheduler.service.models import (
     ApiCluster, ApiError, ApiHistory, ApiJob, ApiJobEvents, ApiJobList, ApiJobSpec, ApiJobState, ApiNewToken,
     ApiToken, ApiTokenList, ApiTokenRequest, ApiWhoami, TERMINAL_STATES,
 )
-from scheduler.service.store import ConflictError, JobRow, Owner, QuotaError
+from scheduler.service.rows import ConflictError, JobRow, Owner, QuotaError
 from scheduler.service.tokens import Principal, TokenBook, TokenError
 
 log = logging.getLogger("dlshare.sched.api")

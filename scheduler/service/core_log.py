@@ -22,7 +22,7 @@ from scheduler.events import Event
 from scheduler.model import Job
 
 if TYPE_CHECKING:
-    from scheduler.service.store import JobRow
+    from scheduler.service.rows import JobRow
 
 
 class CoreLogError(ValueError):

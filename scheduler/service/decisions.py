@@ -42,7 +42,8 @@ from scheduler.service.commands import NodeCommands
 from scheduler.service.core_log import encode_event
 from scheduler.service.core_log import new_event_id as _eid
 from scheduler.service.journal import Journal
-from scheduler.service.store import DecisionRow, JobAllocation, JobStore
+from scheduler.service.rows import DecisionRow, JobAllocation
+from scheduler.service.store import JobStore
 
 log = logging.getLogger("dlshare.sched.live")
 AGG_SECRET_ENV = "DLSHARE_AGG_SECRET"  # where aggregator.Client reads the secret (aggregator.protocol.SECRET_ENV)

@@ -27,7 +27,8 @@ from typing import Any
 from scheduler import SchedulerState, snapshot
 from scheduler.replay import differences, replay
 from scheduler.service.core_log import CoreLogError, decode_event
-from scheduler.service.store import DecisionRow, JobStore
+from scheduler.service.rows import DecisionRow
+from scheduler.service.store import JobStore
 
 
 @dataclass(frozen=True)

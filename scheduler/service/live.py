@@ -61,7 +61,8 @@ from scheduler.service.nodes import LiveNode
 from scheduler.service.pending import PendingJobs, philly_prior
 from scheduler.service.recovery import Recovery
 from scheduler.service.stats import ServiceStats
-from scheduler.service.store import JobRow, JobStore, Owner, WaitingLimits
+from scheduler.service.rows import JobRow, Owner, WaitingLimits
+from scheduler.service.store import JobStore
 from scheduler.service.translate import Translator
 from scheduler.service.views import cluster_view
 

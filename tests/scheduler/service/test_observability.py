@@ -151,7 +151,7 @@ def test_a_waiting_jobs_events_follow_its_cause_at_once_and_its_numbers_at_most_
     from scheduler import Job, JobArrived, JobFinished, Node, SchedulerState
     from scheduler.model import GiB
     from scheduler.service.pending import PendingJobs
-    from scheduler.service.store import Owner
+    from scheduler.service.rows import Owner
 
     core = SchedulerState("fifo", [Node(f"n{i}", 4, 16, 64 * GiB) for i in range(2)])
     pending = PendingJobs(store, event_gap_s=100.0, prior=lambda: None)

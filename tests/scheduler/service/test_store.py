@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 from scheduler import Job, JobArrived, JobFinished, JobSample, Node, NodeLost, NodeReport, Tick
 from scheduler.service.core_log import CoreLogError, decode_event, encode_event
 from scheduler.service.journal import Journal
-from scheduler.service.store import (
-    SCHEMA_VERSION, ConflictError, DecisionRow, JobAllocation, JobStore, Owner, WaitingLimits, load_or_create_token,
-)
+from scheduler.service.rows import ConflictError, DecisionRow, JobAllocation, Owner, WaitingLimits
+from scheduler.service.store import SCHEMA_VERSION, JobStore, load_or_create_token
 
 
 def test_wal_mode_and_job_round_trip(tmp_path):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from scheduler.service.api import create_app
 from scheduler.service.live import SchedulerService
-from scheduler.service.store import WaitingLimits
+from scheduler.service.rows import WaitingLimits
 from scheduler.service.tokens import TokenBook
 from tests.scheduler.service.svc_helpers import TOKEN, auth
 
@@ -199,7 +199,7 @@ async def test_run_names_the_owner_and_carries_the_jobs_aggregation_secret(fake_
     and hands every rank the job's aggregation secret: the same for a job across restarts, another
     for another job, and the spec's own when it brings one."""
     from nodesvc.bus.procs import until
-    from scheduler.service.store import Owner
+    from scheduler.service.rows import Owner
 
     n1 = await fake_node("n1", cpus=8, gpus=0)
     svc = await live_service.start(default_user="ops")
