@@ -100,6 +100,9 @@ class Context:
     share_clock: float = 0.0
     running: dict[str, JobRecord] | None = None  # the running jobs (None outside the core)
     waiting: dict[str, JobRecord] | None = None  # queued or preempted jobs
+    # While a pass places a waiting job: the GPUs the waiting jobs ranked ahead of it ask for (the
+    # work it queues behind); None: not known (every waiting job counts).
+    ahead_gpus: int | None = None
 
 
 class QueueSort:

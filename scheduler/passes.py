@@ -215,6 +215,7 @@ class SchedulingPasses:
         # GPUs holds back the GPU jobs behind it (without backfill), never the CPU-only ones.
         gpu_blocked = False
         quota = led.quota is not None
+        ahead = 0  # GPUs of the waiting jobs tried before this one that still wait
         for jid in led.wait_ids():
             if not gpu_blocked and led.free_gpus == 0 and (not share_possible or led.share_slots == 0):
                 gpu_blocked = True
@@ -232,15 +233,21 @@ class SchedulingPasses:
                 if gpu_blocked:
                     continue
                 if led.free_gpus < job.gpus and not self.share_ok(rec):
+                    ahead += job.gpus
                     if not self.profile.backfill:
                         gpu_blocked = True
                     continue
             if not self.eligible(rec):
+                ahead += job.gpus
                 continue
             cls = led.job_class[jid]
             if cls in failed:
+                ahead += job.gpus
                 continue
+            ctx.ahead_gpus = ahead
             placed = self._try_place(rec, ctx, stimulus_id, out)
+            if not placed:
+                ahead += job.gpus
             if placed:
                 failed.clear()
                 misses = 0
@@ -293,17 +300,26 @@ class SchedulingPasses:
                 rem -= r.job.gpus
         victims = [r for r in reversed(active) if r.job.id not in admitted and r.job.state is JobState.RUNNING]
         rank = {v.job.id: i for i, v in enumerate(victims)}  # 0 = worst ranked
+        ahead = 0  # GPUs of the waiting jobs ranked ahead that still wait
         for r in active:
-            if r.job.id not in admitted or r.job.state is JobState.RUNNING:
+            if r.job.state is JobState.RUNNING:
+                continue
+            if r.job.id not in admitted:
+                ahead += r.job.gpus
                 continue
             if led.quota is not None and led.quota_reason(r.job) and not self._make_quota_room(r, rank, stimulus_id,
                                                                                               out):
+                ahead += r.job.gpus
                 continue
             ctx = self.ledger.context()
-            if self._try_place(r, ctx, stimulus_id, out):
-                continue
-            if rank and self._make_room(r, rank, stimulus_id, out):
-                self._try_place(r, self.ledger.context(), stimulus_id, out)
+            ctx.ahead_gpus = ahead
+            if not self._try_place(r, ctx, stimulus_id, out):
+                if rank and self._make_room(r, rank, stimulus_id, out, ahead):
+                    ctx = self.ledger.context()
+                    ctx.ahead_gpus = ahead
+                    self._try_place(r, ctx, stimulus_id, out)
+            if r.job.state is not JobState.RUNNING:
+                ahead += r.job.gpus
         # Work conservation: anything else that fits (or may share) starts now.
         self._fill(stimulus_id, out)
 
@@ -356,7 +372,8 @@ class SchedulingPasses:
         cand = Candidate(ns, ())
         return all(f.filter(rec, cand, ctx) is None for f in self.filters)
 
-    def _make_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision]) -> bool:
+    def _make_room(self, rec: JobRecord, rank: dict[str, int], stimulus_id: str, out: list[Decision],
+                   ahead: int | None = None) -> bool:
         """Preempt the fewest, lowest-ranked victims that free a place for ``rec``.
         ``rank`` maps still-running victims to their rank (0 = worst); preempted
         ones are removed from it."""
@@ -370,6 +387,7 @@ class SchedulingPasses:
                 victim_nodes[sh.node] = None
         per_node: list[tuple[NodeState, int, list[str]]] = []
         ctx = self.ledger.context()
+        ctx.ahead_gpus = ahead
         for nid in victim_nodes:
             ns = self.ledger.nodes[nid]
             if not ns.alive or not self._filters_pass(rec, ns, ctx):

@@ -182,11 +182,21 @@ class GpuTypeFloor:
     generation has no free GPU for it (it waits for a running job to end).  So a job that runs 4x
     slower on a K80 waits for a busy V100 (floor 1/2) unless the backlog is deep; one that loses 20%
     takes the K80; with a V100 free the K80 is refused (floor 1).  ``min_speed`` fixes the floor
-    instead (0: the estimate's)."""
+    instead (0: the estimate's).
 
-    def __init__(self, min_speed: float = 0.0) -> None:
+    ``ahead``: count only the work queued ahead of this job in the order (``Context.ahead_gpus``,
+    which the passes set while they place it) instead of every waiting job's.  A job waits behind
+    the jobs ranked before it, not behind those after it: the head of the queue (under 2D-Gittins a
+    newcomer, whose wait for its best generation is short) waits for it, and a job far back takes a
+    slower generation now.  Counting the whole backlog gave the head the slow GPUs and left the jobs
+    behind it waiting.  Where the passes do not say (``ahead_gpus`` None) every waiting job counts.
+    Twins (one job class) are judged by the first of them a pass tries: the core does not try a
+    twin again in a pass once one was refused (its equivalence classes), so they wait together."""
+
+    def __init__(self, min_speed: float = 0.0, ahead: bool = False) -> None:
         if not 0 <= min_speed <= 1:
             raise ValueError("min_speed must be in [0, 1]")
+        self.ahead = bool(ahead)
         self.min_speed = float(min_speed)
         self._seen: tuple = ()
         self._backlog = 0.0
@@ -215,7 +225,10 @@ class GpuTypeFloor:
             floor = self.min_speed
         else:  # a node of its best type with room for it (or the gang spans several: assume none)
             busy = self._free.get(best_type, 0) < rec.job.gpus
-            floor = 1.0 / (1.0 + self._backlog + (1.0 if busy else 0.0))
+            backlog = self._backlog
+            if self.ahead and ctx.ahead_gpus is not None:
+                backlog = ctx.ahead_gpus / max(1, ctx.total_gpus)
+            floor = 1.0 / (1.0 + backlog + (1.0 if busy else 0.0))
         if v < floor * best - 1e-12:
             return f"runs at {v / best:.2f} of its speed on its best GPU type here; waiting is quicker (< {floor:.2f})"
         return None

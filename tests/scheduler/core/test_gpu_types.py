@@ -148,3 +148,53 @@ def test_dlshare_on_an_untyped_cluster_ignores_its_type_plugins():
     a = simulate(tr, Cluster.parse("2x4"), full, predictors="oracle").metrics()
     b = simulate(tr, Cluster.parse("2x4"), dataclasses.replace(blind(full), name=full.name), predictors="oracle").metrics()
     assert a["avg_jct_h"] == b["avg_jct_h"] and a["preemptions"] == b["preemptions"]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_floor_counts_the_work_queued_ahead_of_the_job(ahead):
+    """With ``ahead``, the head of the queue waits for the fast generation and jobs far back take the
+    slow one; counting every waiting job instead, the head takes the slow GPU too."""
+    prof = parse_profile({"name": "t", "order": {"plugin": "fifo"},
+                          "filter": [{"plugin": "gpu_type", "args": {"ahead": ahead}}]})
+    st = _typed_state(prof)
+    st.handle(JobArrived("busy", 0.0, Job("busy", "even", gpus=4)))  # the V100s are taken
+    assert st.nodes["v0"].free_gpus == 0
+    for i in range(60):  # "fast" runs at 0.25 of its V100 speed on a K80; each job a class of its own
+        st.handle(JobArrived(f"a{i}", 1.0 + i, Job(f"f{i:02d}", "fast", memory_bytes=(i + 1) << 20)))
+    on_k80 = sorted(jid for jid, r in st.ledger.records.items() if r.shards and r.job.model == "fast")
+    assert len(on_k80) == 8  # the K80s are full
+    if ahead:
+        # 1 / (1 + ahead / 12 + 1) <= 0.25 once 24 GPUs' worth of jobs wait ahead
+        assert all(int(j[1:]) >= 24 for j in on_k80) and st.ledger.records["f00"].shards == ()
+    else:
+        assert "f00" in on_k80
+
+
+def test_twins_wait_with_the_first_of_their_class():
+    """The core's equivalence classes: once the first of a class is refused, its twins behind it are
+    not tried in that pass, so with ``ahead`` a class of twins waits for the fast generation together."""
+    prof = parse_profile({"name": "t", "order": {"plugin": "fifo"},
+                          "filter": [{"plugin": "gpu_type", "args": {"ahead": True}}]})
+    st = _typed_state(prof)
+    st.handle(JobArrived("busy", 0.0, Job("busy", "even", gpus=4)))
+    for i in range(60):
+        st.handle(JobArrived(f"a{i}", 1.0 + i, Job(f"f{i:02d}", "fast")))
+    assert not any(r.shards for r in st.ledger.records.values() if r.job.model == "fast")
+    assert st.nodes["k0"].free_gpus == st.nodes["k1"].free_gpus == 4
+
+
+def test_the_floor_reads_the_queue_ahead_only_when_asked():
+    st = _typed_state(parse_profile({"name": "t", "order": {"plugin": "fifo"}}))
+    st.handle(JobArrived("busy", 0.0, Job("busy", "even", gpus=4)))
+    for i in range(40):
+        st.ledger.enqueue(JobRecord(Job(f"q{i}", "even")))
+    st.ledger.now = 1.0
+    fast, k = JobRecord(Job("x", "fast")), Candidate(st.nodes["k0"], ())
+    ctx = _ctx(st)
+    ctx.ahead_gpus = 0  # at the head: floor 1/2, the K80's 0.25 is refused
+    assert GpuTypeFloor(ahead=True).filter(fast, k, ctx) is not None
+    assert GpuTypeFloor().filter(fast, k, ctx) is None  # the whole backlog: floor 0.19
+    ctx.ahead_gpus = 40
+    assert GpuTypeFloor(ahead=True).filter(fast, k, ctx) is None
+    ctx.ahead_gpus = None  # not known: every waiting job counts
+    assert GpuTypeFloor(ahead=True).filter(fast, k, ctx) is None
