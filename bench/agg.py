@@ -120,13 +120,14 @@ def _ddp_worker(rank: int, world: int, init: str, addr: str, warmup: int, steps:
             ddp.register_comm_hook(AggState(client), timing.hook)
         variants[name] = {"model": model, "ddp": ddp, "client": client, "timing": timing,
                           "opt": torch.optim.SGD(ddp.parameters(), lr=0.01),
-                          "gen": torch.Generator().manual_seed(10 + rank), "times": [], "marks": []}
+                          "gen": torch.Generator().manual_seed(10 + rank), "times": [], "marks": [], "cpu": []}
     for i in range(warmup + steps):
         for name, v in variants.items():
             x = torch.randn(32, 1024, generator=v["gen"])
             y = torch.randn(32, 1024, generator=v["gen"])
             dist.barrier()
             t0 = time.perf_counter()
+            c0 = time.process_time()  # every thread of this rank: gloo's, the client's
             start = time.time()
             v["opt"].zero_grad()
             loss = ((v["ddp"](x) - y) ** 2).mean()
@@ -137,12 +138,14 @@ def _ddp_worker(rank: int, world: int, init: str, addr: str, warmup: int, steps:
             v["marks"].append([start, t_fwd, t_bwd, time.time()])
             if i >= warmup:
                 v["times"].append(time.perf_counter() - t0)
+                v["cpu"].append(time.process_time() - c0)
     hook = variants["hook"]
     trace = {"marks": hook["marks"], "buckets": hook["timing"].buckets, "stages": hook["client"].stage_records(),
              "default_marks": variants["default"]["marks"]}
     hook["client"].close()
     diff = max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(variants["default"]["model"].parameters(), hook["model"].parameters()))
+    trace["cpu_s"] = {name: float(np.median(v["cpu"])) for name, v in variants.items()}
     q.put((rank, float(np.median(variants["default"]["times"])), float(np.median(hook["times"])), diff, trace))
     dist.destroy_process_group()
 
@@ -219,13 +222,17 @@ def bench_roundtrip(ctx, world: int, nbytes: int, reps: int) -> tuple[float, flo
 
 
 def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, Any]:
-    """Default DDP against DDP with the hook, 2 ranks, alternating steps; the hook's stages as well."""
+    """Default DDP against DDP with the hook, 2 ranks, alternating steps; the hook's stages as well, and
+    the CPU a step of each on the whole machine (both ranks' median step; for the hook, the server's
+    mean per hook step added, as the server works in no other step)."""
     srv = ServerProc(ctx, server_id="ddp", max_cores=os.cpu_count() or 2, trace=True)
     try:
         q = ctx.Queue()
         init = f"tcp://127.0.0.1:{free_port()}"
+        srv_cpu0 = srv.cpu_s()
         ps = spawn(ctx, _ddp_worker, [(r, 2, init, srv.addr, warmup, steps, q) for r in range(2)])
         res = sorted(gather(q, 2, ps, timeout=600), key=lambda r: r[0])
+        srv_cpu = srv.cpu_s() - srv_cpu0  # the server works only in the hook's steps
         join_all(ps)
         server_trace = {"s": {"units": srv.stages()}}
     finally:
@@ -241,6 +248,10 @@ def bench_ddp(ctx, warmup: int, steps: int) -> dict[str, Any]:
         "ddp_step_ms_hook": max(r[2] for r in res) * 1e3,
         "ddp_step_ms_default": max(r[1] for r in res) * 1e3,
         "ddp_max_abs_diff": max(r[3] for r in res),
+        # CPU a step on the whole machine: both ranks (median step), and for the hook the server's mean
+        "ddp_cpu_ms_default": round(sum(r[4]["cpu_s"]["default"] for r in res) * 1e3, 1),
+        "ddp_cpu_ms_hook": round((sum(r[4]["cpu_s"]["hook"] for r in res) + srv_cpu / (warmup + steps)) * 1e3, 1),
+        "ddp_server_cpu_ms": round(srv_cpu / (warmup + steps) * 1e3, 1),
         "ddp_stages": {"hook": b, "default": bd},
         "ddp_step": step,
     }

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.placement import chunk_for_link
+from aggregator.placement import chunk_for_link, window_for_link
 from bench import agg_timeline, report
 from bench.agg_hosts import Cluster
 from nodesvc import netns
@@ -329,7 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spb = {"ring": 2 * (n - 1) / n / B, "hook_k1": n / B, "hook_k2": n / 2 / B, "hook_k4": 1 / B,
                "failover_k4": 1 / B, "hook_k4_fp16": 0.5 / B, "hook_k4_bf16": 0.5 / B}.get(
             name, 1 / B if name.startswith("var_") else 0.0)
-        b = agg_timeline.breakdown(res["w0"][name], warmup, list(traces.values()), job, spb)
+        b = agg_timeline.breakdown(res["w0"][name], warmup, list(traces.values()), job, spb,
+                                   peers=[res[w][name] for w in W[1:]])
         stage_rows.append({"phase": name, "bound_ms": r["bound_ms"], **b, "tcp": r.get("tcp")})
         mr = agg_timeline.median_round(res["w0"][name], warmup)
         if mr is not None:
@@ -360,7 +361,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(report.markdown_table(rows, cols))
     if jrows:
         print(report.markdown_table(jrows, ["job", *cols]))
-    scols = ["phase", "bound_ms", "step", "ready_floor", "comm_over_floor", "before_comm", "comm", "after_comm", "buckets_handed_over",
+    scols = ["phase", "bound_ms", "step", "ready_floor", "comm_over_floor", "ready_floor_all", "framed_floor_all",
+             "comm_over_framed_floor", "before_comm", "comm", "after_comm", "buckets_handed_over",
              "first_push_after_first_ready", "last_push_done", "server_last_arrival", "server_last_sum",
              "last_result_in", "last_future_done"]
     print(report.markdown_table(stage_rows, scols))
@@ -379,7 +381,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            params={"quick": quick, "rate_bit": rate_bit, "width": width, "batch": batch,
                                    "warmup": warmup, "steps": steps, "phases": want,
                                    "chunk_bytes": chunk or chunk_for_link(B, 4, n),
-                                   "window_chunks": base.get("window_chunks"),
+                                   "window_chunks": base.get("window_chunks",
+                                                             window_for_link(B, 4, n, chunk or chunk_for_link(B, 4, n))),
                                    "workers": n, "compute_s": compute_s})
 
 

@@ -46,8 +46,21 @@ def _med(xs: list[float]) -> float | None:
     return round(float(np.median(xs)) * 1e3, 1) if xs else None
 
 
+# A 1500-byte MTU carries 1448 bytes of TCP payload (20 bytes of IP, 32 of TCP with timestamps) in a
+# 1514-byte frame (and its 14-byte Ethernet header), and tbf charges each frame whole: payload moves at
+# most at this fraction of the shaped rate, whatever the protocol above TCP does.
+TCP_PAYLOAD_PER_FRAME = 1448 / 1514
+
+
+def _floor(bs: list[dict[str, Any]], start: float, s_per_byte: float) -> float:
+    """The earliest the link could carry every bucket's bytes, given when each was handed over."""
+    order = sorted(bs, key=lambda b: b["ready"])
+    return max(b["ready"] - start + s_per_byte * sum(c["bytes"] for c in order[i:]) for i, b in enumerate(order))
+
+
 def breakdown(wres: dict[str, Any], warmup: int, servers: list[dict] | None = None,
-              job: str | None = None, s_per_byte: float = 0.0) -> dict[str, Any]:
+              job: str | None = None, s_per_byte: float = 0.0,
+              peers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One worker's measured steps of one phase: medians (ms) of each part of the step.
 
     ``before_comm``: step start to the first bucket handed over (forward, the first part of
@@ -59,7 +72,13 @@ def breakdown(wres: dict[str, Any], warmup: int, servers: list[dict] | None = No
     ``s_per_byte``: the link seconds each byte of a bucket costs (the bound's own rate); then
     ``ready_floor`` is the earliest the communication could end given when the buckets were
     handed over: no bucket's bytes can leave before it is ready, so the link needs at least
-    ``max_j(ready_j + bytes from bucket j on * s_per_byte)`` from the step's start."""
+    ``max_j(ready_j + bytes from bucket j on * s_per_byte)`` from the step's start.
+
+    ``peers``: the other workers' records of the same phase.  A bucket is reduced only once every
+    rank has pushed it, so ``ready_floor_all`` is the largest of the workers' floors (each measured
+    from this worker's step start), ``framed_floor_all`` the same at the payload rate TCP over a
+    1500-byte MTU leaves (:data:`TCP_PAYLOAD_PER_FRAME`), and ``comm_over_framed_floor`` what the
+    pipeline loses past that: the part no rank's compute and no frame header explains."""
     marks = wres.get("marks") or []
     buckets = wres.get("buckets") or []
     stages = {(r["round"], r["key"]): r for r in wres.get("stages") or []}
@@ -94,11 +113,16 @@ def breakdown(wres: dict[str, Any], warmup: int, servers: list[dict] | None = No
         for b in bs:
             add(f"ready_b{b['key']}", b["ready"] - start)
         if s_per_byte:
-            order = sorted(bs, key=lambda b: b["ready"])
-            floor = max(b["ready"] - start + s_per_byte * sum(c["bytes"] for c in order[i:])
-                        for i, b in enumerate(order))
+            floor = _floor(bs, start, s_per_byte)
             add("ready_floor", floor)
             add("comm_over_floor", done - start - floor)  # how late the last bucket was, given the compute
+            if peers is not None:
+                every = [bs] + [[b for b in p.get("buckets") or [] if b["round"] == rnd] for p in peers]
+                if all(every):
+                    add("ready_floor_all", max(_floor(x, start, s_per_byte) for x in every))
+                    framed = max(_floor(x, start, s_per_byte / TCP_PAYLOAD_PER_FRAME) for x in every)
+                    add("framed_floor_all", framed)
+                    add("comm_over_framed_floor", done - start - framed)
         st = [stages[(rnd, b["key"])] for b in bs if (rnd, b["key"]) in stages]
         if st:
             add("first_push_after_first_ready", min(r["push_first"] for r in st) - first)
