@@ -37,7 +37,7 @@ import numpy as np
 from aggregator import kernel
 from aggregator.inflight import AggregationError, Allreduce, CopyPool, Unit
 from aggregator.link import ALL, DOWN, JOINING, NEW, ServerLink
-from aggregator.placement import HashRing, NoServer, Placement, chunk_for_link, split, window_for_link
+from aggregator.placement import HashRing, NoServer, Placement, chunk_for_link, split
 from aggregator.protocol import SECRET_ENV, DType, Header, MsgType, Op as ReduceOp
 from aggregator.stages import summarise_op
 
@@ -48,8 +48,7 @@ log = logging.getLogger("dlshare.agg.client")
 _WIRE = {"fp16": DType.F16, "bf16": DType.BF16}
 DEFAULT_CHUNK_BYTES = 4 << 20  # when neither chunk_bytes nor the link's rate is given
 LINK_ENV = "DLSHARE_AGG_LINK_GBIT"  # the hosts' link rate, when the launcher knows it: sizes the chunks
-# Chunks a rank may have pushed to one server and not yet had answered (0: no limit), when the link's
-# rate is unknown; with it, the window is sized in time (placement.window_for_link).  See ServerLink.
+# Chunks a rank may have pushed to one server and not yet had answered (0: no limit).  See ServerLink.
 DEFAULT_WINDOW_CHUNKS = 4
 
 
@@ -116,17 +115,16 @@ class Client:
 
     Pipelining: a key is cut into chunks of ``chunk_bytes``; by default they are sized from
     ``link_gbit``, the rate of the hosts' links (or the ``DLSHARE_AGG_LINK_GBIT`` environment
-    variable), so that a chunk takes about 32 ms on its connection (aggregator/placement.py), and
+    variable), so that a chunk takes about 8 ms on its connection (aggregator/placement.py), and
     are 4 MiB when the rate is unknown; every rank must use the same size.  At most
-    ``window_chunks`` chunks per server are pushed and not yet answered (aggregator/link.py); by
-    default 4, or with a known link rate as many as make about 100 ms of a connection's share.
+    ``window_chunks`` chunks per server are pushed and not yet answered (aggregator/link.py).
     """
 
     def __init__(self, servers: list[str] | str, job: str, rank: int, world: int,
                  chunk_bytes: int | None = None, timeout_s: float = 60.0,
                  connect_timeout_s: float = 10.0, layout: dict[int, Any] | None = None,
                  failover: bool = True, secret: str | None = None, trace: bool = False,
-                 window_chunks: int | None = None, link_gbit: float | None = None) -> None:
+                 window_chunks: int = DEFAULT_WINDOW_CHUNKS, link_gbit: float | None = None) -> None:
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         if not 0 <= rank < world:
@@ -139,15 +137,12 @@ class Client:
         if link_gbit is not None and not link_gbit > 0:
             raise ValueError(f"link_gbit must be positive, not {link_gbit!r}")
         self.link_gbit = link_gbit
-        nserv = len(set(servers))
         if chunk_bytes is None:
+            nserv = len(set(servers))
             chunk_bytes = (DEFAULT_CHUNK_BYTES if link_gbit is None
                            else chunk_for_link(link_gbit * 1e9 / 8, nserv, world))
         if chunk_bytes <= 0 or chunk_bytes % 4:
             raise ValueError("chunk_bytes must be a positive multiple of 4")
-        if window_chunks is None:
-            window_chunks = (DEFAULT_WINDOW_CHUNKS if link_gbit is None
-                             else window_for_link(link_gbit * 1e9 / 8, nserv, world, chunk_bytes))
         if window_chunks < 0:
             raise ValueError("window_chunks must be >= 0 (0: no window)")
         self.window_chunks = window_chunks

@@ -26,18 +26,13 @@ VNODES = 64  # virtual nodes per server on the fallback ring: spreads moved chun
 MIN_SPLIT_BYTES = 64 << 10  # splitting finer than this for balance costs more in headers than it saves
 # A chunk should take about this long on its connection's share of the link.  A step's pipeline
 # fills and drains once (its first results wait for a whole chunk from every rank, its last follow
-# the last chunk), so smaller chunks end a step sooner until the per-chunk cost shows, and on a
-# machine that also computes the gradients every chunk's CPU slows the backward pass.  Over shaped
-# veth pairs (500 Mbit/s, k = n = 4, bench/agg_network.py, 2-vCPU VM) a rank spends about 0.14 ms
-# of CPU per chunk beyond the per-byte copies: 8 ms chunks (840 a step) cost it 240 ms of CPU a
-# step, 32 ms chunks 155 ms.  The push window is set in time (WINDOW_TIME_S), not in chunks, so the
-# bytes a rank may run ahead do not grow with the chunk (a sweep with a 4-chunk window found larger
-# chunks slower: 128 KiB stepped at 1.19x the bound, 256 KiB at 1.22-1.25x, 1 MiB at 1.28-1.37x).
-CHUNK_TIME_S = 0.032
-# The push window, in time on a connection's share: a chunk's answer comes after its own push, the
-# other ranks' copies of it (they reach a server up to a few tens of ms apart) and its result's way
-# back, about three chunk times; the window covers that, so the link never waits for an answer.
-WINDOW_TIME_S = 0.1
+# the last chunk), and the push window (aggregator/link.py) lets ranks drift apart by a few chunks,
+# so smaller is faster until the per-chunk cost shows: 15-25 us of CPU per message at each end
+# beyond the per-byte copies (loopback, 2-vCPU VM), and on a machine that also computes the
+# gradients that CPU slows the backward pass.  Sweep at 500 Mbit/s, k = n = 4, window 4 chunks
+# (bench/RESULTS.md, issue 28): 128 KiB chunks (8.4 ms) stepped at 1.19x the bound, 256 KiB
+# (17 ms) at 1.22-1.25x, 1 MiB at 1.28-1.37x.
+CHUNK_TIME_S = 0.008
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 << 10, 4 << 20
 
 
@@ -81,15 +76,6 @@ def chunk_for_link(link_bytes_per_s: float, servers: int, world: int) -> int:
     share = link_bytes_per_s / max(1, servers, world)
     want = int(share * CHUNK_TIME_S) // 4096 * 4096
     return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, want))
-
-
-def window_for_link(link_bytes_per_s: float, servers: int, world: int, chunk_bytes: int) -> int:
-    """The push window (chunks a rank may have unanswered at one server) for chunks of ``chunk_bytes``
-    on links of ``link_bytes_per_s``: :data:`WINDOW_TIME_S` of a connection's share, at least 2."""
-    if link_bytes_per_s <= 0 or chunk_bytes <= 0:
-        raise ValueError("the link rate and the chunk size must be positive")
-    share = link_bytes_per_s / max(1, servers, world)
-    return max(2, round(share * WINDOW_TIME_S / chunk_bytes))
 
 
 def split(numel: int, itemsize: int, chunk_bytes: int, servers: int) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.placement import chunk_for_link, window_for_link
+from aggregator.placement import chunk_for_link
 from bench import agg_timeline, report
 from bench.agg_hosts import Cluster
 from nodesvc import netns
@@ -381,8 +381,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            params={"quick": quick, "rate_bit": rate_bit, "width": width, "batch": batch,
                                    "warmup": warmup, "steps": steps, "phases": want,
                                    "chunk_bytes": chunk or chunk_for_link(B, 4, n),
-                                   "window_chunks": base.get("window_chunks",
-                                                             window_for_link(B, 4, n, chunk or chunk_for_link(B, 4, n))),
+                                   "window_chunks": base.get("window_chunks"),
                                    "workers": n, "compute_s": compute_s})
 
 

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 from aggregator import Client, link
-from aggregator.placement import (CHUNK_TIME_S, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, WINDOW_TIME_S, chunk_for_link,
-                                  window_for_link)
+from aggregator.placement import CHUNK_TIME_S, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_for_link
 from nodesvc.bus.procs import wait_until
 from tests.aggregator.aggtest import addr, run_ranks
 
 
-def test_chunks_take_chunk_time_s_of_a_connections_share_of_the_link():
-    # 500 Mbit/s, 4 servers and 4 ranks: each connection gets 15.6 MB/s
+def test_chunks_take_about_8_ms_of_a_connections_share_of_the_link():
+    # 500 Mbit/s, 4 servers and 4 ranks: each connection gets 15.6 MB/s, 8 ms of it is 125 kB
     c = chunk_for_link(500e6 / 8, 4, 4)
     assert c % 4096 == 0 and abs(c - 500e6 / 8 / 4 * CHUNK_TIME_S) < 4096
     assert chunk_for_link(500e6 / 8, 1, 8) == chunk_for_link(500e6 / 8, 8, 1)  # the busier end sets it
@@ -25,37 +24,13 @@ def test_chunks_take_chunk_time_s_of_a_connections_share_of_the_link():
         chunk_for_link(0, 1, 1)
 
 
-def test_the_window_holds_window_time_s_of_a_connections_share_and_at_least_two_chunks():
-    share = 500e6 / 8 / 4
-    c = chunk_for_link(500e6 / 8, 4, 4)
-    w = window_for_link(500e6 / 8, 4, 4, c)
-    assert abs(w * c - share * WINDOW_TIME_S) <= c / 2  # the nearest whole number of chunks
-    assert window_for_link(500e6 / 8, 4, 4, 4 << 20) == 2  # a chunk longer than the window: still two
-    assert window_for_link(500e6 / 8, 4, 4, 64 << 10) > w  # smaller chunks: more of them
-    with pytest.raises(ValueError):
-        window_for_link(500e6 / 8, 4, 4, 0)
-
-
-def test_the_client_sizes_its_chunks_and_window_from_the_link_rate(monkeypatch):
+def test_the_client_sizes_its_chunks_from_the_link_rate(monkeypatch):
     monkeypatch.setenv("DLSHARE_AGG_LINK_GBIT", "0.5")
     c = Client(["127.0.0.1:1", "127.0.0.1:2"], "j", 0, 4)
     try:
         assert c.chunk_bytes == chunk_for_link(500e6 / 8, 2, 4)
-        assert c.window_chunks == window_for_link(500e6 / 8, 2, 4, c.chunk_bytes)
     finally:
         c.close()
-    c = Client(["127.0.0.1:1"], "j", 0, 2, window_chunks=7)  # an explicit window wins
-    try:
-        assert c.window_chunks == 7
-    finally:
-        c.close()
-    monkeypatch.delenv("DLSHARE_AGG_LINK_GBIT")
-    c = Client(["127.0.0.1:1"], "j", 0, 2)  # no rate known: the fixed defaults
-    try:
-        assert c.chunk_bytes == 4 << 20 and c.window_chunks == 4
-    finally:
-        c.close()
-    monkeypatch.setenv("DLSHARE_AGG_LINK_GBIT", "0.5")
     c = Client(["127.0.0.1:1"], "j", 0, 2, chunk_bytes=8192, link_gbit=1.0)  # an explicit size wins
     try:
         assert c.chunk_bytes == 8192
