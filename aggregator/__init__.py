@@ -23,11 +23,12 @@ Operators: telemetry on ``dlshare/v1/agg/<id>/telemetry``, retained state with a
 summary on ``.../state``, commands ``ping``, ``stats`` and ``drain`` on ``.../cmd``
 (``dlshare agg drain ID`` sends ``drain`` and waits until the server's jobs have moved).
 
-Public names: :class:`Client` and :class:`AggregationError` (floor 1, loaded with the
-package); :class:`AggregationServer` and :func:`serve` (floor 2, the server shell) are loaded
-only when first used, so that a training process that imports the client or the DDP hook
-never loads the server, its pool or its MQTT code.  ``aggregator.torch`` is imported on
-demand so that numpy users do not pay for torch.
+Public names: :class:`Client` and :class:`AggregationError` (floor 1);
+:class:`AggregationServer`, :class:`ServerSettings` and :func:`serve` (floor 2, the server
+shell).  Each is loaded when first used, so that a training process that imports the client or
+the DDP hook never loads the server, its pool or its MQTT code, and a command that only needs the
+``[agg]`` config section (:mod:`aggregator.settings`) loads neither.  ``aggregator.torch`` is
+imported on demand so that numpy users do not pay for torch.
 
 Floors (README, Development): the core, client, protocol, kernel, sockio, pool, scheduling
 and torch modules are floor 1 and may import :mod:`nodesvc.bus` (floor 0), ``rdma.native``
@@ -36,16 +37,23 @@ import those, never another shell; :mod:`aggregator.cli` is floor 3.  Nothing in
 imports ``bench`` or :mod:`nodesvc.cli`.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aggregator.client import AggregationError, Client
+if TYPE_CHECKING:
+    from aggregator.client import AggregationError, Client
+    from aggregator.server import AggregationServer, ServerSettings, serve
 
 __all__ = ["Client", "AggregationError", "AggregationServer", "ServerSettings", "serve"]
 
+_CLIENT_NAMES = ("Client", "AggregationError")
 _SERVER_NAMES = ("AggregationServer", "ServerSettings", "serve")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _CLIENT_NAMES:
+        from aggregator import client
+
+        return getattr(client, name)
     if name in _SERVER_NAMES:
         from aggregator import server
 
@@ -54,4 +62,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_SERVER_NAMES])
+    return sorted([*globals(), *_CLIENT_NAMES, *_SERVER_NAMES])

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from aggregator.server import resolve, serve  # also registers the [agg] config section
+from aggregator.settings import resolve  # also registers the [agg] config section
 
 
 def _run(args, cfg) -> int:
@@ -32,6 +32,8 @@ def _run(args, cfg) -> int:
         print(f"dlshare agg: unexpected argument {args.server!r} (did you mean `dlshare agg drain "
               f"{args.server}`?)", file=sys.stderr)
         return 2
+    from aggregator.server import serve
+
     cfg = resolve(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,30 +4,32 @@ On a terminal each benchmark shows a spinner, its name, its current step (``repo
 time so far on stderr.
 
 Each benchmark lives in its own module with ``add_arguments(parser)`` and
-``run(args) -> dict`` (the JSON envelope of bench/report.py), listed in :data:`BENCHES`.
+``run(args) -> dict`` (the JSON envelope of bench/report.py), listed in :func:`benches`.  The
+modules are imported only when ``dlshare bench`` runs or shows its help, so that no other command
+pays for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from bench import agg, cache, forecast, k8s, memory, paging, report, sched, sched_service, slurm
+NAMES = ("memory", "paging", "cache", "agg", "sched", "sched-service", "slurm", "k8s", "forecast")
 
-BENCHES = {
-    "memory": memory,
-    "paging": paging,
-    "cache": cache,
-    "agg": agg,
-    "sched": sched,
-    "sched-service": sched_service,
-    "slurm": slurm,
-    "k8s": k8s,
-    "forecast": forecast,
-}
+
+def benches() -> dict[str, Any]:
+    """Each benchmark's module, by the name ``dlshare bench`` takes."""
+    from bench import agg, cache, forecast, k8s, memory, paging, sched, sched_service, slurm
+
+    return {"memory": memory, "paging": paging, "cache": cache, "agg": agg, "sched": sched,
+            "sched-service": sched_service, "slurm": slurm, "k8s": k8s, "forecast": forecast}
 
 
 def _run(args, cfg) -> int:
+    from bench import report
+
+    BENCHES = benches()
     names = list(BENCHES) if args.bench == "all" else [args.bench]
     results = {}
     for i, name in enumerate(names, 1):
@@ -43,15 +45,19 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def register(cli) -> None:
-    p = cli.add("bench", _run, "run operator benchmarks against their baselines, side by side", quiet=True)
-    p.add_argument("bench", choices=[*BENCHES, "all"], help="which benchmark")
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bench", choices=[*NAMES, "all"], help="which benchmark")
     p.add_argument("--quick", action="store_true", help="small sizes, for a fast check")
     p.add_argument("--json", metavar="PATH", help="write the result JSON here")
     seen: set[str] = set()
-    for mod in BENCHES.values():
+    for mod in benches().values():
         if hasattr(mod, "add_arguments"):
             mod.add_arguments(p, seen)
+
+
+def register(cli) -> None:
+    cli.add("bench", _run, "run operator benchmarks against their baselines, side by side", quiet=True,
+            arguments=_arguments)
 
 
 if __name__ == "__main__":  # pragma: no cover

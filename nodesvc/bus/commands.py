@@ -43,12 +43,47 @@ def config_flag(parser, flag: str, section: str, key: str, **kwargs) -> None:
     parser.add_argument(flag, dest=f"{_FLAG_PREFIX}{section}__{key}", **kwargs)
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser whose own arguments may be added late: ``arguments(parser)`` runs the
+    first time the subcommand is parsed or its help is shown, never for another command.  So a
+    command whose arguments come from heavy modules (the benchmarks, each with its own flags) costs
+    nothing to ``dlshare node`` or ``dlshare --help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arguments: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def _ensure(self) -> None:
+        build, self._arguments = self._arguments, None
+        if build is not None:
+            build(self)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._ensure()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._ensure()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._ensure()
+        return super().format_usage()
+
+
 def add_command(sub, name: str, run: RunFn, help: str, sections: Sequence[str] = (),
-                quiet: bool = False) -> argparse.ArgumentParser:
+                quiet: bool = False,
+                arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
     """Add subcommand ``name``; ``sections`` are the config sections it prints and uses.  ``quiet``:
     a command whose output is its answer (``job``, ``status``, ``sim``...): library logs below
-    warning (httpx's request lines, ...) stay out of it unless ``--log-level`` asks for them."""
+    warning (httpx's request lines, ...) stay out of it unless ``--log-level`` asks for them.
+    ``arguments(parser)``: adds the command's own arguments only when the command is used (see
+    :class:`_Subcommand`); a command may instead add them to the returned parser at once."""
     p = sub.add_parser(name, help=help, description=help, parents=[_common()])
+    if isinstance(p, _Subcommand):
+        p._arguments = arguments
+    elif arguments is not None:  # a parser built elsewhere (a test's): add them now
+        arguments(p)
     p.set_defaults(_run=run, _sections=[config.GLOBAL, *sections], _quiet=quiet)
     return p
 
@@ -62,9 +97,10 @@ class Commands:
         self._sub = sub
 
     def add(self, name: str, run: RunFn, help: str, sections: Sequence[str] = (),
-            quiet: bool = False) -> argparse.ArgumentParser:
+            quiet: bool = False,
+            arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
         """See :func:`add_command`."""
-        return add_command(self._sub, name, run, help, sections, quiet)
+        return add_command(self._sub, name, run, help, sections, quiet, arguments)
 
 
 def _flags(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -81,7 +117,7 @@ def build_parser(registers: Iterable[Callable[[Commands], None]], prog: str = "d
     parser = argparse.ArgumentParser(prog=prog, description=description)
     if version:
         parser.add_argument("--version", action="version", version=f"{prog} {version}")
-    cli = Commands(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    cli = Commands(parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Subcommand))
     for register in registers:
         register(cli)
     return parser

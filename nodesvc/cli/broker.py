@@ -7,7 +7,6 @@ import signal
 
 from nodesvc.bus import config
 from nodesvc.bus.acl import AclError
-from nodesvc.bus.broker import serve
 from nodesvc.bus.procs import split_hostport
 
 config.register_section("broker", {
@@ -23,6 +22,8 @@ def _run(args, cfg) -> int:
     addrs = [split_hostport(a, 1883) for a in cfg["broker"]["listen"].split(",") if a.strip()]
     if not addrs:
         raise config.ConfigError("broker.listen names no address")
+
+    from nodesvc.bus.broker import serve  # amqtt: loaded by this command only
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -12,8 +12,6 @@ import sys
 import time
 from typing import Any
 
-import aiomqtt
-
 from nodesvc.bus import messages
 from nodesvc.bus.mqtt import parse_broker_url
 
@@ -110,6 +108,8 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 async def gather(broker: str, settle_s: float = 0.4, timeout_s: float = 3.0) -> dict[str, dict[str, Any]]:
     """Collect retained state messages until none arrive for ``settle_s`` (or ``timeout_s``)."""
+    import aiomqtt
+
     addr = parse_broker_url(broker)
     states: dict[str, dict[str, Any]] = {}
     async with aiomqtt.Client(addr.host, addr.port, username=addr.username, password=addr.password,
@@ -191,6 +191,8 @@ def _render_caches(doc: dict[str, Any], console) -> None:
 
 
 def _run(args, cfg) -> int:
+    import aiomqtt
+
     try:
         states = asyncio.run(gather(cfg["dlshare"]["broker"], timeout_s=args.timeout))
     except aiomqtt.MqttError as exc:

@@ -16,12 +16,23 @@ def _loaded_after(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("code", ["import aggregator", "from aggregator import Client",
-                                  "from aggregator.torch import AggState, comm_hook"])
+@pytest.mark.parametrize("code", ["from aggregator import Client", "from aggregator.torch import AggState, comm_hook"])
 def test_client_and_hook_do_not_load_the_server(code):
     loaded = _loaded_after(code)
     assert "aggregator.client" in loaded
     assert not loaded & {"aggregator.server", "aggregator.pool", "aggregator.cli", "nodesvc.bus.mqtt"}, loaded
+
+
+@pytest.mark.parametrize("code", ["import aggregator",
+                                  "import aggregator.settings\nfrom nodesvc.bus import config\n"
+                                  "assert 'agg' in config.defaults()",
+                                  "import aggregator.cli\nfrom nodesvc.bus import config\n"
+                                  "assert 'agg' in config.defaults()"])
+def test_the_package_its_settings_and_its_command_load_neither_client_nor_server(code):
+    """The ``[agg]`` config section must be known to every ``dlshare`` command (one config file serves
+    them all); loading it costs them neither the client (numpy, the C extension) nor the server."""
+    loaded = _loaded_after(code)
+    assert not loaded & {"aggregator.client", "aggregator.server", "aggregator.pool"}, loaded
 
 
 def test_server_names_load_on_first_use():

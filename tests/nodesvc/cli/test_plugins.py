@@ -60,9 +60,9 @@ def test_every_command_module_registers_through_the_registry_it_is_given():
     seen = []
 
     class Recording(commands.Commands):
-        def add(self, name, run, help, sections=(), quiet=False):
+        def add(self, name, run, help, sections=(), quiet=False, arguments=None):
             seen.append(name)
-            return super().add(name, run, help, sections, quiet)
+            return super().add(name, run, help, sections, quiet, arguments)
 
     import argparse
 
@@ -130,3 +130,42 @@ def test_the_tour_parts_are_entry_points_too():
     parts = dict(nodesvc.cli.load_entry_points(nodesvc.cli.TOUR_GROUP))
     assert "sched" in parts and callable(parts["sched"])
     assert Path(sys.modules[parts["sched"].__module__].__file__).is_relative_to(ROOT)
+
+
+# Modules no command may load before it is chosen: the benchmarks, the aggregation client and server,
+# the embedded broker and torch.  Each costs every other command its start-up time.  (numpy comes with
+# the scheduler's core, which the scheduler's commands register with.)
+HEAVY = ("bench.agg", "bench.paging", "bench.sched", "aggregator.client", "aggregator.server", "amqtt", "torch")
+
+
+def _loaded_after(code: str) -> list[str]:
+    import subprocess
+
+    probe = code + "\nimport sys\nprint(' '.join(sorted(sys.modules)))\n"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_building_the_cli_and_its_help_load_no_heavy_module():
+    loaded = _loaded_after("import nodesvc.cli, contextlib, io\np = nodesvc.cli.build_parser()\n"
+                           "with contextlib.redirect_stdout(io.StringIO()):\n"
+                           "    try:\n        p.parse_args(['--help'])\n    except SystemExit:\n        pass")
+    assert not [m for m in loaded if m in HEAVY], [m for m in loaded if m in HEAVY]
+
+
+def test_a_commands_own_arguments_load_when_it_is_chosen():
+    loaded = _loaded_after("import nodesvc.cli\np = nodesvc.cli.build_parser()\n"
+                           "a = p.parse_args(['bench', 'agg', '--quick', '--agg-jobs', '3'])\n"
+                           "assert (a.bench, a.quick, a.agg_jobs) == ('agg', True, 3), a")
+    assert "bench.agg" in loaded  # the benchmarks' own flags came with it
+
+
+def test_dlshare_bench_help_lists_every_benchmark_and_their_flags(capsys):
+    import bench.cli
+
+    assert set(bench.cli.NAMES) == set(bench.cli.benches())
+    with pytest.raises(SystemExit):
+        nodesvc.cli.build_parser().parse_args(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in bench.cli.NAMES) and "--agg-jobs" in out and "--working-set" in out
