@@ -15,9 +15,6 @@ import argparse
 import sys
 from typing import Any
 
-NAMES = ("memory", "paging", "cache", "agg", "sched", "sched-service", "slurm", "k8s", "forecast")
-
-
 def benches() -> dict[str, Any]:
     """Each benchmark's module, by the name ``dlshare bench`` takes."""
     from bench import agg, cache, forecast, k8s, memory, paging, sched, sched_service, slurm
@@ -29,15 +26,15 @@ def benches() -> dict[str, Any]:
 def _run(args, cfg) -> int:
     from bench import report
 
-    BENCHES = benches()
-    names = list(BENCHES) if args.bench == "all" else [args.bench]
+    mods = benches()
+    names = list(mods) if args.bench == "all" else [args.bench]
     results = {}
     for i, name in enumerate(names, 1):
         ns = argparse.Namespace(**vars(args))
         if args.bench == "all" and args.json:
             ns.json = str(report.out_dir(args.json) / f"{name}.json")
         with report.step(f"bench {name}" + (f" ({i}/{len(names)})" if len(names) > 1 else "")):
-            res = BENCHES[name].run(ns)
+            res = mods[name].run(ns)
         report.write_json(res, ns.json)
         results[name] = res
     if args.bench == "all":
@@ -46,11 +43,12 @@ def _run(args, cfg) -> int:
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bench", choices=[*NAMES, "all"], help="which benchmark")
+    mods = benches()
+    p.add_argument("bench", choices=[*mods, "all"], help="which benchmark")
     p.add_argument("--quick", action="store_true", help="small sizes, for a fast check")
     p.add_argument("--json", metavar="PATH", help="write the result JSON here")
     seen: set[str] = set()
-    for mod in benches().values():
+    for mod in mods.values():
         if hasattr(mod, "add_arguments"):
             mod.add_arguments(p, seen)
 

@@ -194,7 +194,7 @@ def live_run(mode: str, trace: list[Any], root: Path, nodes: int, kill_at_s: flo
                     "releases_shared": _count(log, r"released job \S+: placed on [^\n]* shared with"),
                     # a newcomer's longer limit comes in its release, a resident's by its own update
                     "time_limits_extended": _count(log, r"released job [^\n]* while shared\)")
-                    + _count(log, r"shares a GPU: time limit")})
+                    + _count(log, r"while it shares a GPU")})
     return out
 
 

@@ -274,7 +274,9 @@ def plan(book: Book, core: Any, snap: Snapshot, now: float, *, retry_s: float = 
             elif j.running and j.time_limit_min is not None:
                 limit = shared_time_limit(core, rec, t.original.time_limit_min)
                 if limit is not None and limit > j.time_limit_min:
-                    first.append(Action("extend", j.job_id, extend_commands(j.job_id, limit), f"extend:{limit}"))
+                    first.append(Action("extend", j.job_id, extend_commands(j.job_id, limit), f"extend:{limit}",
+                                        status=f"time limit {limit} min while it shares a GPU "
+                                               f"(asked {t.original.time_limit_min})"))
         elif state.active:  # queued or preempted in the core
             if j.running:
                 status = f"preempted, waiting (run {rec.preemptions})" if state is JobState.PREEMPTED else "requeued"

@@ -246,7 +246,8 @@ class SlurmShell:
                             r.stderr[:300])
                 return False
         self.stats.actions[a.kind] = self.stats.actions.get(a.kind, 0) + 1
-        t.status = a.status or t.status
+        if a.kind != "extend":  # an extension writes no comment: the status on the job stays
+            t.status = a.status or t.status
         if a.kind == "release":
             t.released_restart = jobs[a.job].restart_count
             t.released_at = now
@@ -254,8 +255,7 @@ class SlurmShell:
         elif a.kind in ("requeue", "hold"):
             log.info("slurm: %s job %s: %s", a.kind, a.job, a.status)
         elif a.kind == "extend":
-            log.info("slurm: job %s shares a GPU: time limit %s min (asked %s)", a.job, a.commands[0][-1][10:],
-                     t.original.time_limit_min)
+            log.info("slurm: job %s: %s", a.job, a.status)
         return True
 
     # ------------------------------------------------------------------ loop
