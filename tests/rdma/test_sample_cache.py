@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -143,11 +144,15 @@ def test_entries_whose_every_copy_is_gone_are_computed_again(mosquitto, donor_fa
                      discover_timeout_s=20) as cache:
         ds = CachedDataset(data, cache)
         epoch(ds, 0)
-        nodes = {r.node for b in cache.keeper.segbufs.values() for r in b.extents[0].replicas}
-        victim = next(d for d in donors if d.node in nodes)
+        st0 = cache.state
+        # the victim holds segments with entries in them (spare segments, mapped ahead, hold none)
+        filled = {seg: b.extents[0].replicas[0].node for seg, b in cache.keeper.segbufs.items()
+                  if np.count_nonzero(st0.slots["rseg"] == seg + 1)}
+        victim = next(d for d in donors if d.node in filled.values())
+        gone = {seg: int(st0.rgen[seg]) for seg, node in filled.items() if node == victim.node}
         victim.kill9()  # one copy a segment: its entries are gone
-        wait_until(lambda: not any(r.node == victim.node for b in cache.keeper.segbufs.values()
-                                   for r in b.extents[0].replicas), 20, "the lost segments given up")
+        wait_until(lambda: all(int(st0.rgen[seg]) != gen for seg, gen in gone.items()), 20,
+                   "the keeper gives the lost segments up")
         epoch(ds, 2, seed=1)  # every sample still right: the lost ones computed again
         st = cache.stats()
         assert st["lost"] > 0 and st["misses"] == 60 + st["lost"], {k: v for k, v in st.items() if v}
@@ -215,9 +220,12 @@ def test_a_donor_reclaiming_mid_epoch_loses_nothing(mosquitto, donor_factory, co
         ds = CachedDataset(data, cache)
         epoch(ds, 2)
         misses = cache.stats()["misses"]
+        st0 = cache.state
         held = {d.node: sum(r.node == d.node for b in cache.keeper.segbufs.values() for r in b.extents[0].replicas)
                 for d in donors}
-        victim = max(held, key=held.get)
+        with_entries = {b.extents[0].replicas[0].node for seg, b in cache.keeper.segbufs.items()
+                        if np.count_nonzero(st0.slots["rseg"] == seg + 1)}
+        victim = max(with_entries, key=held.get)  # it holds entries: the reclaim moves them
         res = ctl.call(victim, "reclaim", {"bytes": held[victim] * SLAB, "pause_s": 60.0})
         assert len(res["evicting"]) == held[victim]
         epoch(ds, 2, seed=1)  # while the sole copies move to the other donor
