@@ -63,7 +63,9 @@ k8s-testbed: | $(VENV)/.installed
 test: deps
 	@$(MAKE) --no-print-directory k8s-testbed || echo "make k8s-testbed FAILED: the tests in tests/k8s will fail"
 	$(BIN)/lint-imports --no-cache
-	DLSHARE_K8S_REQUIRED=1 $(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+	# Bytecode is cached (whatever the caller's PYTHONDONTWRITEBYTECODE says): the suite starts hundreds of
+	# Python processes, and each would otherwise compile every project module it imports again.
+	env -u PYTHONDONTWRITEBYTECODE DLSHARE_K8S_REQUIRED=1 $(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 # The C core under AddressSanitizer and UndefinedBehaviorSanitizer: built apart (build/sanitize; the
 # in-place extension is untouched), then the tests that run the C in-process, with the sanitized
