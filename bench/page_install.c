@@ -1,0 +1,191 @@
+/* What installing and dropping a fetched unit costs the kernel, per 4 KiB page, for the ways a
+ * userfaultfd region could do it (issue 21).  One thread, no network: each 128 KiB run (the stream
+ * workload's mean fetch run) is "received" by a memcpy, installed, and later dropped.
+ *
+ *   copy       the engine's way: receive into a bounce buffer, UFFDIO_COPY into the region (the
+ *              kernel allocates, charges and copies each page), MADV_DONTNEED to drop it
+ *   memfd      a memfd-backed region: receive straight into a second mapping of the page cache
+ *              (each first touch allocates and zeroes a shmem page), UFFDIO_CONTINUE to map it,
+ *              FALLOC_FL_PUNCH_HOLE to drop it
+ *   memfd-pop  the same, the receive run populated first with one MADV_POPULATE_WRITE
+ *   move       receive into a landing run, UFFDIO_MOVE its pages into the region (no copy, no
+ *              allocation), and drop by moving them back to the landing run (recycled)
+ *   wp         does UFFDIO_MOVE keep a page's userfaultfd write-protect bit?  (pagemap bit 57)
+ *
+ * Build and run:  cc -O2 -o /tmp/page_install bench/page_install.c && for m in copy memfd memfd-pop
+ * move; do /tmp/page_install $m; done; /tmp/page_install wp
+ * Needs Linux 6.8+ for move and wp (UFFD_FEATURE_MOVE); the others run on 5.13+. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/userfaultfd.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+#ifndef UFFDIO_MOVE /* older uapi headers (Debian 12's are 6.1) */
+struct uffdio_move {
+    uint64_t dst, src, len, mode;
+    int64_t move;
+};
+#define UFFDIO_MOVE _IOWR(UFFDIO, 0x05, struct uffdio_move)
+#define UFFDIO_MOVE_MODE_DONTWAKE ((uint64_t)1 << 0)
+#define UFFD_FEATURE_MOVE (1 << 16)
+#endif
+
+#define REGION (64ul << 20)
+#define RUN (128ul << 10)
+#define PASSES 8
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "%s: %s\n", what, strerror(errno));
+    exit(1);
+}
+
+static int open_uffd(uint64_t features) {
+    int fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) die("userfaultfd");
+    struct uffdio_api api = {.api = UFFD_API, .features = features};
+    if (ioctl(fd, UFFDIO_API, &api)) die("UFFDIO_API");
+    return fd;
+}
+
+static void reg(int fd, void *a, size_t n, uint64_t mode) {
+    struct uffdio_register r = {.range = {(uintptr_t)a, n}, .mode = mode};
+    if (ioctl(fd, UFFDIO_REGISTER, &r)) die("UFFDIO_REGISTER");
+}
+
+static void *anon(size_t n) {
+    void *a = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (a == MAP_FAILED) die("mmap");
+    madvise(a, n, MADV_NOHUGEPAGE);
+    return a;
+}
+
+static void move(int fd, void *dst, void *src, size_t n) {
+    struct uffdio_move m = {.dst = (uintptr_t)dst, .src = (uintptr_t)src, .len = n, .mode = UFFDIO_MOVE_MODE_DONTWAKE};
+    if (ioctl(fd, UFFDIO_MOVE, &m)) die("UFFDIO_MOVE");
+}
+
+static uint64_t pagemap(void *a) {
+    int fd = open("/proc/self/pagemap", O_RDONLY);
+    uint64_t e = 0;
+    if (fd < 0 || pread(fd, &e, sizeof e, (off_t)((uintptr_t)a / 4096 * sizeof e)) != sizeof e) die("pagemap");
+    close(fd);
+    return e;
+}
+
+int main(int argc, char **argv) {
+    const char *mode = argc > 1 ? argv[1] : "copy";
+    char *src = aligned_alloc(4096, RUN);
+    memset(src, 7, RUN);
+    uint64_t t, recv_ns = 0, install_ns = 0, drop_ns = 0;
+    if (!strcmp(mode, "wp")) {
+        int fd = open_uffd(UFFD_FEATURE_MOVE);
+        char *r = anon(RUN), *land = anon(RUN);
+        reg(fd, r, RUN, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP);
+        reg(fd, land, RUN, UFFDIO_REGISTER_MODE_WP);
+        memcpy(land, src, RUN);
+        struct uffdio_writeprotect w = {.range = {(uintptr_t)land, RUN}, .mode = UFFDIO_WRITEPROTECT_MODE_WP};
+        if (ioctl(fd, UFFDIO_WRITEPROTECT, &w)) die("UFFDIO_WRITEPROTECT");
+        int before = (int)(pagemap(land) >> 57 & 1);
+        move(fd, r, land, RUN);
+        printf("wp: write-protect bit before the move %d, after it %d (present %d)\n", before,
+               (int)(pagemap(r) >> 57 & 1), (int)(pagemap(r) >> 63 & 1));
+        return 0;
+    }
+    if (!strcmp(mode, "copy")) {
+        int fd = open_uffd(0);
+        char *r = anon(REGION), *bounce = anon(RUN);
+        reg(fd, r, REGION, UFFDIO_REGISTER_MODE_MISSING);
+        for (int p = 0; p < PASSES; p++) {
+            for (size_t o = 0; o < REGION; o += RUN) {
+                t = now_ns();
+                memcpy(bounce, src, RUN);
+                recv_ns += now_ns() - t;
+                t = now_ns();
+                struct uffdio_copy c = {.dst = (uintptr_t)(r + o), .src = (uintptr_t)bounce, .len = RUN,
+                                        .mode = UFFDIO_COPY_MODE_DONTWAKE};
+                if (ioctl(fd, UFFDIO_COPY, &c)) die("UFFDIO_COPY");
+                install_ns += now_ns() - t;
+            }
+            for (size_t o = 0; o < REGION; o += RUN) {
+                t = now_ns();
+                madvise(r + o, RUN, MADV_DONTNEED);
+                drop_ns += now_ns() - t;
+            }
+        }
+    } else if (!strcmp(mode, "memfd") || !strcmp(mode, "memfd-pop")) {
+        int fd = open_uffd(UFFD_FEATURE_MINOR_SHMEM);
+        int mfd = memfd_create("region", MFD_CLOEXEC);
+        if (mfd < 0 || ftruncate(mfd, (off_t)REGION)) die("memfd");
+        char *r = mmap(NULL, REGION, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, mfd, 0);
+        char *shadow = mmap(NULL, REGION, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, mfd, 0);
+        if (r == MAP_FAILED || shadow == MAP_FAILED) die("mmap memfd");
+        reg(fd, r, REGION, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_MINOR);
+        int pop = !strcmp(mode, "memfd-pop");
+        for (int p = 0; p < PASSES; p++) {
+            for (size_t o = 0; o < REGION; o += RUN) {
+                t = now_ns();
+                if (pop && madvise(shadow + o, RUN, MADV_POPULATE_WRITE)) die("MADV_POPULATE_WRITE");
+                memcpy(shadow + o, src, RUN);
+                recv_ns += now_ns() - t;
+                t = now_ns();
+                struct uffdio_continue c = {.range = {(uintptr_t)(r + o), RUN}, .mode = UFFDIO_CONTINUE_MODE_DONTWAKE};
+                if (ioctl(fd, UFFDIO_CONTINUE, &c)) die("UFFDIO_CONTINUE");
+                install_ns += now_ns() - t;
+            }
+            for (size_t o = 0; o < REGION; o += RUN) {
+                t = now_ns();
+                if (fallocate(mfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)o, (off_t)RUN)) die("punch");
+                drop_ns += now_ns() - t;
+            }
+        }
+    } else if (!strcmp(mode, "move")) {
+        int fd = open_uffd(UFFD_FEATURE_MOVE);
+        char *r = anon(REGION), *land = anon(RUN);
+        reg(fd, r, REGION, UFFDIO_REGISTER_MODE_MISSING);
+        reg(fd, land, RUN, UFFDIO_REGISTER_MODE_WP); /* a move's destination must be registered */
+        memset(land, 1, RUN);
+        for (int p = 0; p < PASSES; p++) {
+            for (size_t o = 0; o < REGION; o += RUN) {
+                if (o) { /* the run before goes back to the landing run: its drop, and the pages recycled */
+                    t = now_ns();
+                    move(fd, land, r + o - RUN, RUN);
+                    drop_ns += now_ns() - t;
+                }
+                t = now_ns();
+                memcpy(land, src, RUN);
+                recv_ns += now_ns() - t;
+                t = now_ns();
+                move(fd, r + o, land, RUN);
+                install_ns += now_ns() - t;
+            }
+            t = now_ns();
+            move(fd, land, r + REGION - RUN, RUN);
+            drop_ns += now_ns() - t;
+        }
+    } else {
+        fprintf(stderr, "usage: %s copy|memfd|memfd-pop|move|wp\n", argv[0]);
+        return 2;
+    }
+    double pages = (double)PASSES * REGION / 4096;
+    printf("%-10s ns per 4 KiB page: receive %5.0f  install %5.0f  drop %5.0f  total %5.0f\n", mode,
+           recv_ns / pages, install_ns / pages, drop_ns / pages, (recv_ns + install_ns + drop_ns) / pages);
+    return 0;
+}
