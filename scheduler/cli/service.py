@@ -110,6 +110,17 @@ def _predictors(kind: str):
         return Predictors.default()
 
 
+def api_url(host: str, port: int) -> str:
+    """The API's URL as others can use it: a wildcard listen address (0.0.0.0, ::) names this host."""
+    import socket
+
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def token_user(cfg: dict[str, dict[str, Any]]) -> str:
     """The user the bootstrap token acts as: ``sched.token_user``, else the service's own user."""
     import getpass
@@ -193,6 +204,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     except config.ConfigError:
         store.close()
         raise
+    service.url = api_url(host, port)
     service.k8s_binder = binder
     service.k8s_order = bool(s["k8s_order"]) and binder is not None  # the waiting pods come from PodSync
     if binder is not None:

@@ -107,7 +107,7 @@ class SchedulerService:
                  default_user: str = "",
                  reasons_s: float = 1.0, forecast_s: float = 10.0, prior: Callable[[], Any] = philly_prior,
                  reason_event_gap_s: float = 300.0,
-                 history_step_s: float = 10.0, history_keep_s: float = 86400.0) -> None:
+                 history_step_s: float = 10.0, history_keep_s: float = 86400.0, url: str = "") -> None:
         self.store = store
         self.journal = Journal(store)
         self.profile_obj = core.profile if core is not None else (
@@ -120,6 +120,10 @@ class SchedulerService:
         self.command_timeout_s = command_timeout_s
         self.node_timeout_s = node_timeout_s
         self.report_s = report_s
+        self.url = url  # where its HTTP API listens, for `dlshare status` (its retained state says it)
+        self._said: tuple[int, int] | None = None  # the job counts its state message last carried
+        self._said_at = 0.0
+        self._publishing: set[asyncio.Task] = set()
         self.clock = clock
         self.snapshot_events = snapshot_events
         self.snapshot_s = snapshot_s
@@ -351,9 +355,17 @@ class SchedulerService:
                 pass
         self._tasks.clear()
 
+    def _state(self) -> bytes:
+        """The retained state message: online, its profile, its API's URL and its jobs right now."""
+        self._said = (len(self.core.waiting), len(self.core.running))
+        doc = {"status": "online", "ts": self.clock(), "profile": self.profile,
+               "jobs": {"waiting": self._said[0], "running": self._said[1]}}
+        if self.url:
+            doc["url"] = self.url
+        return messages.encode(doc)
+
     async def _on_connect(self, bus) -> None:
-        await bus.publish(messages.topic("sched", self.service_id, "state"),
-                          messages.encode({"status": "online", "ts": self.clock(), "profile": self.profile}), 1, True)
+        await bus.publish(messages.topic("sched", self.service_id, "state"), self._state(), 1, True)
         self.recovery.resume()
         self.wake()
 
@@ -439,6 +451,7 @@ class SchedulerService:
             part("account", t3 - t2)
             t2 = t3
         self._watch_queue(now)
+        self._say_counts(now)
         t3 = time.perf_counter()
         part("queue", t3 - t2)
         if self.maybe_snapshot(now):
@@ -556,6 +569,19 @@ class SchedulerService:
         return True
 
     # --- accounting ---------------------------------------------------------------------------
+
+    def _say_counts(self, now: float) -> None:
+        """Publish the state again when the job counts it carries changed, at most once a second, so
+        `dlshare status` shows the queue without asking the API."""
+        if self.bus is None or not self.bus.connected.is_set() or self.loop is None or now - self._said_at < 1.0:
+            return
+        if (len(self.core.waiting), len(self.core.running)) == self._said:
+            return
+        self._said_at = now
+        task = self.loop.create_task(self.bus.publish(messages.topic("sched", self.service_id, "state"), self._state(),
+                                                      1, True))
+        self._publishing.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._publishing.discard)
 
     def _account(self) -> None:
         """Attained service of running jobs into the table (for the API), from the core, no scan:

@@ -45,3 +45,44 @@ def test_job_cli_round_trip(mosquitto, tmp_path):
         assert r.returncode == 1 and "401" in r.stderr
     finally:
         sched.stop()
+
+
+def test_status_shows_the_schedulers_url_and_its_queue(mosquitto, tmp_path):
+    """The service's retained state carries where its API listens and how many jobs wait and run;
+    `dlshare status` shows both (they were '-' before), and the counts follow the queue."""
+    import asyncio
+
+    from nodesvc.bus.procs import wait_until
+    from nodesvc.cli import status
+
+    def row():
+        doc = status.summarize(asyncio.run(status.gather(mosquitto.url)))
+        return next((s for s in doc["schedulers"] if s["status"] == "online"), None)
+
+    sched = SchedProc(tmp_path, mosquitto.url).start()
+    try:
+        first = wait_until(row, 30, "the scheduler online in dlshare status")
+        assert first["url"] == sched.url, first
+        env = {"DLSHARE_SCHED_URL": sched.url, "DLSHARE_SCHED_TOKEN": TOKEN}
+        for i in range(2):  # no node: both wait
+            r = _dlshare("job", "submit", "--id", f"st-{i}", "--gpus", "1", "--", "x", env=env)
+            assert r.returncode == 0, r.stderr
+        wait_until(lambda: (s := row()) and s["jobs"] == {"waiting": 2, "running": 0}, 30,
+                   "the status showing two jobs waiting")
+        assert _dlshare("job", "cancel", "st-0", env=env).returncode == 0
+        wait_until(lambda: (s := row()) and s["jobs"] == {"waiting": 1, "running": 0}, 30,
+                   "the status following the cancel")
+        out = _dlshare("status", "--broker", mosquitto.url)
+        assert out.returncode == 0 and sched.url in out.stdout and '"waiting": 1' in out.stdout, out.stdout
+    finally:
+        sched.stop()
+
+
+def test_the_api_url_names_this_host_for_a_wildcard_listen_address():
+    import socket
+
+    from scheduler.cli.service import api_url
+
+    assert api_url("127.0.0.1", 7800) == "http://127.0.0.1:7800"
+    assert api_url("0.0.0.0", 7800) == api_url("::", 7800) == f"http://{socket.gethostname()}:7800"
+    assert api_url("::1", 9000) == "http://[::1]:9000"
