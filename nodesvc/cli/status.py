@@ -172,7 +172,10 @@ def render(doc: dict[str, Any], console=None) -> None:
         for col in ("scheduler", "status", "url", "jobs"):
             s_t.add_column(col)
         for s in doc["schedulers"]:
-            s_t.add_row(s["scheduler"], s["status"], str(s["url"] or "-"), json.dumps(s["jobs"]) if s["jobs"] else "-")
+            jobs = s["jobs"]
+            if isinstance(jobs, dict):  # {"waiting": 3, "running": 5}: "3 waiting, 5 running"
+                jobs = ", ".join(f"{v} {k}" for k, v in jobs.items())
+            s_t.add_row(s["scheduler"], s["status"], str(s["url"] or "-"), str(jobs) if jobs not in (None, "") else "-")
         console.print(s_t)
     _render_caches(doc, console)
 

@@ -109,6 +109,17 @@ async def enforcement_demo(st, console) -> bool:
     return ok
 
 
+async def settled_status(broker_url: str, timeout_s: float = 15.0) -> dict:
+    """The status once every node's telemetry shows the tour's jobs gone (the jobs ended a moment ago;
+    the sample before that still counts them), or what there is after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        doc = status.summarize(await status.gather(broker_url))
+        if not any(n["jobs_running"] for n in doc["nodes"]) or time.monotonic() >= deadline:
+            return doc
+        await asyncio.sleep(0.5)
+
+
 async def run_tour(st, console) -> bool:
     console.print("\n[bold]0. The cluster[/bold] (dlshare status)")
     status.render(status.summarize(await status.gather(st.broker_url)), console)
@@ -119,6 +130,6 @@ async def run_tour(st, console) -> bool:
             res = await res
         ok &= res is not False
     console.print("\n[bold]Final status[/bold]")
-    status.render(status.summarize(await status.gather(st.broker_url)), console)
+    status.render(await settled_status(st.broker_url), console)
     console.print("[bold green]tour complete[/bold green]" if ok else "[bold red]tour finished with failures[/bold red]")
     return ok

@@ -35,3 +35,33 @@ def test_summarize_status_document():
     text = c.export_text()
     assert "online" in text and "offline" in text and "aggregation servers" in text
     assert "imagenet-224" in text and "sample caches" in text
+
+
+async def test_the_tours_final_status_waits_for_the_nodes_to_report_their_jobs_gone(mosquitto):
+    """The tour's last table comes after a node's sample that counts no job (the sample taken before
+    the jobs ended still counted them), through a real broker's retained messages."""
+    import asyncio
+
+    import aiomqtt
+
+    from nodesvc.bus import messages
+    from nodesvc.bus.mqtt import parse_broker_url
+    from nodesvc.cli.tour import settled_status
+
+    addr = parse_broker_url(mosquitto.url)
+
+    async def say(jobs: int) -> None:
+        async with aiomqtt.Client(addr.host, addr.port, identifier=f"t-{time.monotonic_ns()}") as c:
+            await c.publish("dlshare/v1/node/n1/state", messages.encode(
+                {"status": "online", "ts": time.time(), "summary": {"jobs_running": jobs}}), qos=1, retain=True)
+
+    await say(3)
+    waiting = asyncio.create_task(settled_status(mosquitto.url, timeout_s=30))
+    await asyncio.sleep(1.5)
+    assert not waiting.done()  # the node still counts 3 jobs
+    await say(0)
+    doc = await asyncio.wait_for(waiting, 30)
+    assert [n["jobs_running"] for n in doc["nodes"]] == [0]
+    await say(2)  # a node that keeps a job: the status comes after the timeout, as it is
+    doc = await asyncio.wait_for(settled_status(mosquitto.url, timeout_s=1.0), 30)
+    assert [n["jobs_running"] for n in doc["nodes"]] == [2]
