@@ -135,8 +135,10 @@ class Load:
                 p = int(rng.integers(0, self.buf.npages - 8))
                 with self.lock:
                     got = self.buf.read(p * PAGE, 8 * PAGE)
-                    want = self.model[p * PAGE:(p + 8) * PAGE]
-                if not np.array_equal(got, want):
+                    # compared under the lock: the model slice is a view, and a write between the
+                    # lock's release and the compare would change it under a correct read
+                    same = np.array_equal(got, self.model[p * PAGE:(p + 8) * PAGE])
+                if not same:
                     self.errors.append(f"reader: pages {p}..{p + 8} differ")
                     return
                 self.ops += 1
