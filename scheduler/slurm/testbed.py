@@ -111,8 +111,11 @@ class LocalSlurm:
             "PriorityType=priority/basic",
             "SlurmdParameters=config_overrides", "GresTypes=gpu", "ReturnToService=2",
             # Short timers: a node is declared down within seconds, jobs are killed quickly, and finished
-            # jobs stay visible for an hour (dlshare reads their end states).
-            f"SlurmdTimeout={self.slurmd_timeout_s}", "MessageTimeout=5", "KillWait=2", "InactiveLimit=0",
+            # jobs stay visible for an hour (dlshare reads their end states).  MessageTimeout bounds how
+            # long a client (squeue, dlshare's poll) keeps retrying a slurmctld that is down and how long
+            # a ping to a dead slurmd takes to fail: 2 s (Slurm's default is 10) is ample on loopback, even
+            # with every core busy.
+            f"SlurmdTimeout={self.slurmd_timeout_s}", "MessageTimeout=2", "KillWait=2", "InactiveLimit=0",
             "MinJobAge=3600", "SchedulerParameters=bf_interval=1,sched_min_interval=100000",
         ]
         if self.lua:
