@@ -107,7 +107,13 @@ def summarize(states: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 async def gather(broker: str, settle_s: float = 0.4, timeout_s: float = 3.0) -> dict[str, dict[str, Any]]:
-    """Collect retained state messages until none arrive for ``settle_s`` (or ``timeout_s``)."""
+    """Collect retained state messages until none arrive for ``settle_s`` (or ``timeout_s``).
+
+    The broker sends what it retains, flagged as retained, in a burst right after the subscription;
+    what the services publish after that arrives unflagged.  Only the retained ones keep the wait
+    going: a busy cluster publishes state every few seconds per service, so a wait for the bus to go
+    quiet would always run to ``timeout_s``.  A live update that arrives before the end is kept (it is
+    newer than the retained copy of its topic)."""
     import aiomqtt
 
     addr = parse_broker_url(broker)
@@ -117,12 +123,15 @@ async def gather(broker: str, settle_s: float = 0.4, timeout_s: float = 3.0) -> 
         await client.subscribe("dlshare/v1/+/+/state", qos=1)
         await client.subscribe("dlshare/v1/cache/+/manifest", qos=1)
         deadline = time.monotonic() + timeout_s
+        quiet_at = time.monotonic() + settle_s  # when the retained burst counts as over
         it = client.messages.__aiter__()
-        while time.monotonic() < deadline:
+        while (wait := min(deadline, quiet_at) - time.monotonic()) > 0:
             try:
-                msg = await asyncio.wait_for(it.__anext__(), timeout=settle_s)
+                msg = await asyncio.wait_for(it.__anext__(), timeout=wait)
             except TimeoutError:
                 break
+            if msg.retain:
+                quiet_at = time.monotonic() + settle_s
             try:
                 states[str(msg.topic)] = messages.decode(msg.payload)
             except messages.PayloadError:

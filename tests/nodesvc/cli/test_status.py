@@ -65,3 +65,42 @@ async def test_the_tours_final_status_waits_for_the_nodes_to_report_their_jobs_g
     await say(2)  # a node that keeps a job: the status comes after the timeout, as it is
     doc = await asyncio.wait_for(settled_status(mosquitto.url, timeout_s=1.0), 30)
     assert [n["jobs_running"] for n in doc["nodes"]] == [2]
+
+
+async def test_status_ends_once_the_retained_burst_is_over_while_services_keep_publishing(broker):
+    """Live state updates (a busy cluster sends them every few seconds per service) do not keep
+    ``dlshare status`` waiting to its timeout: only the retained messages sent at the subscription
+    do.  Without that, this gather would last its 60 s timeout."""
+    import asyncio
+
+    import aiomqtt
+
+    from nodesvc.bus import messages
+    from nodesvc.bus.mqtt import parse_broker_url
+
+    addr = parse_broker_url(broker.url)
+    async with aiomqtt.Client(addr.host, addr.port, identifier=f"pub-{time.monotonic_ns()}") as pub:
+        for n in ("n1", "n2", "n3"):
+            await pub.publish(f"dlshare/v1/node/{n}/state", messages.encode(
+                {"status": "online", "ts": time.time(), "summary": {"jobs_running": 0}}), qos=1, retain=True)
+        stop = asyncio.Event()
+
+        async def chatter() -> None:  # one service publishing its state every 50 ms
+            k = 0
+            while not stop.is_set():
+                k += 1
+                await pub.publish("dlshare/v1/node/n2/state", messages.encode(
+                    {"status": "online", "ts": time.time(), "summary": {"jobs_running": k}}), qos=1, retain=True)
+                await asyncio.sleep(0.05)
+
+        task = asyncio.create_task(chatter())
+        try:
+            t0 = time.monotonic()
+            states = await status.gather(broker.url, settle_s=0.4, timeout_s=60.0)
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            await task
+    assert took < 30, f"status waited {took:.1f}s: live updates kept it waiting"
+    assert sorted(states) == [f"dlshare/v1/node/{n}/state" for n in ("n1", "n2", "n3")]
+    assert all(s["status"] == "online" for s in states.values())
