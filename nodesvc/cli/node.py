@@ -1,8 +1,20 @@
-"""``dlshare node``: run the node daemon."""
+"""``dlshare node``: run the node daemon, or drain a donor.
+
+    dlshare node --broker mqtt://127.0.0.1:1883 --node-id n1 --lend
+    dlshare node drain n1 --broker mqtt://127.0.0.1:1883    # returns once n1 lends nothing
+
+Draining sends ``reclaim`` for everything the donor lends, with lending paused (``--pause``, an hour
+by default), to ``dlshare/v1/node/<id>/cmd``, then polls ``donor_status`` until no slab is lent: each
+consumer moves its data to other donors within the donor's reclaim deadline, or the donor takes the
+slabs back at the deadline anyway.  ``--no-wait`` returns once the reclaim has started.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
+from typing import Any
 
 from nodesvc.bus import config, jobenv, messages
 
@@ -37,6 +49,15 @@ config.register_section("node", {
 
 
 def _run(args, cfg) -> int:
+    if args.action == "drain":
+        if not args.target:
+            print("dlshare node drain: name the donor node to drain (its --node-id)", file=sys.stderr)
+            return 2
+        return _drain_cmd(args, cfg)
+    if args.target:
+        print(f"dlshare node: unexpected argument {args.target!r} (did you mean `dlshare node drain "
+              f"{args.target}`?)", file=sys.stderr)
+        return 2
     from nodesvc.daemon.node import NodeDaemon
 
     try:
@@ -47,9 +68,90 @@ def _run(args, cfg) -> int:
     return 0
 
 
+def _lent(slabs: list[dict[str, Any]]) -> str:
+    by: dict[str, int] = {}
+    for sl in slabs:
+        by[str(sl.get("consumer"))] = by.get(str(sl.get("consumer")), 0) + 1
+    return ", ".join(f"{c}: {n}" for c, n in sorted(by.items())) or "none"
+
+
+async def drain(broker: str, node: str, pause_s: float = 3600.0, wait: bool = True, timeout_s: float = 600.0,
+                poll_s: float = 0.5, progress=None, reply_timeout_s: float = 10.0) -> dict[str, Any]:
+    """Take back everything donor ``node`` lends and pause its lending for ``pause_s``; with ``wait``,
+    return once it lends nothing.  Returns ``{"evicting", "slabs", "waited_s"}``.
+
+    Raises :class:`nodesvc.bus.rpc.CommandError` when the node refuses (it does not lend) or does not
+    answer within ``reply_timeout_s``, and :class:`TimeoutError` when slabs are still lent after
+    ``timeout_s``."""
+    from nodesvc.bus.rpc import NodeClient
+    from nodesvc.daemon.donor import MAX_RECLAIM_BYTES
+
+    async with NodeClient(broker, client_id=f"dlshare-node-drain-{time.monotonic_ns()}",
+                          timeout_s=reply_timeout_s) as c:
+        t0 = time.monotonic()
+        res = await c.call(node, "reclaim", timeout=reply_timeout_s, bytes=MAX_RECLAIM_BYTES, pause_s=pause_s)
+        st = await c.call(node, "donor_status", timeout=reply_timeout_s)
+        while wait and st.get("slabs"):
+            if progress:
+                progress(st["slabs"], time.monotonic() - t0)
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"donor {node} still lends {len(st['slabs'])} slabs after {timeout_s:g} s "
+                                   f"({_lent(st['slabs'])})")
+            await asyncio.sleep(poll_s)
+            st = await c.call(node, "donor_status", timeout=reply_timeout_s)
+        return {"evicting": list(res.get("evicting") or []), "slabs": list(st.get("slabs") or []),
+                "waited_s": round(time.monotonic() - t0, 3)}
+
+
+def _drain_cmd(args, cfg) -> int:
+    import aiomqtt
+
+    from nodesvc.bus.rpc import CommandError
+
+    broker = cfg["dlshare"]["broker"]
+    shown: list[str] = []
+
+    def progress(slabs: list[dict[str, Any]], waited: float) -> None:
+        line = f"{args.target}: reclaiming: {len(slabs)} slabs still lent ({_lent(slabs)})"
+        if not shown or shown[-1] != line:
+            print(line, flush=True)
+            shown.append(line)
+
+    if args.pause < 0:
+        print("dlshare node drain: --pause must be 0 or more seconds", file=sys.stderr)
+        return 2
+    try:
+        st = asyncio.run(drain(broker, args.target, args.pause, not args.no_wait, args.wait_timeout,
+                               progress=progress, reply_timeout_s=args.reply_timeout))
+    except (CommandError, TimeoutError) as exc:
+        print(f"dlshare node drain: {exc}", file=sys.stderr)
+        return 1
+    except aiomqtt.MqttError as exc:
+        print(f"dlshare node drain: cannot reach broker {broker}: {exc}", file=sys.stderr)
+        return 1
+    paused = f"lending paused for {args.pause:g} s" if args.pause > 0 else "lending not paused"
+    if args.no_wait:
+        print(f"{args.target}: reclaiming {len(st['evicting'])} slabs (not waiting); {paused}")
+    else:
+        print(f"{args.target}: drained in {st['waited_s']:.1f} s: {len(st['evicting'])} slabs taken back, "
+              f"nothing lent; {paused}")
+    return 0
+
+
 def register(cli) -> None:
-    p = cli.add("node", _run, "run the node daemon: telemetry, enforcement, memory lending",
+    p = cli.add("node", _run, "run the node daemon: telemetry, enforcement, memory lending; or drain a donor",
                 sections=["node", "donor"])
+    p.add_argument("action", nargs="?", choices=["run", "drain"], default="run",
+                   help="run the daemon (default), or drain a running donor: take back all it lends")
+    p.add_argument("target", nargs="?", help="drain: the donor's node id")
+    p.add_argument("--pause", type=float, default=3600.0, metavar="S",
+                   help="drain: lend nothing for S seconds after (default 3600; at most a day, send again to "
+                   "extend; 0: take back what is lent and go on lending)")
+    p.add_argument("--no-wait", action="store_true", help="drain: return once the reclaim has started")
+    p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
+                   help="drain: give up waiting after S seconds (default 600)")
+    p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S",
+                   help="drain: a node that does not answer within S seconds is an error (default 10)")
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL, mqtt://HOST:PORT")
     cli.config_flag(p, "--node-id", "node", "id", help="this node's id (default: host name)")
     cli.config_flag(p, "--interval", "node", "interval", type=float, help="telemetry period in seconds")
