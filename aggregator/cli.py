@@ -23,15 +23,13 @@ from aggregator.settings import resolve  # also registers the [agg] config secti
 
 
 def _run(args, cfg) -> int:
+    from nodesvc.bus.commands import drain_usage_error
+
+    bad = drain_usage_error(args, "agg", "aggregation server")
+    if bad is not None:
+        return bad
     if args.action == "drain":
-        if not args.server:
-            print("dlshare agg drain: name the server to drain (its --id, e.g. agg0)", file=sys.stderr)
-            return 2
         return _drain_cmd(args, cfg)
-    if args.server:
-        print(f"dlshare agg: unexpected argument {args.server!r} (did you mean `dlshare agg drain "
-              f"{args.server}`?)", file=sys.stderr)
-        return 2
     from aggregator.server import serve
 
     cfg = resolve(cfg)
@@ -100,34 +98,27 @@ async def drain(broker: str, server: str, wait: bool = True, timeout_s: float = 
 
 
 def _drain_cmd(args, cfg) -> int:
-    import aiomqtt
-
-    from nodesvc.bus.rpc import CommandError
+    from nodesvc.bus.commands import run_drain
 
     broker = cfg["dlshare"]["broker"]
     shown: list[str] = []
 
     def progress(d: dict, waited: float) -> None:
-        line = (f"{args.server}: draining: {d.get('pending_units', '?')} reductions in flight, "
+        line = (f"{args.target}: draining: {d.get('pending_units', '?')} reductions in flight, "
                 f"ranks still sending here: {d.get('ranks_left') or '{}'}")
         if not shown or shown[-1] != line:
             print(line, flush=True)
             shown.append(line)
 
-    try:
-        st = asyncio.run(drain(broker, args.server, not args.no_wait, args.wait_timeout, progress=progress,
-                               reply_timeout_s=args.reply_timeout))
-    except (CommandError, TimeoutError) as exc:
-        print(f"dlshare agg drain: {exc}", file=sys.stderr)
-        return 1
-    except aiomqtt.MqttError as exc:
-        print(f"dlshare agg drain: cannot reach broker {broker}: {exc}", file=sys.stderr)
-        return 1
+    st = run_drain("agg", broker, drain(broker, args.target, not args.no_wait, args.wait_timeout,
+                                        progress=progress, reply_timeout_s=args.reply_timeout))
+    if isinstance(st, int):
+        return st
     jobs = sorted(st.get("jobs") or {})
     if args.no_wait:
-        print(f"{args.server}: draining (not waiting); jobs: {', '.join(jobs) or 'none'}")
+        print(f"{args.target}: draining (not waiting); jobs: {', '.join(jobs) or 'none'}")
     else:
-        print(f"{args.server}: drained in {st['waited_s']:.1f} s: its jobs' rounds now go to their other "
+        print(f"{args.target}: drained in {st['waited_s']:.1f} s: its jobs' rounds now go to their other "
               f"servers (jobs still connected: {', '.join(jobs) or 'none'})")
     return 0
 
@@ -135,9 +126,7 @@ def _drain_cmd(args, cfg) -> int:
 def register(cli) -> None:
     p = cli.add("agg", _run, "run a shared gradient aggregation server (one elastic CPU pool), "
                 "or drain one", sections=["agg"])
-    p.add_argument("action", nargs="?", choices=["serve", "drain"], default="serve",
-                   help="serve (default) or drain a running server")
-    p.add_argument("server", nargs="?", help="drain: the server's id (its --id)")
+    cli.add_drain(p, "serve", "aggregation server")
     cli.config_flag(p, "--listen", "agg", "listen", help="HOST:PORT for workers (default 127.0.0.1:7700)")
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL ('' for none when serving)")
     cli.config_flag(p, "--id", "agg", "id", help="server id in MQTT topics (default agg0)")
@@ -148,11 +137,6 @@ def register(cli) -> None:
                     help="record every chunk's stage times and write them to this JSON file at exit")
     cli.config_flag(p, "--metrics-listen", "agg", "metrics_listen",
                     help="HOST:PORT for Prometheus metrics (default 127.0.0.1:9466; port -1: none)")
-    p.add_argument("--no-wait", action="store_true", help="drain: return once the server is draining")
-    p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
-                   help="drain: give up waiting after S seconds (default 600)")
-    p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S",
-                   help="drain: a server that does not answer within S seconds is an error (default 10)")
 
 
 if __name__ == "__main__":

@@ -88,10 +88,57 @@ def add_command(sub, name: str, run: RunFn, help: str, sections: Sequence[str] =
     return p
 
 
+# --- the drain action that daemon commands share (``dlshare agg drain ID``, ``dlshare node drain ID``) ---
+
+def add_drain(parser: argparse.ArgumentParser, action: str, what: str) -> None:
+    """``dlshare CMD [ACTION] [ID]``: ``action`` (the default: run the daemon) or ``drain`` a running
+    one, named by ``ID`` (``args.target``), with the drain's wait flags."""
+    parser.add_argument("action", nargs="?", choices=[action, "drain"], default=action,
+                        help=f"{action} (default), or drain a running {what}")
+    parser.add_argument("target", nargs="?", metavar="ID", help=f"drain: the {what}'s id")
+    parser.add_argument("--no-wait", action="store_true", help="drain: return once the drain has started")
+    parser.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
+                        help="drain: give up waiting after S seconds (default 600)")
+    parser.add_argument("--reply-timeout", type=float, default=10.0, metavar="S",
+                        help=f"drain: a {what} that does not answer within S seconds is an error (default 10)")
+
+
+def drain_usage_error(args: argparse.Namespace, cmd: str, what: str) -> int | None:
+    """For a command with :func:`add_drain`: exit status 2 with a message for a drain without an id or
+    an id without ``drain``; None when the arguments are right."""
+    if args.action == "drain" and not args.target:
+        print(f"dlshare {cmd} drain: name the {what} to drain (its id)", file=sys.stderr)
+        return 2
+    if args.action != "drain" and args.target:
+        print(f"dlshare {cmd}: unexpected argument {args.target!r} (did you mean `dlshare {cmd} drain "
+              f"{args.target}`?)", file=sys.stderr)
+        return 2
+    return None
+
+
+def run_drain(cmd: str, broker: str, coro) -> Any:
+    """Run a drain coroutine and return its result; a refusal, no answer, a drain not finished in time
+    or an unreachable broker is one line on stderr and exit status 1 (returned as the int 1)."""
+    import asyncio
+
+    import aiomqtt
+
+    from nodesvc.bus.rpc import CommandError
+
+    try:
+        return asyncio.run(coro)
+    except (CommandError, TimeoutError) as exc:
+        print(f"dlshare {cmd} drain: {exc}", file=sys.stderr)
+    except aiomqtt.MqttError as exc:
+        print(f"dlshare {cmd} drain: cannot reach broker {broker}: {exc}", file=sys.stderr)
+    return 1
+
+
 class Commands:
     """What a command module's ``register(cli)`` receives: the one way it adds to ``dlshare``."""
 
     config_flag = staticmethod(config_flag)
+    add_drain = staticmethod(add_drain)
 
     def __init__(self, sub) -> None:
         self._sub = sub
@@ -151,3 +198,4 @@ def main(registers: Iterable[Callable[[Commands], None]] | argparse.ArgumentPars
         print(f"dlshare: config error: {exc}", file=sys.stderr)
         return 2
     return int(rc or 0)
+

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from nodesvc.bus import config, jobenv, messages
+from nodesvc.bus import commands, config, jobenv, messages
 
 import nodesvc.daemon.donor  # noqa: F401  (registers the [donor] config section, read before the daemon starts)
 
@@ -49,15 +49,11 @@ config.register_section("node", {
 
 
 def _run(args, cfg) -> int:
+    bad = commands.drain_usage_error(args, "node", "donor node")
+    if bad is not None:
+        return bad
     if args.action == "drain":
-        if not args.target:
-            print("dlshare node drain: name the donor node to drain (its --node-id)", file=sys.stderr)
-            return 2
         return _drain_cmd(args, cfg)
-    if args.target:
-        print(f"dlshare node: unexpected argument {args.target!r} (did you mean `dlshare node drain "
-              f"{args.target}`?)", file=sys.stderr)
-        return 2
     from nodesvc.daemon.node import NodeDaemon
 
     try:
@@ -104,10 +100,6 @@ async def drain(broker: str, node: str, pause_s: float = 3600.0, wait: bool = Tr
 
 
 def _drain_cmd(args, cfg) -> int:
-    import aiomqtt
-
-    from nodesvc.bus.rpc import CommandError
-
     broker = cfg["dlshare"]["broker"]
     shown: list[str] = []
 
@@ -120,15 +112,11 @@ def _drain_cmd(args, cfg) -> int:
     if args.pause < 0:
         print("dlshare node drain: --pause must be 0 or more seconds", file=sys.stderr)
         return 2
-    try:
-        st = asyncio.run(drain(broker, args.target, args.pause, not args.no_wait, args.wait_timeout,
-                               progress=progress, reply_timeout_s=args.reply_timeout))
-    except (CommandError, TimeoutError) as exc:
-        print(f"dlshare node drain: {exc}", file=sys.stderr)
-        return 1
-    except aiomqtt.MqttError as exc:
-        print(f"dlshare node drain: cannot reach broker {broker}: {exc}", file=sys.stderr)
-        return 1
+    st = commands.run_drain("node", broker, drain(broker, args.target, args.pause, not args.no_wait,
+                                                  args.wait_timeout, progress=progress,
+                                                  reply_timeout_s=args.reply_timeout))
+    if isinstance(st, int):
+        return st
     paused = f"lending paused for {args.pause:g} s" if args.pause > 0 else "lending not paused"
     if args.no_wait:
         print(f"{args.target}: reclaiming {len(st['evicting'])} slabs (not waiting); {paused}")
@@ -141,17 +129,10 @@ def _drain_cmd(args, cfg) -> int:
 def register(cli) -> None:
     p = cli.add("node", _run, "run the node daemon: telemetry, enforcement, memory lending; or drain a donor",
                 sections=["node", "donor"])
-    p.add_argument("action", nargs="?", choices=["run", "drain"], default="run",
-                   help="run the daemon (default), or drain a running donor: take back all it lends")
-    p.add_argument("target", nargs="?", help="drain: the donor's node id")
+    cli.add_drain(p, "run", "donor node")
     p.add_argument("--pause", type=float, default=3600.0, metavar="S",
                    help="drain: lend nothing for S seconds after (default 3600; at most a day, send again to "
                    "extend; 0: take back what is lent and go on lending)")
-    p.add_argument("--no-wait", action="store_true", help="drain: return once the reclaim has started")
-    p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
-                   help="drain: give up waiting after S seconds (default 600)")
-    p.add_argument("--reply-timeout", type=float, default=10.0, metavar="S",
-                   help="drain: a node that does not answer within S seconds is an error (default 10)")
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL, mqtt://HOST:PORT")
     cli.config_flag(p, "--node-id", "node", "id", help="this node's id (default: host name)")
     cli.config_flag(p, "--interval", "node", "interval", type=float, help="telemetry period in seconds")

@@ -82,7 +82,7 @@ def test_drain_of_a_server_nobody_answers_for_fails_clearly(mosquitto):
     assert out.returncode == 1 and "drain to nosuch: no reply within 1.5s" in out.stderr, out.stderr
     out = subprocess.run([sys.executable, "-m", "nodesvc.cli", "agg", "drain", "--broker", mosquitto.url],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "name the server to drain" in out.stderr
+    assert out.returncode == 2 and "name the aggregation server to drain" in out.stderr
 
 
 def test_status_shows_draining_and_drained_and_ignores_malformed_flags():
