@@ -251,14 +251,14 @@ static int serve_read(dls_server_counters *ctr, dls_stream *c, dls_slab *sl, con
     size_t crc_bytes = (v->flags & DLS_F_CRC) ? 4u * v->nseg : 0;
     size_t body = crc_bytes + v->payload_len;
     size_t total = DLS_RESP_HDR_LEN + body;
-    int rc = c->outlen == c->outoff && total >= DIRECT_SEND_MIN
-                 ? serve_read_direct(ctr, c, sl, v, flags, crc_bytes, body, total)
-                 : serve_read_queued(c, sl, v, flags, crc_bytes, body, total);
-    if (rc) return rc;
+    /* Counted before the answer can leave (a direct send may hand it to the client at once): whoever
+     * has the answer finds the read in the slab's statistics, as for a write. */
     DLS_ADD(&sl->reads, 1);
     DLS_ADD(&sl->bytes_read, v->payload_len);
     __atomic_store_n(&sl->last_access_ns, dls_monotonic_ns(), __ATOMIC_RELAXED);
-    return 0;
+    return c->outlen == c->outoff && total >= DIRECT_SEND_MIN
+               ? serve_read_direct(ctr, c, sl, v, flags, crc_bytes, body, total)
+               : serve_read_queued(c, sl, v, flags, crc_bytes, body, total);
 }
 
 /* Serve one well-formed request; appends its response.  -1 on out of memory. */
