@@ -98,17 +98,14 @@ async def drain(broker: str, server: str, wait: bool = True, timeout_s: float = 
 
 
 def _drain_cmd(args, cfg) -> int:
-    from nodesvc.bus.commands import run_drain
+    from nodesvc.bus.commands import print_when_changed, run_drain
 
     broker = cfg["dlshare"]["broker"]
-    shown: list[str] = []
+    show = print_when_changed()
 
     def progress(d: dict, waited: float) -> None:
-        line = (f"{args.target}: draining: {d.get('pending_units', '?')} reductions in flight, "
-                f"ranks still sending here: {d.get('ranks_left') or '{}'}")
-        if not shown or shown[-1] != line:
-            print(line, flush=True)
-            shown.append(line)
+        show(f"{args.target}: draining: {d.get('pending_units', '?')} reductions in flight, "
+             f"ranks still sending here: {d.get('ranks_left') or '{}'}")
 
     st = run_drain("agg", broker, drain(broker, args.target, not args.no_wait, args.wait_timeout,
                                         progress=progress, reply_timeout_s=args.reply_timeout))

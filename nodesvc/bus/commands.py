@@ -116,6 +116,18 @@ def drain_usage_error(args: argparse.Namespace, cmd: str, what: str) -> int | No
     return None
 
 
+def print_when_changed() -> Callable[[str], None]:
+    """A progress printer for a drain's polls: prints a line only when it differs from the last one."""
+    last: list[str] = []
+
+    def show(line: str) -> None:
+        if not last or last[-1] != line:
+            print(line, flush=True)
+            last[:] = [line]
+
+    return show
+
+
 def run_drain(cmd: str, broker: str, coro) -> Any:
     """Run a drain coroutine and return its result; a refusal, no answer, a drain not finished in time
     or an unreachable broker is one line on stderr and exit status 1 (returned as the int 1)."""
@@ -198,4 +210,3 @@ def main(registers: Iterable[Callable[[Commands], None]] | argparse.ArgumentPars
         print(f"dlshare: config error: {exc}", file=sys.stderr)
         return 2
     return int(rc or 0)
-

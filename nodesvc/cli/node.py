@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from nodesvc.bus import commands, config, jobenv, messages
@@ -65,9 +66,8 @@ def _run(args, cfg) -> int:
 
 
 def _lent(slabs: list[dict[str, Any]]) -> str:
-    by: dict[str, int] = {}
-    for sl in slabs:
-        by[str(sl.get("consumer"))] = by.get(str(sl.get("consumer")), 0) + 1
+    """Slabs by consumer: ``a: 2, b: 1``."""
+    by = Counter(str(sl.get("consumer")) for sl in slabs)
     return ", ".join(f"{c}: {n}" for c, n in sorted(by.items())) or "none"
 
 
@@ -101,13 +101,10 @@ async def drain(broker: str, node: str, pause_s: float = 3600.0, wait: bool = Tr
 
 def _drain_cmd(args, cfg) -> int:
     broker = cfg["dlshare"]["broker"]
-    shown: list[str] = []
+    show = commands.print_when_changed()
 
     def progress(slabs: list[dict[str, Any]], waited: float) -> None:
-        line = f"{args.target}: reclaiming: {len(slabs)} slabs still lent ({_lent(slabs)})"
-        if not shown or shown[-1] != line:
-            print(line, flush=True)
-            shown.append(line)
+        show(f"{args.target}: reclaiming: {len(slabs)} slabs still lent ({_lent(slabs)})")
 
     if args.pause < 0:
         print("dlshare node drain: --pause must be 0 or more seconds", file=sys.stderr)
