@@ -17,9 +17,9 @@ from typing import Any
 
 def benches() -> dict[str, Any]:
     """Each benchmark's module, by the name ``dlshare bench`` takes."""
-    from bench import agg, cache, forecast, k8s, memory, paging, sched, sched_service, slurm
+    from bench import agg, cache, forecast, k8s, memory, paging, paging_bound, sched, sched_service, slurm
 
-    return {"memory": memory, "paging": paging, "cache": cache, "agg": agg, "sched": sched,
+    return {"memory": memory, "paging": paging, "paging-bound": paging_bound, "cache": cache, "agg": agg, "sched": sched,
             "sched-service": sched_service, "slurm": slurm, "k8s": k8s, "forecast": forecast}
 
 

@@ -165,10 +165,13 @@ def dlrm(args, place: Place) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     t_start, timed, t_warm = None, 0, time.perf_counter()
+    step_ends: list[float] = []  # each timed step's end, from the start of the timed part
     for k, (dense, idx, y) in enumerate(batches):
         if t_start is None and (k == args.warmup or time.perf_counter() - t_warm > args.max_seconds / 2):
             t_start = time.perf_counter()  # a slow variant ends its warm-up early
             st0 = place.stats()
+            cpu0 = cpu_s()
+            say(event="phase", name="timed")  # the bench samples the donors' CPU at each phase
         if k == kill_at:
             say(event="running")  # the bench kills a donor now; the run goes on without waiting
         if args.mode == "region" and args.lookahead and k + 1 < len(batches):
@@ -179,11 +182,16 @@ def dlrm(args, place: Place) -> dict:
         opt.step()
         if t_start is not None:
             timed += 1
+            step_ends.append(time.perf_counter() - t_start)
             if timed >= 3 and time.perf_counter() - t_start > args.max_seconds:
                 break
     dt = time.perf_counter() - t_start
+    timed_cpu = cpu_s() - cpu0
+    say(event="phase", name="end")
     st = place.stats()
     return {"samples_per_s": timed * args.batch / dt, "step_ms": 1000 * dt / timed, "steps_timed": timed,
+            "timed_program_cpu_s": timed_cpu, "timed_s": dt,
+            "step_ms_each": [round(1000 * (b - a), 2) for a, b in zip([0.0] + step_ends, step_ends)],
             "init_s": init_s, "loss": float(loss.detach()), "rows": rows,
             "timed_stats": {k: st[k] - st0.get(k, 0) for k in st}}
 

@@ -1,0 +1,45 @@
+"""The arithmetic of ``dlshare bench paging-bound``: the workload's unit law, the cache models and the
+floor on a step's time (the measured parts run only in the benchmark)."""
+
+import numpy as np
+import pytest
+
+from bench.paging_bound import a0_misses_per_step, floor_step_ms, lru_misses_per_step, unit_probabilities
+from bench.paging_work import zipf_rows
+
+
+def test_unit_law_is_the_one_the_workload_draws_from():
+    rows, draws = 1 << 14, 400_000  # 1,024 units of 16 rows
+    p = unit_probabilities(rows)
+    assert p.shape == (1024,) and p.sum() == pytest.approx(1.0, abs=1e-12)
+    seen = np.bincount(zipf_rows(np.random.default_rng(11), rows, draws) // 16, minlength=1024) / draws
+    sigma = np.sqrt(p * (1 - p) / draws)
+    assert np.all(np.abs(seen - p) <= 6 * sigma + 1e-9)
+    assert p.max() > 20 * np.median(p)  # skewed, and the hash spreads the hot rows over units
+
+
+def test_a0_for_a_uniform_law_misses_what_is_not_held():
+    n, cap, lookups = 1000, 250, 40
+    p = np.full(n, 1 / n)
+    distinct, misses = a0_misses_per_step(p, cap, lookups)
+    expected_distinct = n * (1 - (1 - 1 / n) ** lookups)
+    assert distinct == pytest.approx(expected_distinct, rel=1e-9)
+    assert misses == pytest.approx(distinct * (n - cap) / n, rel=1e-9)
+
+
+def test_lru_on_a_uniform_law_hits_its_share_and_a0_beats_it_on_a_skewed_one():
+    n, cap, lookups = 2000, 500, 64
+    uniform = np.full(n, 1 / n)
+    distinct, _ = a0_misses_per_step(uniform, cap, lookups)
+    lru = lru_misses_per_step(uniform, cap, lookups, steps=300, warm=60)
+    assert lru == pytest.approx(distinct * (1 - cap / n), rel=0.05)
+    skewed = unit_probabilities(16 * n)[:n]
+    skewed /= skewed.sum()
+    _, a0 = a0_misses_per_step(skewed, cap, lookups)
+    assert a0 < lru_misses_per_step(skewed, cap, lookups, steps=300, warm=60)
+
+
+def test_a_step_is_bounded_by_its_compute_or_by_all_its_cpu_over_the_cpus():
+    assert floor_step_ms(6.0, 6.0, 2.0, 2) == 6.0  # compute-bound: the data plane fits beside it
+    assert floor_step_ms(6.0, 6.0, 14.0, 2) == 10.0  # CPU-bound
+    assert floor_step_ms(6.0, 6.0, 14.0, 4) == 6.0
