@@ -215,7 +215,7 @@ def run(args) -> dict[str, Any]:
                 if cpus >= 2:
                     with Pinned(cluster):
                         r = dlrm_run(0.5, ws, tmp, cluster, steps)
-                    r["round"] = rnd
+                    r["round"], r["load_start"] = rnd, os.getloadavg()[0]
                     runs.setdefault("pinned50", []).append(r)
                     print(f"  round {rnd} region50, program on one CPU: {r.get('step_ms', r.get('error'))} ms a step",
                           flush=True)
