@@ -47,7 +47,7 @@ static int uffd_open(dls_pager *p, char *err, size_t err_len) {
     uint64_t have = probe.features;
     close(fd);
     fd = open_uffd(p->user_mode_only ? UFFD_USER_MODE_ONLY : 0);
-    uint64_t want = UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID | UFFD_FEATURE_POISON;
+    uint64_t want = UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_THREAD_ID | UFFD_FEATURE_POISON | UFFD_FEATURE_MOVE;
     struct uffdio_api api = {.api = UFFD_API, .features = want & have};
     if (fd < 0 || ioctl(fd, UFFDIO_API, &api) != 0) {
         int e = errno;
@@ -69,6 +69,7 @@ static int uffd_open(dls_pager *p, char *err, size_t err_len) {
         }
     }
     if (!(reg.ioctls & (1ull << 0x08))) p->poison = 0; /* _UFFDIO_POISON */
+    p->move = !p->cfg.no_move && (api.features & UFFD_FEATURE_MOVE) && (reg.ioctls & (1ull << _UFFDIO_MOVE));
     return 0;
 }
 
@@ -184,6 +185,7 @@ int dls_pager_create(const dls_pager_config *cfg, dls_pager **out, char *err, si
     }
     PG_STAT(p, user_mode_only) = (uint64_t)p->user_mode_only;
     PG_STAT(p, write_protect) = (uint64_t)p->wp;
+    PG_STAT(p, move_evict) = (uint64_t)p->move;
     *out = p;
     return 0;
 }

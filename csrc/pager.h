@@ -43,6 +43,8 @@
 #define DLS_CALL_QUEUE 6     /* queueing units for a fetch or for eviction (out of memory) */
 #define DLS_CALL_UNMAP 7     /* replacing the mapping with PROT_NONE at close */
 #define DLS_CALL_THREAD 8    /* a fetch worker or evictor could not set up (out of memory): it did not run */
+#define DLS_CALL_REINSTALL 9 /* putting back a unit moved out for its write-back (a writer waited, or no copy
+                              * took it): lost if this fails where no copy took it */
 
 /* unit states, as dls_pager_unit_state reports them */
 #define DLS_UNIT_ABSENT 0
@@ -65,6 +67,9 @@ typedef struct dls_pager_config {
     uint32_t nextents;
     int fault_threads;       /* threads that read faults and fetch what they ask for themselves (0: 2) */
     uint32_t spin_us;        /* a fault thread polls for its donor's answer this long before it sleeps */
+    int no_move;             /* 1: dirty victims are write-protected, written back and dropped in place even
+                              * where the kernel has UFFDIO_MOVE (0: each is moved out first, one TLB flush
+                              * instead of two; see pager_evict.c) */
 } dls_pager_config;
 
 typedef struct dls_pager_event {
@@ -113,6 +118,8 @@ typedef struct dls_pager_stats {
     uint64_t stream_runs;        /* batched reads for sequential streams */
     uint64_t stream_cancelled;   /* units a stream asked for and gave up before a fetch (the reader left it) */
     uint64_t engine_errors;      /* system calls on the mapping that failed (each one a DLS_EV_ENGINE_ERROR event) */
+    uint64_t evicted_moved;      /* dirty units moved out of the mapping (UFFDIO_MOVE) for their write-back */
+    uint64_t move_evict;         /* 1: dirty victims leave by UFFDIO_MOVE (else write-protected in place) */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

@@ -27,6 +27,17 @@
 
 #include "pager.h"
 #include "pager_trend.h"
+
+#ifndef UFFDIO_MOVE /* uapi headers older than Linux 6.8 (Debian 12's are 6.1); the kernel says if it has it */
+struct uffdio_move {
+    uint64_t dst, src, len, mode;
+    int64_t move;
+};
+#define UFFDIO_MOVE _IOWR(UFFDIO, 0x05, struct uffdio_move)
+#define UFFDIO_MOVE_MODE_DONTWAKE ((uint64_t)1 << 0)
+#define UFFD_FEATURE_MOVE (1 << 16)
+#define _UFFDIO_MOVE 0x05
+#endif
 #include "provider.h"
 
 /* Newer than the Debian 12 kernel headers (Linux 6.4 and 6.6); the running kernel says whether it has them. */
@@ -119,6 +130,7 @@ struct dls_pager {
     uint64_t local_units, hi, lo; /* budget and watermarks, in units */
     int uffd, wakefd;
     int wp, poison, user_mode_only;
+    int move; /* dirty victims leave by UFFDIO_MOVE (pager_evict.c); cleared if the kernel refuses one */
     uint32_t zero_crc;
     uint8_t *zeros; /* one unit of zeros, for never-written units */
 
@@ -228,7 +240,9 @@ void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code);
 int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
 /* Write the given units (sorted, write-protected, one extent) to every writable copy; 0 when a
  * durable (live or evicting) copy took them all, else a wire status. */
-int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
+/* Write units back to every copy of their extent (all in one extent), their bytes read from the mapping
+ * (write-protected by the caller) or, with `from`, from there, back to back. */
+int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from);
 int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
 
 /* pager_fault.c */

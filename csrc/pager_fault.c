@@ -146,7 +146,9 @@ static int on_fault(dls_pager *p, uint64_t addr, uint64_t fl, uint32_t tid, uint
                 action = A_FETCH;
             }
             demand = 1;
-        } else if (s == U_EVICTING) {
+        } else if (s == U_EVICTING || s == U_WRITEBACK) {
+            /* on its way out (WRITEBACK: moved out for its write-back, see pager_evict.c): it comes back
+             * for us, from the evictor (which wakes us) or fetched again */
             p->flags[u] |= UF_WAIT | (write ? UF_WRITE : 0);
         } else {
             action = A_WAKE; /* installed before we read the message */

@@ -93,14 +93,15 @@ int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
     return rc;
 }
 
-int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
+int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from) {
     uint32_t idx;
     pg_extent *e = pg_extent_of(p, units[0], &idx);
+    uint8_t *buf = from ? from : io->bounce;
     pthread_mutex_lock(&e->io);
     for (uint32_t i = 0; i < n; i++) {
-        /* write-protected by the caller: these bytes cannot change under us */
-        memcpy(io->bounce + (size_t)i * p->unit, pg_addr(p, units[i]), p->unit);
-        io->crcs[i] = dls_crc32c_pages(0, io->bounce + (size_t)i * p->unit, p->unit);
+        /* write-protected by the caller, or moved out of the mapping (`from`): these bytes cannot change */
+        if (!from) memcpy(io->bounce + (size_t)i * p->unit, pg_addr(p, units[i]), p->unit);
+        io->crcs[i] = dls_crc32c_pages(0, buf + (size_t)i * p->unit, p->unit);
         io->offs[i] = (units[i] - e->first_unit) * p->unit;
         io->lens[i] = (uint32_t)p->unit;
     }
@@ -120,7 +121,7 @@ int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
             continue;
         }
         bs[m] = (dls_batch){.slab = c->slab, .token = c->token, .nseg = n, .offs = io->offs, .lens = io->lens,
-                            .buf = io->bounce, .flags = 0, .crcs = NULL, .timeout_ms = p->cfg.io_timeout_ms,
+                            .buf = buf, .flags = 0, .crcs = NULL, .timeout_ms = p->cfg.io_timeout_ms,
                             .bad_seg = -1};
         bp[m] = &bs[m];
         eps[m] = conn;

@@ -64,12 +64,13 @@ _STATS = ("faults_missing", "faults_wp", "faults_stale", "faults_inflight", "fet
           "failovers", "copy_failures", "units_lost", "bytes_fetched", "bytes_written", "resident_units",
           "local_units", "budget_waits", "over_budget", "events_dropped", "user_mode_only", "write_protect",
           "fault_ns", "fetch_ns", "install_ns", "reserve_wait_ns", "evict_ns", "demand_runs", "stream_runs",
-          "stream_cancelled", "engine_errors")
+          "stream_cancelled", "engine_errors", "evicted_moved", "move_evict")
 _CALLS = {lib.DLS_CALL_PROTECT: "write-protecting units for a write-back",
           lib.DLS_CALL_UNPROTECT: "making a unit writable", lib.DLS_CALL_DROP: "MADV_DONTNEED of evicted units",
           lib.DLS_CALL_WAKE: "waking threads that wait on units", lib.DLS_CALL_POISON: "poisoning lost units",
           lib.DLS_CALL_QUEUE: "queueing units (out of memory)", lib.DLS_CALL_UNMAP: "unmapping the region at close",
-          lib.DLS_CALL_THREAD: "starting a fetch worker or evictor"}
+          lib.DLS_CALL_THREAD: "starting a fetch worker or evictor",
+          lib.DLS_CALL_REINSTALL: "putting back a unit moved out for its write-back"}
 
 
 def default_fetch_workers() -> int:
@@ -135,12 +136,12 @@ class _Engine:
 
     def __init__(self, nbytes: int, unit: int, local_bytes: int, policy: str, nextents: int,
                  fetch_workers: int, evict_threads: int, prefetch_bytes: int, io_timeout_ms: int,
-                 fault_threads: int = 2, spin_us: int = 0) -> None:
+                 fault_threads: int = 2, spin_us: int = 0, move_evict: bool = True) -> None:
         cfg = ffi.new("dls_pager_config *", {
             "nbytes": nbytes, "unit": unit, "local_bytes": local_bytes, "policy": POLICIES[policy],
             "fetch_workers": fetch_workers, "evict_threads": evict_threads, "prefetch_bytes": prefetch_bytes,
             "io_timeout_ms": io_timeout_ms, "nextents": nextents, "fault_threads": fault_threads,
-            "spin_us": spin_us})
+            "spin_us": spin_us, "no_move": int(not move_evict)})
         err, out = ffi.new("char[512]"), ffi.new("dls_pager **")
         rc = lib.dls_pager_create(cfg, out, err, 512)
         if rc:
@@ -425,7 +426,7 @@ class RemoteRegion:
     def __init__(self, buf: RegionBuffer, local_bytes: int, policy: str = DEFAULT_POLICY, *,
                  io_timeout_ms: int = 5000, fetch_workers: int | None = None, evict_threads: int = 1,
                  prefetch_bytes: int = 1 << 20, fault_threads: int = DEFAULT_FAULT_THREADS,
-                 spin_us: int = DEFAULT_SPIN_US, owns: Any = None) -> None:
+                 spin_us: int = DEFAULT_SPIN_US, move_evict: bool = True, owns: Any = None) -> None:
         check_geometry(buf.nbytes, local_bytes, buf.unit, policy)
         if fetch_workers is None:
             fetch_workers = default_fetch_workers()
@@ -436,7 +437,7 @@ class RemoteRegion:
         self._buf = buf
         self._engine = _Engine(self.nbytes, self.unit, max(self.local_bytes, 4 * self.unit), policy,
                                len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms,
-                               fault_threads, spin_us)
+                               fault_threads, spin_us, move_evict)
         try:
             for ext in buf.extents:
                 with ext.lock:

@@ -117,7 +117,9 @@ class RemoteMemory:
         fault fetches, a multiple of 4096 (at most 1 MiB) that divides the donors' slab size.
         ``policy``: ``clock``, ``fifo`` or ``random``.  ``engine``: ``fetch_workers`` (half the cores, 2 to 4),
         ``evict_threads``, ``prefetch_bytes`` (0: no sequential prefetch), ``fault_threads`` (2),
-        ``spin_us`` (50: how long a fault thread polls for a donor's answer before it sleeps)."""
+        ``spin_us`` (50: how long a fault thread polls for a donor's answer before it sleeps),
+        ``move_evict`` (True: a dirty unit leaves by ``UFFDIO_MOVE`` where the kernel has it, Linux 6.8+;
+        ``stats()["move_evict"]`` says whether it does)."""
         check_geometry(nbytes, local_bytes, unit, policy)
         size = -(-nbytes // unit) * unit
         extents = self._place(size)

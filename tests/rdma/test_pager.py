@@ -181,9 +181,26 @@ def test_a_scan_larger_than_memory_keeps_what_was_resident_and_evicts_what_it_re
     assert sum(region.unit_state(u) in ("clean", "dirty") for u in last) > len(last) // 2
 
 
-def test_concurrent_writers_racing_write_back_and_eviction_lose_nothing(local_cluster):
-    """Writes land while their units are written back or evicted, faults hit units on their way out."""
-    region, io = local_cluster.region(4 * SLAB, local_bytes=12 * UNIT, policy="clock", fetch_workers=3)
+def moves_here() -> bool:
+    """Whether this kernel lets the engine move dirty victims out (UFFDIO_MOVE, Linux 6.8+)."""
+    cfg = ffi.new("dls_pager_config *", {"nbytes": 1 << 20, "unit": 4096, "local_bytes": 1 << 18, "policy": 1,
+                                         "fetch_workers": 1, "evict_threads": 1, "nextents": 1})
+    err, out = ffi.new("char[256]"), ffi.new("dls_pager **")
+    assert lib.dls_pager_create(cfg, out, err, 256) == 0, ffi.string(err)
+    st = ffi.new("dls_pager_stats *")
+    lib.dls_pager_get_stats(out[0], st)
+    lib.dls_pager_free(out[0])
+    return bool(st.move_evict)
+
+
+@pytest.mark.parametrize("move_evict", [True, False], ids=["moved-out", "protected-in-place"])
+def test_concurrent_writers_racing_write_back_and_eviction_lose_nothing(local_cluster, move_evict):
+    """Writes land while their units are written back or evicted, faults hit units on their way out,
+    with dirty victims moved out of the mapping for their write-back and with them write-protected in place."""
+    if move_evict and not moves_here():
+        pytest.skip("this kernel has no UFFDIO_MOVE (Linux 6.8+): dirty victims are write-protected in place")
+    region, io = local_cluster.region(4 * SLAB, local_bytes=12 * UNIT, policy="clock", fetch_workers=3,
+                                      move_evict=move_evict)
     a = region.array(np.int64)
     n_threads, rounds, span = 4, 300, 2048  # slices big enough that numpy drops the GIL
     errors = []
@@ -224,6 +241,62 @@ def test_concurrent_writers_racing_write_back_and_eviction_lose_nothing(local_cl
     assert not len(bad), (len(bad), np.unique(bad * 8 // UNIT)[:20], np.unique(got[bad] - want[bad]), region.stats())
     st = region.stats()
     assert st["evicted_dirty"] > 0 and st["faults_wp"] > 0 and st["units_lost"] == 0 and not io.failed
+    assert st["move_evict"] == int(move_evict) and (st["evicted_moved"] > 0) == move_evict, st
+    assert st["engine_errors"] == 0, region.engine_errors()
+
+
+@pytest.mark.parametrize("move_evict", [True, False], ids=["moved-out", "protected-in-place"])
+def test_scattered_rows_updated_by_threads_while_evicted_keep_every_update(local_cluster, move_evict):
+    """An embedding table's pattern: threads add to scattered 4 KiB units, each asking for its next rows
+    ahead for writing (as rdma.torch.prefetch_lookups does), so units are touched and prefetched while the
+    evictor takes them out; every update must be in the region and on every copy after a flush."""
+    if move_evict and not moves_here():
+        pytest.skip("this kernel has no UFFDIO_MOVE (Linux 6.8+)")
+    region, io = local_cluster.region(4 * SLAB, local_bytes=64 * 4096, unit=4096, policy="clock",
+                                      move_evict=move_evict)
+    a = region.array(np.int64)
+    per_unit = 4096 // 8
+    n_units = region.nbytes // 4096
+    n_threads, steps, rows = 3, 60, 96
+    errors = []
+
+    def plan(k: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(100 + k)
+        # each thread its own units (k mod n_threads): no two threads add to the same element
+        return [rng.choice(np.arange(k, n_units, n_threads), rows, replace=False) for _ in range(steps)]
+
+    def trainer(k: int) -> None:
+        try:
+            batches = plan(k)
+            for s, units in enumerate(batches):
+                if s + 1 < steps:
+                    region.prefetch_units(batches[s + 1], write=True, timeout=None)
+                for u in units:
+                    a[int(u) * per_unit + (s % per_unit)] += 1
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trainer, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    want = np.zeros(len(a), np.int64)
+    for k in range(n_threads):
+        for s, units in enumerate(plan(k)):
+            want[units * per_unit + (s % per_unit)] += 1
+    got = np.array(a)
+    assert np.array_equal(got, want), (np.count_nonzero(got != want), region.stats())
+    region.flush()
+    for ext in region.buffer.extents:
+        lo = ext.first_page * 4096
+        for rep in ext.replicas:
+            copy = local_cluster.read_copy(rep, ext.npages * 4096)
+            assert np.array_equal(copy, want.view(np.uint8)[lo:lo + ext.npages * 4096]), (ext.index, rep.node)
+    st = region.stats()
+    assert st["evicted_dirty"] > 100 and st["units_lost"] == 0 and not io.failed and st["engine_errors"] == 0
+    assert (st["evicted_moved"] > 100) == move_evict, st
 
 
 def test_prefetch_for_writing_installs_units_dirty_without_write_faults(local_cluster):
