@@ -11,14 +11,24 @@
  *   move       receive into a landing run, UFFDIO_MOVE its pages into the region (no copy, no
  *              allocation), and drop by moving them back to the landing run (recycled)
  *   wp         does UFFDIO_MOVE keep a page's userfaultfd write-protect bit?  (pagemap bit 57)
+ *   evict-inplace, evict-move
+ *              evicting a dirty page, as the engine's evictor does for an embedding table's scattered
+ *              rows: batches of 64 random pages, each installed writable (UFFDIO_COPY) and written,
+ *              then either write-protected and dropped in place one by one (UFFDIO_WRITEPROTECT,
+ *              MADV_DONTNEED), or moved out one by one into a staging run (UFFDIO_MOVE) that is
+ *              dropped once for the batch.  A second thread spins on another CPU meanwhile, as a
+ *              program's other threads do, so every TLB flush must interrupt that CPU.
  *
  * Build and run:  cc -O2 -o /tmp/page_install bench/page_install.c && for m in copy memfd memfd-pop
- * move; do /tmp/page_install $m; done; /tmp/page_install wp
- * Needs Linux 6.8+ for move and wp (UFFD_FEATURE_MOVE); the others run on 5.13+. */
+ * move evict-inplace evict-move; do /tmp/page_install $m; done; /tmp/page_install wp
+ * Needs Linux 6.8+ for move, wp and evict-move (UFFD_FEATURE_MOVE), 5.19+ for evict-inplace (write-protect
+ * on anonymous memory), 5.13+ for the others; the evict modes need 2 CPUs. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,6 +92,83 @@ static void move(int fd, void *dst, void *src, size_t n) {
     if (ioctl(fd, UFFDIO_MOVE, &m)) die("UFFDIO_MOVE");
 }
 
+static volatile int spin_stop;
+
+static void *spinner(void *arg) { /* this process's mm stays live on another CPU */
+    cpu_set_t *cpu = arg;
+    pthread_setaffinity_np(pthread_self(), sizeof *cpu, cpu);
+    for (volatile uint64_t x = 0; !spin_stop; x++) {
+    }
+    return NULL;
+}
+
+/* evict-inplace / evict-move; the costs per page into *install and *drop, the pages into *pages. */
+static void evict(int moved, uint64_t *install, uint64_t *drop, double *pages) {
+    enum { BATCH = 64, ROUNDS = 400 };
+    const size_t npages = REGION / 4096;
+    cpu_set_t all, mine, other;
+    CPU_ZERO(&mine);
+    CPU_ZERO(&other);
+    if (sched_getaffinity(0, sizeof all, &all)) die("sched_getaffinity");
+    int first = -1, second = -1;
+    for (int c = 0; c < CPU_SETSIZE && second < 0; c++)
+        if (CPU_ISSET(c, &all)) {
+            if (first < 0) first = c;
+            else second = c;
+        }
+    if (second < 0) {
+        fprintf(stderr, "evict: needs 2 CPUs (one spins)\n");
+        exit(1);
+    }
+    CPU_SET(first, &mine);
+    CPU_SET(second, &other);
+    if (sched_setaffinity(0, sizeof mine, &mine)) die("sched_setaffinity");
+    int fd = open_uffd(UFFD_FEATURE_PAGEFAULT_FLAG_WP | (moved ? UFFD_FEATURE_MOVE : 0));
+    char *r = anon(REGION), *stage = anon(BATCH * 4096), *src = aligned_alloc(4096, 4096);
+    memset(src, 7, 4096);
+    reg(fd, r, REGION, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP);
+    reg(fd, stage, BATCH * 4096, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP);
+    pthread_t t;
+    if (pthread_create(&t, NULL, spinner, &other)) die("pthread_create");
+    srand(1);
+    uint64_t n = 0, t0;
+    for (int round = 0; round < ROUNDS; round++) {
+        size_t v[BATCH];
+        int k = 0;
+        t0 = now_ns();
+        for (int i = 0; i < BATCH; i++) { /* distinct pages: a copy onto one already there fails, skipped */
+            v[k] = (size_t)rand() % npages;
+            struct uffdio_copy c = {.dst = (uintptr_t)(r + v[k] * 4096), .src = (uintptr_t)src, .len = 4096,
+                                    .mode = UFFDIO_COPY_MODE_DONTWAKE};
+            if (ioctl(fd, UFFDIO_COPY, &c) == 0) k++;
+            else if (errno != EEXIST) die("UFFDIO_COPY");
+        }
+        *install += now_ns() - t0;
+        for (int i = 0; i < k; i++) r[v[i] * 4096] = 1; /* written: dirty */
+        t0 = now_ns();
+        for (int i = 0; i < k; i++) {
+            if (moved) {
+                move(fd, stage + (size_t)i * 4096, r + v[i] * 4096, 4096);
+            } else {
+                struct uffdio_writeprotect w = {.range = {(uintptr_t)(r + v[i] * 4096), 4096},
+                                                .mode = UFFDIO_WRITEPROTECT_MODE_WP};
+                if (ioctl(fd, UFFDIO_WRITEPROTECT, &w)) die("UFFDIO_WRITEPROTECT");
+            }
+        }
+        if (moved) {
+            if (madvise(stage, (size_t)k * 4096, MADV_DONTNEED)) die("MADV_DONTNEED");
+        } else {
+            for (int i = 0; i < k; i++)
+                if (madvise(r + v[i] * 4096, 4096, MADV_DONTNEED)) die("MADV_DONTNEED");
+        }
+        *drop += now_ns() - t0;
+        n += (uint64_t)k;
+    }
+    spin_stop = 1;
+    pthread_join(t, NULL);
+    *pages = (double)n;
+}
+
 static uint64_t pagemap(void *a) {
     int fd = open("/proc/self/pagemap", O_RDONLY);
     uint64_t e = 0;
@@ -95,6 +182,7 @@ int main(int argc, char **argv) {
     char *src = aligned_alloc(4096, RUN);
     memset(src, 7, RUN);
     uint64_t t, recv_ns = 0, install_ns = 0, drop_ns = 0;
+    double pages = (double)PASSES * REGION / 4096;
     if (!strcmp(mode, "wp")) {
         int fd = open_uffd(UFFD_FEATURE_MOVE);
         char *r = anon(RUN), *land = anon(RUN);
@@ -180,12 +268,13 @@ int main(int argc, char **argv) {
             move(fd, land, r + REGION - RUN, RUN);
             drop_ns += now_ns() - t;
         }
+    } else if (!strcmp(mode, "evict-inplace") || !strcmp(mode, "evict-move")) {
+        evict(!strcmp(mode, "evict-move"), &install_ns, &drop_ns, &pages);
     } else {
-        fprintf(stderr, "usage: %s copy|memfd|memfd-pop|move|wp\n", argv[0]);
+        fprintf(stderr, "usage: %s copy|memfd|memfd-pop|move|wp|evict-inplace|evict-move\n", argv[0]);
         return 2;
     }
-    double pages = (double)PASSES * REGION / 4096;
-    printf("%-10s ns per 4 KiB page: receive %5.0f  install %5.0f  drop %5.0f  total %5.0f\n", mode,
+    printf("%-13s ns per 4 KiB page: receive %5.0f  install %5.0f  drop %5.0f  total %5.0f\n", mode,
            recv_ns / pages, install_ns / pages, drop_ns / pages, (recv_ns + install_ns + drop_ns) / pages);
     return 0;
 }
