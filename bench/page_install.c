@@ -42,15 +42,7 @@
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-#ifndef UFFDIO_MOVE /* older uapi headers (Debian 12's are 6.1) */
-struct uffdio_move {
-    uint64_t dst, src, len, mode;
-    int64_t move;
-};
-#define UFFDIO_MOVE _IOWR(UFFDIO, 0x05, struct uffdio_move)
-#define UFFDIO_MOVE_MODE_DONTWAKE ((uint64_t)1 << 0)
-#define UFFD_FEATURE_MOVE (1 << 16)
-#endif
+#include "../csrc/uffd_compat.h" /* UFFDIO_MOVE where the uapi headers predate Linux 6.8 */
 
 #define REGION (64ul << 20)
 #define RUN (128ul << 10)

@@ -27,17 +27,7 @@
 
 #include "pager.h"
 #include "pager_trend.h"
-
-#ifndef UFFDIO_MOVE /* uapi headers older than Linux 6.8 (Debian 12's are 6.1); the kernel says if it has it */
-struct uffdio_move {
-    uint64_t dst, src, len, mode;
-    int64_t move;
-};
-#define UFFDIO_MOVE _IOWR(UFFDIO, 0x05, struct uffdio_move)
-#define UFFDIO_MOVE_MODE_DONTWAKE ((uint64_t)1 << 0)
-#define UFFD_FEATURE_MOVE (1 << 16)
-#define _UFFDIO_MOVE 0x05
-#endif
+#include "uffd_compat.h"
 #include "provider.h"
 
 /* Newer than the Debian 12 kernel headers (Linux 6.4 and 6.6); the running kernel says whether it has them. */
