@@ -228,6 +228,12 @@ static uint32_t protect_sorted(dls_pager *p, uint64_t *units, uint32_t n) {
     return kept;
 }
 
+/* No more moves for this region (the old path is always right); stats say so. */
+static void stop_moving(dls_pager *p) {
+    __atomic_store_n(&p->move, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&PG_STAT(p, move_evict), 0, __ATOMIC_RELAXED);
+}
+
 /* UFFDIO_COPY of len bytes from `from` into holes at `to` in a registered range, writable, nobody woken.
  * 0 or -errno. */
 static int copy_in(dls_pager *p, uint8_t *to, uint8_t *from, uint64_t len) {
@@ -264,8 +270,10 @@ static int move_out(dls_pager *p, uint64_t u, uint8_t *to) {
         if (e == EAGAIN || e == EINTR) continue;
         if (done) {
             int rc = copy_in(p, from, to, done);
-            if (madvise(to, done, MADV_DONTNEED) != 0 || rc) { /* neither should fail: stop moving */
-                __atomic_store_n(&p->move, 0, __ATOMIC_RELAXED);
+            /* neither should fail (a copy into holes just made, a drop of our own run); if one did, moves
+             * stop, and a unit left with holes would fault on the evictor's own copy: it is reported */
+            if (madvise(to, done, MADV_DONTNEED) != 0 || rc) {
+                stop_moving(p);
                 if (rc) pg_fail(p, DLS_CALL_REINSTALL, rc, u, 1);
             }
         }
@@ -313,7 +321,7 @@ static uint32_t evict_moved(dls_pager *p, pg_io *io, const uint64_t *units, uint
     }
     if (madvise(stage, (size_t)n * p->unit, MADV_DONTNEED) != 0) { /* the run is not empty: no more moves */
         pg_fail(p, DLS_CALL_DROP, -errno, units[0], n);
-        __atomic_store_n(&p->move, 0, __ATOMIC_RELAXED);
+        stop_moving(p);
     }
     if (gone) pg_release(p, gone);
     PG_ADD(p, evicted_moved, gone);
@@ -343,8 +351,7 @@ static uint32_t evict_batch(dls_pager *p, pg_io *io, uint64_t *victims, uint8_t 
                 moved[nm++] = wb[i];
                 continue;
             }
-            if (rc == -EINVAL || rc == -ENOTTY || rc == -ENOSYS) /* this kernel or mapping refuses: stop trying */
-                __atomic_store_n(&p->move, 0, __ATOMIC_RELAXED);
+            if (rc == -EINVAL || rc == -ENOTTY || rc == -ENOSYS) stop_moving(p); /* this kernel or mapping refuses */
             wb[left++] = wb[i]; /* written back in place, below */
         }
         nw = left;
