@@ -221,6 +221,10 @@ def test_with_bind_verb_dlshare_binds_and_a_pod_waits_while_it_is_down(k8s):
         wait_until(lambda: f"bound pod {NS}/{n} to node {node}" in
                    (k8s.dlshare.root / "sched.log").read_text(errors="replace"), timeout=30,
                    what="dlshare's binder posted the Binding", interval=0.2)
+        # the core records the bind once the Binding exists (after that log line): wait for it, then
+        # it must be held once, on that node
+        wait_until(lambda: (n, node) in dlshare_holds(k8s), timeout=30, what="dlshare's core holds the bound pod",
+                   interval=0.2)
         assert dlshare_holds(k8s).count((n, node)) == 1
         k8s.dlshare.kill9_sched()
         try:
