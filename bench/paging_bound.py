@@ -232,6 +232,7 @@ def run(args) -> dict[str, Any]:
     finally:
         cluster.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    notes += [f"{k} round {r.get('round')}: {r['error']}" for k, rs in runs.items() for r in rs if r.get("error")]
     m = _metrics(runs, ws, cpus, quick)
     m["bench_s"] = time.perf_counter() - t_start
     result = report.envelope("paging-bound", m, runs=runs, notes=notes, quick=quick, cpus=cpus)
@@ -281,23 +282,24 @@ def _metrics(runs: dict[str, list[dict[str, Any]]], ws: int, cpus: int, quick: b
     return m
 
 
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def _print(m: dict[str, Any]) -> None:
-    print(f"all-local: {m['local_step_ms']:.2f} ms a step ({m['local_cpu_ms']:.2f} ms CPU); {m['cpus']} CPUs")
+    """The table; a part whose runs all failed shows "-" (the notes and the JSON say why)."""
+    print(f"all-local: {_f(m['local_step_ms'])} ms a step ({_f(m['local_cpu_ms'])} ms CPU); {m['cpus']} CPUs")
     print(f"{'share':>6} {'step ms':>8} {'prog CPU':>9} {'donors':>7} {'plane CPU':>10} "
           f"{'misses engine/LRU/A0':>22} {'ratio':>6} {'bound engine/LRU/A0':>22}")
     for share in SHARES:
         tag = str(int(share * 100))
         c, mi, b = m[f"local{tag}_cpu_ms"], m[f"local{tag}_misses_per_step"], m[f"bound_ratio_local{tag}"]
-
-        def f(x, d=2):
-            return "-" if x is None else f"{x:.{d}f}"
-
-        misses = "/".join(f(mi[k], 0) for k in ("engine", "lru", "a0"))
-        bound = "/".join(f(b[k]) for k in ("engine", "lru", "a0"))
-        print(f"{tag + '%':>6} {f(m[f'local{tag}_step_ms']):>8} {f(c['program']):>9} {f(c['donors']):>7} "
-              f"{f(c['dataplane_same_traffic']):>10} {misses:>22} {f(m[f'dlrm_local{tag}_vs_local']):>6} {bound:>22}")
+        misses = "/".join(_f(mi[k], 0) for k in ("engine", "lru", "a0"))
+        bound = "/".join(_f(b[k]) for k in ("engine", "lru", "a0"))
+        print(f"{tag + '%':>6} {_f(m[f'local{tag}_step_ms']):>8} {_f(c['program']):>9} {_f(c['donors']):>7} "
+              f"{_f(c['dataplane_same_traffic']):>10} {misses:>22} {_f(m[f'dlrm_local{tag}_vs_local']):>6} {bound:>22}")
     pin = m.get("local50_pinned")
     if pin and pin["step_ms"] is not None:
-        print(f"50%, the program on one CPU and the donors on the others: {pin['step_ms']:.2f} ms a step, program "
-              f"{pin['program_cpu_ms']:.2f} ms CPU (unpinned {m['local50_cpu_ms']['program']:.2f}), donors "
-              f"{pin['donors_cpu_ms']:.2f}")
+        print(f"50%, the program on one CPU and the donors on the others: {_f(pin['step_ms'])} ms a step, program "
+              f"{_f(pin['program_cpu_ms'])} ms CPU (unpinned {_f(m['local50_cpu_ms']['program'])}), donors "
+              f"{_f(pin['donors_cpu_ms'])}")
