@@ -228,11 +228,11 @@ void pg_lose(dls_pager *p, uint32_t idx, uint64_t u, uint64_t n, int code);
  * readable copy, in one batched request, failing over; 0, or DLS_E_IO when no copy could serve them
  * (the units are lost). */
 int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
-/* Write the given units (sorted, write-protected, one extent) to every writable copy; 0 when a
- * durable (live or evicting) copy took them all, else a wire status. */
-/* Write units back to every copy of their extent (all in one extent), their bytes read from the mapping
- * (write-protected by the caller) or, with `from`, from there, back to back. */
-int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from);
+/* Write sorted units (of any extents) back to every copy of their extent, their bytes read from the
+ * mapping (write-protected by the caller) or, with `from`, from there, back to back.  Every extent and
+ * copy is in flight at once (one round trip for the lot, not one per extent).  ok[i]: 1 when a
+ * durable (live or evicting) copy took unit i. */
+void pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from, uint8_t *ok);
 int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
 
 /* pager_fault.c */

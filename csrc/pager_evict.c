@@ -108,19 +108,11 @@ static int cmp_u64(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Write back sorted units of possibly several extents, one batch per extent; ok[i] per unit. */
-/* `from`: their bytes back to back there (moved out), else in the mapping. */
 static void write_back_sorted(dls_pager *p, pg_io *io, uint64_t *units, uint32_t n, uint8_t *ok, uint8_t *from) {
-    for (uint32_t i = 0; i < n;) {
-        pg_extent *e = pg_extent_of(p, units[i], NULL);
-        uint64_t end = e->first_unit + e->nunits;
-        uint32_t j = i + 1;
-        while (j < n && units[j] < end && j - i < io->max_units) j++;
-        int rc = pg_write_back(p, io, units + i, j - i, from ? from + (size_t)i * p->unit : NULL);
-        memset(ok + i, rc == DLS_OK, j - i);
-        if (rc != DLS_OK) PG_ADD(p, writeback_failures, j - i);
-        i = j;
-    }
+    pg_write_back(p, io, units, n, from, ok);
+    uint32_t failed = 0;
+    for (uint32_t i = 0; i < n; i++) failed += !ok[i];
+    if (failed) PG_ADD(p, writeback_failures, failed);
 }
 
 /* A written-back unit that a writer is waiting on stays, dirty again; one no copy took stays too. */

@@ -93,63 +93,104 @@ int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n) {
     return rc;
 }
 
-int pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from) {
-    uint32_t idx;
-    pg_extent *e = pg_extent_of(p, units[0], &idx);
-    uint8_t *buf = from ? from : io->bounce;
-    pthread_mutex_lock(&e->io);
-    for (uint32_t i = 0; i < n; i++) {
-        /* write-protected by the caller, or moved out of the mapping (`from`): these bytes cannot change */
-        if (!from) memcpy(io->bounce + (size_t)i * p->unit, pg_addr(p, units[i]), p->unit);
-        io->crcs[i] = dls_crc32c_pages(0, buf + (size_t)i * p->unit, p->unit);
-        io->offs[i] = (units[i] - e->first_unit) * p->unit;
-        io->lens[i] = (uint32_t)p->unit;
-    }
+/* One extent's share of a write-back: units[first, first+n) of the call. */
+typedef struct wb_group {
+    pg_extent *e;
+    uint32_t idx, first, n, nc, m;
     pg_copy cs[DLS_PAGER_MAX_COPIES];
-    uint32_t nc = pg_copies(e, cs);
-    uint32_t durable = 0, sent = 0;
-    /* every copy at once: n copies cost about one round trip, not n */
-    dls_ep *eps[DLS_PAGER_MAX_COPIES];
-    dls_batch bs[DLS_PAGER_MAX_COPIES], *bp[DLS_PAGER_MAX_COPIES];
-    int rcs[DLS_PAGER_MAX_COPIES], which[DLS_PAGER_MAX_COPIES], m = 0;
-    for (uint32_t k = 0; k < nc; k++) {
-        pg_copy *c = &cs[k];
-        if (c->failed || p->closing) continue;
-        dls_ep *conn = pg_io_conn(p, io, c->ep);
-        if (!conn) {
-            pg_copy_failed(p, idx, c, DLS_E_IO);
-            continue;
+    int which[DLS_PAGER_MAX_COPIES]; /* the copies sent to, of cs */
+} wb_group;
+
+#define WB_GROUPS 16 /* extents written back together (with their copies, at most 128 batches) */
+
+/* Write back the groups' units (their bytes at buf, back to back; the io's offs/lens/crcs filled),
+ * every extent and every copy in one dls_ep_write_many.  The extents' io locks are held by the caller. */
+static void write_groups(dls_pager *p, pg_io *io, const uint64_t *units, wb_group *g, uint32_t ng, uint8_t *buf,
+                         uint8_t *ok) {
+    dls_ep *eps[WB_GROUPS * DLS_PAGER_MAX_COPIES];
+    dls_batch bs[WB_GROUPS * DLS_PAGER_MAX_COPIES], *bp[WB_GROUPS * DLS_PAGER_MAX_COPIES];
+    int rcs[WB_GROUPS * DLS_PAGER_MAX_COPIES], m = 0;
+    for (uint32_t x = 0; x < ng; x++) {
+        wb_group *w = &g[x];
+        w->nc = pg_copies(w->e, w->cs);
+        w->m = 0;
+        for (uint32_t k = 0; k < w->nc; k++) {
+            pg_copy *c = &w->cs[k];
+            if (c->failed || p->closing) continue;
+            dls_ep *conn = pg_io_conn(p, io, c->ep);
+            if (!conn) {
+                pg_copy_failed(p, w->idx, c, DLS_E_IO);
+                continue;
+            }
+            bs[m] = (dls_batch){.slab = c->slab, .token = c->token, .nseg = w->n, .offs = io->offs + w->first,
+                                .lens = io->lens + w->first, .buf = buf + (size_t)w->first * p->unit, .flags = 0,
+                                .crcs = NULL, .timeout_ms = p->cfg.io_timeout_ms, .bad_seg = -1};
+            bp[m] = &bs[m];
+            eps[m++] = conn;
+            w->which[w->m++] = (int)k;
         }
-        bs[m] = (dls_batch){.slab = c->slab, .token = c->token, .nseg = n, .offs = io->offs, .lens = io->lens,
-                            .buf = buf, .flags = 0, .crcs = NULL, .timeout_ms = p->cfg.io_timeout_ms,
-                            .bad_seg = -1};
-        bp[m] = &bs[m];
-        eps[m] = conn;
-        which[m++] = (int)k;
     }
     if (m) dls_ep_write_many(eps, bp, m, rcs);
-    for (int i = 0; i < m; i++) {
-        pg_copy *c = &cs[which[i]];
-        if (rcs[i] < 0) pg_io_drop(io, c->ep);
-        if (rcs[i]) {
-            pg_copy_failed(p, idx, c, rcs[i]);
-            continue;
+    int at = 0;
+    for (uint32_t x = 0; x < ng; x++) {
+        wb_group *w = &g[x];
+        uint32_t durable = 0, sent = 0;
+        for (uint32_t i = 0; i < w->m; i++) {
+            pg_copy *c = &w->cs[w->which[i]];
+            int rc = rcs[at++];
+            if (rc < 0) pg_io_drop(io, c->ep);
+            if (rc) {
+                pg_copy_failed(p, w->idx, c, rc);
+                continue;
+            }
+            sent++;
+            if (c->role == DLS_COPY_LIVE || c->role == DLS_COPY_EVICTING) durable++;
         }
-        sent++;
-        if (c->role == DLS_COPY_LIVE || c->role == DLS_COPY_EVICTING) durable++;
-    }
-    if (durable) {
-        for (uint32_t i = 0; i < n; i++) {
-            pg_lock(p, units[i]);
-            __atomic_store_n(&p->crc[units[i]], io->crcs[i], __ATOMIC_RELAXED);
-            __atomic_or_fetch(&p->flags[units[i]], UF_HAS_DATA, __ATOMIC_RELEASE);
-            pg_unlock(p, units[i]);
+        if (durable) {
+            for (uint32_t i = w->first; i < w->first + w->n; i++) {
+                pg_lock(p, units[i]);
+                __atomic_store_n(&p->crc[units[i]], io->crcs[i], __ATOMIC_RELAXED);
+                __atomic_or_fetch(&p->flags[units[i]], UF_HAS_DATA, __ATOMIC_RELEASE);
+                pg_unlock(p, units[i]);
+            }
+            PG_ADD(p, written_back_units, w->n);
+            PG_ADD(p, bytes_written, (uint64_t)w->n * p->unit * sent);
         }
-        PG_ADD(p, written_back_units, n);
-        PG_ADD(p, bytes_written, (uint64_t)n * p->unit * sent);
+        memset(ok + w->first, durable != 0, w->n);
     }
-    pthread_mutex_unlock(&e->io);
-    return durable ? DLS_OK : DLS_E_IO;
+}
+
+void pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from, uint8_t *ok) {
+    if (n > io->max_units) { /* the io's arrays hold one run's worth */
+        pg_write_back(p, io, units, io->max_units, from, ok);
+        pg_write_back(p, io, units + io->max_units, n - io->max_units, from ? from + (size_t)io->max_units * p->unit : NULL,
+                      ok + io->max_units);
+        return;
+    }
+    uint8_t *buf = from ? from : io->bounce;
+    wb_group g[WB_GROUPS];
+    for (uint32_t i = 0; i < n;) {
+        /* up to WB_GROUPS extents, locked in unit order (every multi-extent locker's order) */
+        uint32_t ng = 0;
+        for (; i < n && ng < WB_GROUPS; ng++) {
+            wb_group *w = &g[ng];
+            w->e = pg_extent_of(p, units[i], &w->idx);
+            uint64_t end = w->e->first_unit + w->e->nunits;
+            w->first = i;
+            while (i < n && units[i] < end) i++;
+            w->n = i - w->first;
+            pthread_mutex_lock(&w->e->io);
+            for (uint32_t k = w->first; k < i; k++) {
+                /* write-protected by the caller, or moved out of the mapping (`from`): these bytes cannot change */
+                if (!from) memcpy(io->bounce + (size_t)k * p->unit, pg_addr(p, units[k]), p->unit);
+                io->crcs[k] = dls_crc32c_pages(0, buf + (size_t)k * p->unit, p->unit);
+                io->offs[k] = (units[k] - w->e->first_unit) * p->unit;
+                io->lens[k] = (uint32_t)p->unit;
+            }
+        }
+        write_groups(p, io, units, g, ng, buf, ok);
+        for (uint32_t x = ng; x-- > 0;) pthread_mutex_unlock(&g[x].e->io);
+    }
 }
 
 int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token) {

@@ -57,13 +57,16 @@ int dls_ep_read(dls_ep *ep, dls_batch *b) { return ep->p->read_batch(ep->conn, b
 int dls_ep_write(dls_ep *ep, dls_batch *b) { return ep->p->write_batch(ep->conn, b); }
 int dls_ep_ping(dls_ep *ep, int timeout_ms) { return ep->p->ping(ep->conn, timeout_ms); }
 
-#define MANY_MAX 16
+#define MANY_MAX 64
 
 void dls_ep_write_many(dls_ep **eps, dls_batch **bs, int n, int *rcs) {
-    int same = n > 1 && n <= MANY_MAX && eps[0]->p->write_many != NULL;
+    if (n > MANY_MAX) {
+        dls_ep_write_many(eps, bs, MANY_MAX, rcs);
+        dls_ep_write_many(eps + MANY_MAX, bs + MANY_MAX, n - MANY_MAX, rcs + MANY_MAX);
+        return;
+    }
+    int same = n > 1 && eps[0]->p->write_many != NULL;
     for (int i = 1; same && i < n; i++) same = eps[i]->p == eps[0]->p;
-    for (int i = 0; same && i < n; i++) /* one connection twice would wait on itself */
-        for (int j = i + 1; same && j < n; j++) same = eps[i]->conn != eps[j]->conn;
     if (!same) {
         for (int i = 0; i < n; i++) rcs[i] = eps[i]->p->write_batch(eps[i]->conn, bs[i]);
         return;

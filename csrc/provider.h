@@ -50,7 +50,8 @@ typedef struct dls_provider {
     int (*ping)(void *conn, int timeout_ms);
     void (*close)(void *conn);
     /* Optional: write batch i on conns[i] for every i at once (one wait for them all), status in
-     * rcs[i]; NULL makes dls_ep_write_many write them one after the other. */
+     * rcs[i]; a connection may carry several (in order, pipelined).  NULL makes dls_ep_write_many
+     * write them one after the other. */
     void (*write_many)(void **conns, dls_batch **bs, int n, int *rcs);
 } dls_provider;
 
@@ -68,8 +69,10 @@ int dls_ep_register_region(dls_ep *ep, void *base, uint64_t len);
 int dls_ep_read(dls_ep *ep, dls_batch *b);
 int dls_ep_write(dls_ep *ep, dls_batch *b);
 int dls_ep_ping(dls_ep *ep, int timeout_ms);
-/* The same bytes to several copies: batch i on eps[i] (distinct endpoints), all in flight together,
- * so n copies cost about one round trip instead of n.  rcs[i]: each batch's status. */
+/* Batch i on eps[i], all in flight together: the same bytes to several copies, or several slabs'
+ * batches, so n batches cost about one round trip instead of n.  An endpoint may appear more than
+ * once (its batches go in order, pipelined on its connection); if it breaks, all of its batches
+ * fail.  rcs[i]: each batch's status. */
 void dls_ep_write_many(dls_ep **eps, dls_batch **bs, int n, int *rcs);
 /* One segment, no arrays: the small-read fast path. */
 int dls_ep_read1(dls_ep *ep, uint32_t slab, const uint8_t *token, uint64_t off, uint32_t len, uint8_t *buf,

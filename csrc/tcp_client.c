@@ -39,6 +39,7 @@ typedef struct pend {
     uint32_t first_seg, nseg;
     uint8_t *dst;
     uint64_t data_len;
+    uint32_t bi; /* which of the run's batches it belongs to */
 } pend;
 
 typedef struct tcp_conn {
@@ -52,12 +53,16 @@ typedef struct tcp_conn {
     int rcv_timeout_ms; /* SO_RCVTIMEO as set */
 } tcp_conn;
 
-/* Per-call state of a batch in progress. */
+/* Per-call state of the batches in progress on one connection: bq[0..nb) go out in that order,
+ * pipelined (a batch's first request may follow the last one's before its answer is back). */
 typedef struct run {
     tcp_conn *c;
-    dls_batch *b;
+    dls_batch **bq;
+    int *st;             /* st[i]: the first error of bq[i] */
+    uint32_t nb, cur;    /* cur: the batch whose segments are being put in requests */
+    dls_batch *b;        /* bq[cur] */
     uint8_t op;
-    uint32_t next_seg;   /* first segment not yet put in a request */
+    uint32_t next_seg;   /* first segment of b not yet put in a request */
     uint8_t *next_buf;   /* where that segment's bytes live in b->buf */
     /* the request being sent */
     int sending;
@@ -75,7 +80,6 @@ typedef struct run {
     uint8_t crcbuf[4 * DLS_MAX_SEGS];
     size_t cgot, cneed;
     uint64_t dgot;
-    int status; /* first error seen */
 } run;
 
 static uint64_t mono_ns(void) {
@@ -92,9 +96,27 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static int fail(run *r, int code) {
-    if (r->status == DLS_OK) r->status = code;
-    return code;
+static void run_init(run *r, tcp_conn *c, dls_batch **bq, int *st, uint32_t nb, uint8_t op) {
+    r->c = c;
+    r->bq = bq;
+    r->st = st;
+    r->nb = nb;
+    r->op = op;
+    r->b = bq[0];
+    r->next_buf = bq[0]->buf;
+    for (uint32_t i = 0; i < nb; i++) st[i] = DLS_OK;
+}
+
+/* 1 while a batch has segments to put in requests; moves on past batches done or failed (after an
+ * error a batch issues nothing new: what it has in flight drains). */
+static int has_more(run *r) {
+    while (r->cur < r->nb && (r->st[r->cur] != DLS_OK || r->next_seg >= r->b->nseg)) {
+        if (++r->cur == r->nb) break;
+        r->b = r->bq[r->cur];
+        r->next_seg = 0;
+        r->next_buf = r->b->buf;
+    }
+    return r->cur < r->nb;
 }
 
 static int tcp_connect(const char *host, int port, int timeout_ms, void **out, char *err, size_t err_len) {
@@ -216,6 +238,7 @@ static void build_request(run *r) {
     pd->nseg = n;
     pd->dst = r->next_buf;
     pd->data_len = bytes;
+    pd->bi = r->cur;
     r->count++;
     r->sending = 1;
     r->req_len = DLS_REQ_HDR_LEN + (size_t)n * DLS_SEG_LEN;
@@ -260,9 +283,10 @@ static int pump_send(run *r) {
 
 static void finish_response(run *r) {
     pend *pd = &r->ring[r->head];
-    dls_batch *b = r->b;
+    dls_batch *b = r->bq[pd->bi];
+    int *st = &r->st[pd->bi];
     if (r->resp.status != DLS_OK) {
-        fail(r, r->resp.status);
+        if (*st == DLS_OK) *st = r->resp.status;
     } else if (pd->op == DLS_OP_READ && (b->flags & DLS_F_LOCAL_CRC) && !(b->flags & DLS_F_CRC)) {
         const uint8_t *d = pd->dst;
         for (uint32_t i = 0; i < pd->nseg; i++) {
@@ -276,8 +300,8 @@ static void finish_response(run *r) {
             uint32_t len = b->lens[pd->first_seg + i];
             uint32_t want = dls_ld32(r->crcbuf + 4u * i);
             b->crcs[pd->first_seg + i] = want;
-            if (dls_crc32c_pages(0, d, len) != want && r->status == DLS_OK) {
-                r->status = DLS_E_CRC;
+            if (dls_crc32c_pages(0, d, len) != want && *st == DLS_OK) {
+                *st = DLS_E_CRC;
                 b->bad_seg = (int32_t)(pd->first_seg + i);
             }
             d += len;
@@ -309,7 +333,7 @@ static long consume(run *r, const uint8_t *p, size_t n) {
                 finish_response(r);
                 continue;
             }
-            r->cneed = (r->b->flags & DLS_F_CRC) ? 4u * pd->nseg : 0;
+            r->cneed = (r->bq[pd->bi]->flags & DLS_F_CRC) ? 4u * pd->nseg : 0;
             if (r->resp.body_len != r->cneed + pd->data_len || r->resp.nseg != pd->nseg) return DLS_E_PROTO;
             r->stage = r->cneed ? 1 : 2;
             if (r->stage == 2 && pd->data_len == 0) finish_response(r);
@@ -375,12 +399,17 @@ static int pump_recv(run *r) {
     }
 }
 
-static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
-    if (!b->token || (b->nseg && (!b->offs || !b->lens || !b->buf))) return DLS_E_ARG;
-    if ((b->flags & (DLS_F_CRC | DLS_F_LOCAL_CRC)) && !b->crcs) return DLS_E_ARG;
-    if (b->flags & ~(DLS_F_CRC | DLS_F_LOCAL_CRC)) return DLS_E_ARG;
+static int batch_ok(dls_batch *b) {
+    if (!b->token || (b->nseg && (!b->offs || !b->lens || !b->buf))) return 0;
+    if ((b->flags & (DLS_F_CRC | DLS_F_LOCAL_CRC)) && !b->crcs) return 0;
+    if (b->flags & ~(DLS_F_CRC | DLS_F_LOCAL_CRC)) return 0;
     for (uint32_t i = 0; i < b->nseg; i++)
-        if (b->lens[i] == 0 || b->lens[i] > DLS_MAX_SEG_BYTES) return DLS_E_ARG;
+        if (b->lens[i] == 0 || b->lens[i] > DLS_MAX_SEG_BYTES) return 0;
+    return 1;
+}
+
+static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
+    if (!batch_ok(b)) return DLS_E_ARG;
     b->bad_seg = -1;
     pthread_mutex_lock(&c->mu);
     if (c->broken) {
@@ -392,16 +421,14 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
         pthread_mutex_unlock(&c->mu);
         return DLS_E_INTERNAL;
     }
-    r->c = c;
-    r->b = b;
-    r->op = op;
-    r->next_buf = b->buf;
+    int status;
+    run_init(r, c, &b, &status, 1, op);
     int timeout = b->timeout_ms > 0 ? b->timeout_ms : 10000;
     int rc = 0;
     for (;;) {
         /* after an error, issue nothing new: drain what is in flight */
         int built = 0;
-        if (!r->sending && r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW) {
+        if (!r->sending && r->count < WINDOW && has_more(r)) {
             build_request(r);
             built = 1;
         }
@@ -409,7 +436,7 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
         /* A request just went out whole and nothing is buffered: its response
          * cannot be here yet, so wait in poll rather than try a recv first. */
         int skip_recv = built && !r->sending && r->count == 1 && c->sb_len == c->sb_off &&
-                        !(r->status == DLS_OK && r->next_seg < b->nseg);
+                        !has_more(r);
         if (skip_recv && b->timeout_ms == c->rcv_timeout_ms) {
             /* sleep in recv for the response (SO_RCVTIMEO bounds the wait), after polling for it for
              * spin_us: a round trip on a fast link is shorter than the wake-up of a sleeping thread */
@@ -440,7 +467,7 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
             skip_recv = 0;
         }
         if (!skip_recv && (rc = pump_recv(r)) < 0) break;
-        int more = r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW;
+        int more = r->count < WINDOW && has_more(r);
         if (!r->sending && r->count == 0 && !more) break;
         if (more && !r->sending) continue;
         struct pollfd p = {.fd = c->fd, .events = (short)((r->count ? POLLIN : 0) | (r->sending ? POLLOUT : 0))};
@@ -458,7 +485,7 @@ static int run_batch(tcp_conn *c, dls_batch *b, uint8_t op) {
         c->broken = 1; /* the stream is out of step: never reuse it */
         shutdown(c->fd, SHUT_RDWR);
     } else {
-        rc = r->status;
+        rc = status;
     }
     free(r);
     pthread_mutex_unlock(&c->mu);
@@ -470,56 +497,80 @@ static int cmp_conn(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Several write batches on distinct connections at once: each run is the state machine run_batch
- * drives, and one poll waits on all of them, so the donors receive and answer in parallel. */
+#define MANY_MAX 64
+
+/* Write batches bs[i] on conns[i], all at once: one run per distinct connection carries that
+ * connection's batches in order, pipelined, and one poll waits on every run, so the donors receive
+ * and answer in parallel and a connection's batches cost about one round trip between them, not
+ * one each.  A connection that breaks fails all its batches (some may have landed: the caller
+ * treats the copy as lost). */
 static void tcp_write_many(void **conns, dls_batch **bs, int n, int *rcs) {
-    tcp_conn *order[16];
-    run *rs[16];
-    int active[16], timeout = 0;
-    for (int i = 0; i < n; i++) order[i] = conns[i];
-    qsort(order, (size_t)n, sizeof order[0], cmp_conn); /* lock in address order: no deadlock with another caller */
-    for (int i = 0; i < n; i++) pthread_mutex_lock(&order[i]->mu);
-    for (int i = 0; i < n; i++) {
-        tcp_conn *c = conns[i];
-        dls_batch *b = bs[i];
-        rs[i] = NULL;
-        active[i] = 0;
-        rcs[i] = DLS_OK;
-        int bad = !b->token || (b->nseg && (!b->offs || !b->lens || !b->buf)) ||
-                  ((b->flags & (DLS_F_CRC | DLS_F_LOCAL_CRC)) && !b->crcs) || (b->flags & ~(DLS_F_CRC | DLS_F_LOCAL_CRC));
-        for (uint32_t k = 0; !bad && k < b->nseg; k++) bad = b->lens[k] == 0 || b->lens[k] > DLS_MAX_SEG_BYTES;
-        b->bad_seg = -1;
-        if (bad) rcs[i] = DLS_E_ARG;
-        else if (c->broken) rcs[i] = DLS_E_CLOSED;
-        else if (!(rs[i] = calloc(1, sizeof *rs[i]))) rcs[i] = DLS_E_INTERNAL;
-        if (!rs[i]) continue;
-        rs[i]->c = c;
-        rs[i]->b = b;
-        rs[i]->op = DLS_OP_WRITE;
-        rs[i]->next_buf = b->buf;
-        active[i] = 1;
-        int t = b->timeout_ms > 0 ? b->timeout_ms : 10000;
-        if (t > timeout) timeout = t;
+    if (n > MANY_MAX) { /* the caller's arrays are its own business; ours are fixed */
+        tcp_write_many(conns, bs, MANY_MAX, rcs);
+        tcp_write_many(conns + MANY_MAX, bs + MANY_MAX, n - MANY_MAX, rcs + MANY_MAX);
+        return;
+    }
+    tcp_conn *uc[MANY_MAX];      /* the distinct connections, in address order (the lock order) */
+    dls_batch *qb[MANY_MAX];     /* the good batches, grouped by connection, each group in call order */
+    int qi[MANY_MAX], st[MANY_MAX], first[MANY_MAX + 1];
+    run *rs[MANY_MAX];
+    int nu = 0, nq = 0, timeout = 0;
+    for (int i = 0; i < n; i++) uc[i] = conns[i];
+    qsort(uc, (size_t)n, sizeof uc[0], cmp_conn);
+    for (int i = 0; i < n; i++)
+        if (i == 0 || uc[i] != uc[nu - 1]) uc[nu++] = uc[i];
+    for (int k = 0; k < nu; k++) pthread_mutex_lock(&uc[k]->mu); /* in address order: no deadlock with another caller */
+    for (int k = 0; k < nu; k++) {
+        first[k] = nq;
+        for (int i = 0; i < n; i++) {
+            if (conns[i] != uc[k]) continue;
+            dls_batch *b = bs[i];
+            b->bad_seg = -1;
+            if (!batch_ok(b)) {
+                rcs[i] = DLS_E_ARG;
+                continue;
+            }
+            if (uc[k]->broken) {
+                rcs[i] = DLS_E_CLOSED;
+                continue;
+            }
+            qb[nq] = b;
+            qi[nq++] = i;
+            int t = b->timeout_ms > 0 ? b->timeout_ms : 10000;
+            if (t > timeout) timeout = t;
+        }
+    }
+    first[nu] = nq;
+    int active[MANY_MAX], crc[MANY_MAX]; /* crc: the connection's own error (<0), or no memory */
+    for (int k = 0; k < nu; k++) {
+        rs[k] = NULL;
+        crc[k] = 0;
+        active[k] = first[k + 1] > first[k];
+        if (!active[k]) continue;
+        if (!(rs[k] = calloc(1, sizeof *rs[k]))) {
+            crc[k] = DLS_E_INTERNAL;
+            active[k] = 0;
+            continue;
+        }
+        run_init(rs[k], uc[k], qb + first[k], st + first[k], (uint32_t)(first[k + 1] - first[k]), DLS_OP_WRITE);
     }
     for (;;) {
-        struct pollfd pf[16];
-        int who[16], np = 0, busy = 0, again = 0;
-        for (int i = 0; i < n; i++) {
-            if (!active[i]) continue;
-            run *r = rs[i];
-            dls_batch *b = r->b;
-            if (!r->sending && r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW) build_request(r);
+        struct pollfd pf[MANY_MAX];
+        int who[MANY_MAX], np = 0, busy = 0, again = 0;
+        for (int k = 0; k < nu; k++) {
+            if (!active[k]) continue;
+            run *r = rs[k];
+            if (!r->sending && r->count < WINDOW && has_more(r)) build_request(r);
             int rc = pump_send(r);
             if (rc == 0) rc = pump_recv(r);
             if (rc < 0) {
-                rcs[i] = rc;
-                active[i] = 0;
+                crc[k] = rc;
+                active[k] = 0;
                 continue;
             }
-            int more = r->status == DLS_OK && r->next_seg < b->nseg && r->count < WINDOW;
+            int more = r->count < WINDOW && has_more(r);
             if (!r->sending && r->count == 0 && !more) {
-                rcs[i] = r->status;
-                active[i] = 0;
+                active[k] = 0;
                 continue;
             }
             busy++;
@@ -528,31 +579,27 @@ static void tcp_write_many(void **conns, dls_batch **bs, int n, int *rcs) {
                 continue;
             }
             pf[np] = (struct pollfd){.fd = r->c->fd, .events = (short)((r->count ? POLLIN : 0) | (r->sending ? POLLOUT : 0))};
-            who[np++] = i;
+            who[np++] = k;
         }
         if (!busy) break;
         if (again) continue;
         int pr = poll(pf, (nfds_t)np, timeout);
-        if (pr == 0) {
-            for (int k = 0; k < np; k++) {
-                rcs[who[k]] = DLS_E_TIMEOUT;
-                active[who[k]] = 0;
-            }
-        } else if (pr < 0 && errno != EINTR) {
-            for (int k = 0; k < np; k++) {
-                rcs[who[k]] = DLS_E_IO;
-                active[who[k]] = 0;
+        if (pr == 0 || (pr < 0 && errno != EINTR)) {
+            for (int x = 0; x < np; x++) {
+                crc[who[x]] = pr == 0 ? DLS_E_TIMEOUT : DLS_E_IO;
+                active[who[x]] = 0;
             }
         }
     }
-    for (int i = 0; i < n; i++) {
-        if (rs[i] && rcs[i] < 0 && rcs[i] != DLS_E_ARG) {
-            rs[i]->c->broken = 1; /* the stream is out of step: never reuse it */
-            shutdown(rs[i]->c->fd, SHUT_RDWR);
+    for (int k = 0; k < nu; k++) {
+        for (int q = first[k]; q < first[k + 1]; q++) rcs[qi[q]] = crc[k] ? crc[k] : st[q];
+        if (crc[k] < 0) {
+            uc[k]->broken = 1; /* the stream is out of step: never reuse it */
+            shutdown(uc[k]->fd, SHUT_RDWR);
         }
-        free(rs[i]);
+        free(rs[k]);
     }
-    for (int i = n - 1; i >= 0; i--) pthread_mutex_unlock(&order[i]->mu);
+    for (int k = nu - 1; k >= 0; k--) pthread_mutex_unlock(&uc[k]->mu);
 }
 
 static int tcp_read(void *conn, dls_batch *b) { return run_batch(conn, b, DLS_OP_READ); }

@@ -480,6 +480,81 @@ def test_write_many_writes_every_copy_at_once_and_reports_each_one():
             r.release()
 
 
+def test_write_many_pipelines_several_slabs_on_one_connection_and_fails_them_apart():
+    """dls_ep_write_many with an endpoint named more than once (the region engine writes a batch of
+    scattered units back to every extent's copies at once, and an extent's copies share donors):
+    each batch lands in its own slab, a batch the server refuses fails alone, and a connection that
+    breaks fails every batch it carried while the other donor's batches land."""
+    servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(2)]
+    nslab, n = 5, 48
+    regions = [[SlabMemory(1 << 20) for _ in range(nslab)] for _ in servers]
+    tokens = [[random_token() for _ in range(nslab)] for _ in servers]
+    for s, rs, ts in zip(servers, regions, tokens):
+        for k, (r, t) in enumerate(zip(rs, ts)):
+            s.add_slab(k, r, t)
+    err, out = ffi.new("char[256]"), ffi.new("dls_ep **")
+    eps = []
+    for s in servers:
+        assert lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, out, err, 256) == 0, ffi.string(err)
+        eps.append(out[0])
+    keep = []
+    try:
+        rng = np.random.default_rng(5)
+        data = [rng.integers(0, 256, n * PAGE, dtype=np.uint8) for _ in range(nslab)]  # one per slab
+        offs = np.sort(rng.choice(256, n, replace=False)).astype(np.uint64) * PAGE  # scattered pages
+        lens = np.full(n, PAGE, dtype=np.uint32)
+
+        def batch(slab: int, token: bytes):
+            tok = ffi.new("uint8_t[16]", token)
+            keep.append(tok)
+            return ffi.new("dls_batch *", {"slab": slab, "token": tok, "nseg": n,
+                                            "offs": ffi.cast("uint64_t *", ffi.from_buffer(offs)),
+                                            "lens": ffi.cast("uint32_t *", ffi.from_buffer(lens)),
+                                            "buf": ffi.cast("uint8_t *", ffi.from_buffer(data[slab])),
+                                            "timeout_ms": 2000, "bad_seg": -1})
+
+        def landed(server: int, slab: int) -> bool:
+            view = regions[server][slab].view()
+            return all(np.array_equal(view[int(o): int(o) + PAGE], data[slab][i * PAGE: (i + 1) * PAGE])
+                       for i, o in enumerate(offs))
+
+        # interleaved: slab k to server 0, then to server 1; slab 2's token on server 1 is wrong
+        order = [(k, sv) for k in range(nslab) for sv in range(2)]
+        bs = [batch(k, bytes(16) if (k, sv) == (2, 1) else tokens[sv][k]) for k, sv in order]
+        rcs = ffi.new(f"int[{len(order)}]")
+        lib.dls_ep_write_many(ffi.new("dls_ep *[]", [eps[sv] for _, sv in order]),
+                              ffi.new("dls_batch *[]", bs), len(order), rcs)
+        for i, (k, sv) in enumerate(order):
+            if (k, sv) == (2, 1):
+                assert rcs[i] == wire.E_TOKEN, (k, sv, list(rcs))
+                assert not regions[1][2].view().any()
+            else:
+                assert rcs[i] == 0, (k, sv, list(rcs))
+                assert landed(sv, k), (k, sv)
+        # server 0 gone: its three batches fail, server 1's land
+        for rs in regions:
+            for r in rs:
+                r.view()[:] = 0
+        servers[0].stop()
+        order = [(0, 0), (1, 1), (3, 0), (4, 1), (4, 0)]
+        bs = [batch(k, tokens[sv][k]) for k, sv in order]
+        rcs = ffi.new(f"int[{len(order)}]")
+        lib.dls_ep_write_many(ffi.new("dls_ep *[]", [eps[sv] for _, sv in order]),
+                              ffi.new("dls_batch *[]", bs), len(order), rcs)
+        for i, (k, sv) in enumerate(order):
+            if sv == 0:
+                assert rcs[i] < 0, (k, sv, list(rcs))
+            else:
+                assert rcs[i] == 0 and landed(sv, k), (k, sv, list(rcs))
+    finally:
+        for e in eps:
+            lib.dls_ep_close(e)
+        servers[1].stop()
+        for rs in regions:
+            for r in rs:
+                r.release()
+
+
 def test_the_old_names_in_native_mem_are_the_split_modules_own():
     """rdma.native_mem was split by concept; a caller that imports from it gets the same objects."""
     from rdma import clock, endpoint, errors, native_mem, slab_memory, slab_server, slab_token
