@@ -127,6 +127,9 @@ def replay(mem, fetch: int, write: int, steps: int, cluster: Cluster, seed: int)
         buf.free()
 
 
+ENGINE_STAGES = ("fault", "fetch", "install", "reserve_wait", "evict")
+
+
 def dlrm_run(share: float | None, ws: int, tmp: Path, cluster: Cluster, steps: int) -> dict[str, Any]:
     marks: dict[str, float] = {}
 
@@ -146,6 +149,8 @@ def dlrm_run(share: float | None, ws: int, tmp: Path, cluster: Cluster, steps: i
             "donors_cpu_ms": 1e3 * (marks.get("end", 0.0) - marks.get("timed", 0.0)) / n,
             "fetched_per_step": ts.get("fetched_units", 0) / n,
             "written_per_step": ts.get("written_back_units", 0) / n,  # units (each to 2 copies)
+            # where the engine's threads spent the timed steps (summed over threads, so not wall time)
+            **{f"{k}_ms_per_step": ts.get(f"{k}_ns", 0) / 1e6 / n for k in ENGINE_STAGES},
             "samples_per_s": r["samples_per_s"]}
 
 
@@ -266,6 +271,7 @@ def _metrics(runs: dict[str, list[dict[str, Any]]], ws: int, cpus: int, quick: b
         m[f"local{tag}_step_ms"] = _med(reg, "step_ms")
         m[f"local{tag}_cpu_ms"] = {"program": _med(reg, "program_cpu_ms"), "donors": _med(reg, "donors_cpu_ms"),
                                    "dataplane_same_traffic": plane_cpu}
+        m[f"local{tag}_engine_ms_per_step"] = {k: _med(reg, f"{k}_ms_per_step") for k in ENGINE_STAGES}
         m[f"dlrm_local{tag}_vs_local"] = (compute_ms / m[f"local{tag}_step_ms"]
                                           if compute_ms and m[f"local{tag}_step_ms"] else None)
         bounds = {}
@@ -298,6 +304,11 @@ def _print(m: dict[str, Any]) -> None:
         bound = "/".join(_f(b[k]) for k in ("engine", "lru", "a0"))
         print(f"{tag + '%':>6} {_f(m[f'local{tag}_step_ms']):>8} {_f(c['program']):>9} {_f(c['donors']):>7} "
               f"{_f(c['dataplane_same_traffic']):>10} {misses:>22} {_f(m[f'dlrm_local{tag}_vs_local']):>6} {bound:>22}")
+    for share in SHARES:
+        tag = str(int(share * 100))
+        st = m.get(f"local{tag}_engine_ms_per_step") or {}
+        print(f"{tag}%: engine threads' ms a step (summed over threads): "
+              + ", ".join(f"{k} {_f(st.get(k))}" for k in ENGINE_STAGES))
     pin = m.get("local50_pinned")
     if pin and pin["step_ms"] is not None:
         print(f"50%, the program on one CPU and the donors on the others: {_f(pin['step_ms'])} ms a step, program "

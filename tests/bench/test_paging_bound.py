@@ -43,3 +43,29 @@ def test_a_step_is_bounded_by_its_compute_or_by_all_its_cpu_over_the_cpus():
     assert floor_step_ms(6.0, 6.0, 2.0, 2) == 6.0  # compute-bound: the data plane fits beside it
     assert floor_step_ms(6.0, 6.0, 14.0, 2) == 10.0  # CPU-bound
     assert floor_step_ms(6.0, 6.0, 14.0, 4) == 6.0
+
+
+def test_metrics_give_each_stage_its_median_and_a_failed_share_prints_dashes(capsys):
+    """The table from synthetic runs: the engine's stage times are medians over the rounds; a share
+    whose runs all failed prints "-" instead of stopping the report."""
+    from bench.paging_bound import ENGINE_STAGES, _metrics, _print
+
+    def region(step: float, evict: float) -> dict:
+        return {"step_ms": step, "program_cpu_ms": 1.5 * step, "donors_cpu_ms": 2.0, "fetched_per_step": 100.0,
+                "written_per_step": 90.0, "samples_per_s": 1.0,
+                **{f"{k}_ms_per_step": 1.0 for k in ENGINE_STAGES}, "evict_ms_per_step": evict}
+
+    runs = {"local": [{"step_ms": 5.0, "program_cpu_ms": 5.0}, {"step_ms": 7.0, "program_cpu_ms": 7.0}],
+            "region50": [region(20.0, 3.0), region(30.0, 9.0), region(25.0, 4.0)],
+            "region25": [{"error": "the program died"}],
+            "plane50": [{"program_cpu_ms": 4.0, "donors_cpu_ms": 2.0}]}
+    m = _metrics(runs, 1 << 22, 2, quick=True)
+    assert m["local50_engine_ms_per_step"]["evict"] == 4.0
+    assert m["local50_engine_ms_per_step"]["fetch"] == 1.0
+    assert m["local50_step_ms"] == 25.0 and m["dlrm_local50_vs_local"] == pytest.approx(6.0 / 25.0)
+    assert m["local25_step_ms"] is None and m["local25_engine_ms_per_step"]["evict"] is None
+    _print(m)
+    out = capsys.readouterr().out
+    assert "50%: engine threads' ms a step (summed over threads): fault 1.00, fetch 1.00" in out
+    assert "evict 4.00" in out
+    assert "25%: engine threads' ms a step (summed over threads): fault -," in out
