@@ -266,6 +266,17 @@ VARIANTS = {  # name -> (mode, share, swap)
 }
 
 
+def halt_polling_note(idle: dict[str, Any]) -> str | None:
+    """What the fault and stream figures owe to how this machine wakes idle vCPUs, or None."""
+    if not idle.get("virtual") or idle.get("guest_halt_poll_ns"):
+        return None
+    why = ("guest_halt_poll_ns = 0" if idle.get("guest_halt_poll_ns") == 0
+           else f"cpuidle driver {idle.get('cpuidle_driver') or 'unknown'}, no guest halt polling")
+    return (f"a virtual machine without guest halt polling ({why}): each wake-up of an idle vCPU goes through "
+            "the hypervisor, and a fault's three hand-offs between threads pay it; the fault latency and the "
+            "stream here are the figures of such a machine (bench/RESULTS.md measures both settings)")
+
+
 def run(args) -> dict[str, Any]:
     """Rounds of every variant, interleaved (local, region, memmap, swap, then again), so that a cold
     start or a neighbour's burst lands on one round of one variant, not on one variant; the metrics
@@ -285,6 +296,10 @@ def run(args) -> dict[str, Any]:
                "change from noise; do not record them")
         notes.append(msg)
         print(f"WARNING: {msg}", flush=True)
+    halt_note = halt_polling_note(report.idle_settings())
+    if halt_note:
+        notes.append(halt_note)
+        print(f"NOTE: {halt_note}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {}
     budget = ["--max-seconds", "20" if quick else "60"]  # a slow baseline (memmap) ends its timed part early
     t_start = time.perf_counter()
