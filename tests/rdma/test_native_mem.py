@@ -480,6 +480,65 @@ def test_write_many_writes_every_copy_at_once_and_reports_each_one():
             r.release()
 
 
+
+def test_write_many_random_mixes_land_in_call_order_per_connection():
+    """Random mixes of batches over 3 donors (several a connection, slabs shared, pages overlapping,
+    some tokens wrong): each batch's status is its own, and every slab ends as the batches that
+    landed leave it when applied in call order (a connection's batches are sent in order)."""
+    servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(3)]
+    nslab, npages = 3, 32
+    regions = [[SlabMemory(1 << 20) for _ in range(nslab)] for _ in servers]
+    tokens = [[random_token() for _ in range(nslab)] for _ in servers]
+    for s, rs, ts in zip(servers, regions, tokens):
+        for k, (r, t) in enumerate(zip(rs, ts)):
+            s.add_slab(k, r, t)
+    err, out = ffi.new("char[256]"), ffi.new("dls_ep **")
+    eps = []
+    for s in servers:
+        assert lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, out, err, 256) == 0, ffi.string(err)
+        eps.append(out[0])
+    rng = np.random.default_rng(11)
+    try:
+        want = [[np.zeros(npages * PAGE, np.uint8) for _ in range(nslab)] for _ in servers]
+        for _ in range(25):
+            keep, plan = [], []
+            for _ in range(int(rng.integers(1, 20))):
+                sv, k = int(rng.integers(3)), int(rng.integers(nslab))
+                n = int(rng.integers(1, 12))
+                pages = rng.choice(npages, n, replace=False)  # any order: segments need not be sorted
+                offs = pages.astype(np.uint64) * PAGE
+                lens = np.full(n, PAGE, np.uint32)
+                data = rng.integers(0, 256, n * PAGE, dtype=np.uint8)
+                good = rng.random() > 0.15
+                tok = ffi.new("uint8_t[16]", tokens[sv][k] if good else bytes(16))
+                keep += [offs, lens, data, tok]
+                b = ffi.new("dls_batch *", {"slab": k, "token": tok, "nseg": n,
+                                             "offs": ffi.cast("uint64_t *", ffi.from_buffer(offs)),
+                                             "lens": ffi.cast("uint32_t *", ffi.from_buffer(lens)),
+                                             "buf": ffi.cast("uint8_t *", ffi.from_buffer(data)),
+                                             "timeout_ms": 2000, "bad_seg": -1})
+                keep.append(b)
+                plan.append((sv, k, pages, data, good, b))
+            rcs = ffi.new(f"int[{len(plan)}]")
+            lib.dls_ep_write_many(ffi.new("dls_ep *[]", [eps[sv] for sv, *_ in plan]),
+                                  ffi.new("dls_batch *[]", [b for *_, b in plan]), len(plan), rcs)
+            for i, (sv, k, pages, data, good, _) in enumerate(plan):
+                assert rcs[i] == (0 if good else wire.E_TOKEN), (i, sv, k, good, list(rcs))
+                if good:
+                    for j, pg in enumerate(pages):
+                        want[sv][k][pg * PAGE: (pg + 1) * PAGE] = data[j * PAGE: (j + 1) * PAGE]
+            for sv in range(3):
+                for k in range(nslab):
+                    assert np.array_equal(regions[sv][k].view()[: npages * PAGE], want[sv][k]), (sv, k)
+    finally:
+        for e in eps:
+            lib.dls_ep_close(e)
+        for s in servers:
+            s.stop()
+        for rs in regions:
+            for r in rs:
+                r.release()
+
 def test_write_many_pipelines_several_slabs_on_one_connection_and_fails_them_apart():
     """dls_ep_write_many with an endpoint named more than once (the region engine writes a batch of
     scattered units back to every extent's copies at once, and an extent's copies share donors):
