@@ -480,13 +480,9 @@ def test_write_many_writes_every_copy_at_once_and_reports_each_one():
             r.release()
 
 
-
-def test_write_many_random_mixes_land_in_call_order_per_connection():
-    """Random mixes of batches over 3 donors (several a connection, slabs shared, pages overlapping,
-    some tokens wrong): each batch's status is its own, and every slab ends as the batches that
-    landed leave it when applied in call order (a connection's batches are sent in order)."""
-    servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(3)]
-    nslab, npages = 3, 32
+def _donors_with_slabs(nservers: int, nslab: int):
+    """Slab servers with slabs 0..nslab-1 of 1 MiB each, a token each, and a connection to each."""
+    servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(nservers)]
     regions = [[SlabMemory(1 << 20) for _ in range(nslab)] for _ in servers]
     tokens = [[random_token() for _ in range(nslab)] for _ in servers]
     for s, rs, ts in zip(servers, regions, tokens):
@@ -497,6 +493,25 @@ def test_write_many_random_mixes_land_in_call_order_per_connection():
     for s in servers:
         assert lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, out, err, 256) == 0, ffi.string(err)
         eps.append(out[0])
+    return servers, regions, tokens, eps
+
+
+def _close(servers, regions, eps) -> None:
+    for e in eps:
+        lib.dls_ep_close(e)
+    for s in servers:
+        s.stop()  # one a test stopped already: a no-op
+    for rs in regions:
+        for r in rs:
+            r.release()
+
+
+def test_write_many_random_mixes_land_in_call_order_per_connection():
+    """Random mixes of batches over 3 donors (several a connection, slabs shared, pages overlapping,
+    some tokens wrong): each batch's status is its own, and every slab ends as the batches that
+    landed leave it when applied in call order (a connection's batches are sent in order)."""
+    nslab, npages = 3, 32
+    servers, regions, tokens, eps = _donors_with_slabs(3, nslab)
     rng = np.random.default_rng(11)
     try:
         want = [[np.zeros(npages * PAGE, np.uint8) for _ in range(nslab)] for _ in servers]
@@ -531,31 +546,16 @@ def test_write_many_random_mixes_land_in_call_order_per_connection():
                 for k in range(nslab):
                     assert np.array_equal(regions[sv][k].view()[: npages * PAGE], want[sv][k]), (sv, k)
     finally:
-        for e in eps:
-            lib.dls_ep_close(e)
-        for s in servers:
-            s.stop()
-        for rs in regions:
-            for r in rs:
-                r.release()
+        _close(servers, regions, eps)
+
 
 def test_write_many_pipelines_several_slabs_on_one_connection_and_fails_them_apart():
     """dls_ep_write_many with an endpoint named more than once (the region engine writes a batch of
     scattered units back to every extent's copies at once, and an extent's copies share donors):
     each batch lands in its own slab, a batch the server refuses fails alone, and a connection that
     breaks fails every batch it carried while the other donor's batches land."""
-    servers = [SlabServer("127.0.0.1", 0, threads=1) for _ in range(2)]
     nslab, n = 5, 48
-    regions = [[SlabMemory(1 << 20) for _ in range(nslab)] for _ in servers]
-    tokens = [[random_token() for _ in range(nslab)] for _ in servers]
-    for s, rs, ts in zip(servers, regions, tokens):
-        for k, (r, t) in enumerate(zip(rs, ts)):
-            s.add_slab(k, r, t)
-    err, out = ffi.new("char[256]"), ffi.new("dls_ep **")
-    eps = []
-    for s in servers:
-        assert lib.dls_ep_connect(b"tcp", b"127.0.0.1", s.port, 2000, out, err, 256) == 0, ffi.string(err)
-        eps.append(out[0])
+    servers, regions, tokens, eps = _donors_with_slabs(2, nslab)
     keep = []
     try:
         rng = np.random.default_rng(5)
@@ -606,12 +606,7 @@ def test_write_many_pipelines_several_slabs_on_one_connection_and_fails_them_apa
             else:
                 assert rcs[i] == 0 and landed(sv, k), (k, sv, list(rcs))
     finally:
-        for e in eps:
-            lib.dls_ep_close(e)
-        servers[1].stop()
-        for rs in regions:
-            for r in rs:
-                r.release()
+        _close(servers, regions, eps)
 
 
 def test_the_old_names_in_native_mem_are_the_split_modules_own():
