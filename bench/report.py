@@ -30,34 +30,27 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _cpuinfo(field: str) -> str:
+    """The first CPU's ``field`` in /proc/cpuinfo ("" if absent or unreadable)."""
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip() if ":" in line else ""
+    return ""
+
+
 def idle_settings() -> dict[str, Any]:
     """How this machine's idle CPUs wake.  In a virtual machine a halted vCPU is woken through the
     hypervisor (tens of microseconds); guest halt polling (the cpuidle ``haltpoll`` driver,
     ``guest_halt_poll_ns``: the kernel's default is 200000, 0 turns it off) spins first instead.
     Every hand-off between threads on different vCPUs (a region's fault path has three) pays it."""
-    flags = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
     poll = _read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
-    return {"virtual": " hypervisor" in flags, "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
+    return {"virtual": "hypervisor" in _cpuinfo("flags").split(), "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
             "guest_halt_poll_ns": int(poll) if poll and poll.isdigit() else None}
 
 
 def machine() -> dict[str, Any]:
     freq = psutil.cpu_freq()
-    model = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = _cpuinfo("model name")
     return {
         "host": socket.gethostname(),
         "cpu_model": model,
