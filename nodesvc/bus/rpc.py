@@ -96,7 +96,8 @@ class Correlator:
             if not await publish(topic, payload, 1):
                 raise CommandNotSent(f"broker not connected; {what} not sent")
             try:
-                return await asyncio.wait_for(fut, timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel on 3.11
+                    return await fut
             except TimeoutError:
                 raise CommandTimeout(f"{what}: no reply within {timeout:g}s") from None
         finally:

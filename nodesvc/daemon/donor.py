@@ -190,10 +190,7 @@ class DonorExtension:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.gather(self._task, return_exceptions=True)  # a cancel of stop() itself propagates
         if self.server:
             self.server.stop()
         for slab in list(self.slabs.values()):

@@ -111,8 +111,4 @@ class NodeCommands:
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-                pass
+        await asyncio.gather(*tasks, return_exceptions=True)  # a cancel of close() itself propagates

@@ -348,11 +348,8 @@ class SchedulerService:
             await asyncio.gather(self._snapshot_write, return_exceptions=True)
         await self.commands.close()
         self.carrier.flush_acks()  # the acknowledgements of this last turn, before the store closes
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
-                pass
+        # Their ends, errors included, are the shutdown; a cancel of stop() itself still propagates.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
     def _state(self) -> bytes:
@@ -407,7 +404,10 @@ class SchedulerService:
                 timeout = min(timeout, 0.01)
             expect = time.monotonic() + timeout
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                # Not ``wait_for``: on 3.11 it returns, swallowing the cancel, when stop() cancels
+                # this task in the step the wake-up lands, and the loop then never ends.
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             except TimeoutError:
                 self.stats.loop_lag.add(max(0.0, time.monotonic() - expect))
             if self.batch_window_s > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from hypothesis import HealthCheck, given, settings
@@ -185,6 +186,26 @@ async def test_las_preempts_through_wakeup_ticks_and_resumes(fake_node, live_ser
     assert "preempted" in [e["kind"] for e in svc.store.events(job=a)]
     await until(lambda: a in n1.running, timeout=10, what="a resumed at a later quantum")
     assert svc.core.records[a].preemptions >= 1
+
+
+async def test_stop_ends_the_loop_in_whatever_step_a_wake_up_lands(tmp_path):
+    """stop() cancels the loop while a wake-up is on its way through the event loop: at every
+    offset of a few steps, the loop must end (a ``wait_for`` that returned the wake-up instead of
+    the cancel left it running for ever, and stop() with it)."""
+    for steps in range(8):
+        svc = SchedulerService(JobStore(tmp_path / f"s{steps}.db"), profile="dlshare", tick_s=0.05)
+        await svc.start()
+        await asyncio.sleep(0.01)  # the loop waits on its wake-up event
+        svc.wake()
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        try:
+            async with asyncio.timeout(5):
+                await svc.stop()  # cancels the loop at once: no broker to say goodbye to
+        except TimeoutError:
+            raise AssertionError(f"stop() hung with the wake-up {steps} steps old") from None
+        finally:
+            svc.store.close()
 
 
 async def test_a_crash_between_logging_a_placement_and_acting_on_it(fake_node, live_service, tmp_path):
