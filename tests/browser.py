@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ class Chromium:
         self.proc: asyncio.subprocess.Process | None = None
         self.port = 0
         self._sockets: list[Any] = []
+        self._tmpdir: str | None = None
 
     async def start(self, timeout: float = 30.0) -> "Chromium":
         if CHROMIUM is None:
@@ -107,9 +109,13 @@ class Chromium:
         active = self.profile / "DevToolsActivePort"
         active.unlink(missing_ok=True)  # a profile used before keeps the port of its last browser
         log = open(self.profile.parent / "chromium.log", "ab")
+        # Its singleton socket goes in a TMPDIR of its own, removed by stop(), not a /tmp/org.chromium.*
+        # left behind by every run; a short one, since a socket's path must fit in 108 bytes.
+        self._tmpdir = tempfile.mkdtemp(prefix="dls-crm-")
         self.proc = await asyncio.create_subprocess_exec(
             CHROMIUM, *FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-port=0",
-            "--remote-debugging-address=127.0.0.1", "about:blank", stdout=log, stderr=log)
+            "--remote-debugging-address=127.0.0.1", "about:blank", stdout=log, stderr=log,
+            env={**os.environ, "TMPDIR": self._tmpdir})
         log.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -147,3 +153,6 @@ class Chromium:
                 except ProcessLookupError:
                     pass
                 await asyncio.wait_for(self.proc.wait(), 10)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
