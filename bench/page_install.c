@@ -18,9 +18,17 @@
  *              MADV_DONTNEED), or moved out one by one into a staging run (UFFDIO_MOVE) that is
  *              dropped once for the batch.  A second thread spins on another CPU meanwhile, as a
  *              program's other threads do, so every TLB flush must interrupt that CPU.
+ *   evict-batch
+ *              the same batches, each victim's bytes copied out and all 64 dropped by one
+ *              process_madvise(MADV_DONTNEED) (recent kernels: 6.18 flushes once for the whole
+ *              vector; older ones refuse the advice or flush per range).  NOT a safe eviction (a
+ *              write between the copy and the drop would be lost): it measures what one flush for a
+ *              batch would cost.
+ *   a second argument "spin" runs copy and move with the other CPU spinning too (a flush's cost
+ *   per call, not per page: compare runs of other sizes by changing RUN).
  *
  * Build and run:  cc -O2 -o /tmp/page_install bench/page_install.c && for m in copy memfd memfd-pop
- * move evict-inplace evict-move; do /tmp/page_install $m; done; /tmp/page_install wp
+ * move evict-inplace evict-move evict-batch; do /tmp/page_install $m; done; /tmp/page_install wp
  * Needs Linux 6.8+ for move, wp and evict-move (UFFD_FEATURE_MOVE), 5.19+ for evict-inplace (write-protect
  * on anonymous memory), 5.13+ for the others; the evict modes need 2 CPUs. */
 #define _GNU_SOURCE
@@ -36,6 +44,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -94,11 +103,10 @@ static void *spinner(void *arg) { /* this process's mm stays live on another CPU
     return NULL;
 }
 
-/* evict-inplace / evict-move; the costs per page into *install and *drop, the pages into *pages. */
-static void evict(int moved, uint64_t *install, uint64_t *drop, double *pages) {
-    enum { BATCH = 64, ROUNDS = 400 };
-    const size_t npages = REGION / 4096;
-    cpu_set_t all, mine, other;
+/* Pins this thread to its first CPU and starts a thread spinning on the second. */
+static pthread_t start_spinner(void) {
+    static cpu_set_t other;
+    cpu_set_t all, mine;
     CPU_ZERO(&mine);
     CPU_ZERO(&other);
     if (sched_getaffinity(0, sizeof all, &all)) die("sched_getaffinity");
@@ -109,19 +117,37 @@ static void evict(int moved, uint64_t *install, uint64_t *drop, double *pages) {
             else second = c;
         }
     if (second < 0) {
-        fprintf(stderr, "evict: needs 2 CPUs (one spins)\n");
+        fprintf(stderr, "needs 2 CPUs (one spins)\n");
         exit(1);
     }
     CPU_SET(first, &mine);
     CPU_SET(second, &other);
     if (sched_setaffinity(0, sizeof mine, &mine)) die("sched_setaffinity");
+    pthread_t t;
+    if (pthread_create(&t, NULL, spinner, &other)) die("pthread_create");
+    return t;
+}
+
+static void stop_spinner(pthread_t t) {
+    spin_stop = 1;
+    pthread_join(t, NULL);
+}
+
+enum evict_mode { EVICT_INPLACE, EVICT_MOVE, EVICT_BATCH };
+
+/* evict-*; the costs per page into *install and *drop, the pages into *pages. */
+static void evict(enum evict_mode how, uint64_t *install, uint64_t *drop, double *pages) {
+    enum { BATCH = 64, ROUNDS = 400 };
+    const size_t npages = REGION / 4096;
+    int moved = how == EVICT_MOVE;
     int fd = open_uffd(UFFD_FEATURE_PAGEFAULT_FLAG_WP | (moved ? UFFD_FEATURE_MOVE : 0));
+    int pidfd = how == EVICT_BATCH ? (int)syscall(SYS_pidfd_open, getpid(), 0) : -1;
+    if (how == EVICT_BATCH && pidfd < 0) die("pidfd_open");
     char *r = anon(REGION), *stage = anon(BATCH * 4096), *src = aligned_alloc(4096, 4096);
     memset(src, 7, 4096);
     reg(fd, r, REGION, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP);
-    reg(fd, stage, BATCH * 4096, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP);
-    pthread_t t;
-    if (pthread_create(&t, NULL, spinner, &other)) die("pthread_create");
+    if (moved) reg(fd, stage, BATCH * 4096, UFFDIO_REGISTER_MODE_MISSING | UFFDIO_REGISTER_MODE_WP); /* a move's destination */
+    pthread_t t = start_spinner();
     srand(1);
     uint64_t n = 0, t0;
     for (int round = 0; round < ROUNDS; round++) {
@@ -138,6 +164,18 @@ static void evict(int moved, uint64_t *install, uint64_t *drop, double *pages) {
         *install += now_ns() - t0;
         for (int i = 0; i < k; i++) r[v[i] * 4096] = 1; /* written: dirty */
         t0 = now_ns();
+        if (how == EVICT_BATCH) {
+            struct iovec iov[BATCH];
+            for (int i = 0; i < k; i++) {
+                memcpy(stage + (size_t)i * 4096, r + v[i] * 4096, 4096);
+                iov[i] = (struct iovec){r + v[i] * 4096, 4096};
+            }
+            if (syscall(SYS_process_madvise, pidfd, iov, (size_t)k, MADV_DONTNEED, 0) != (long)k * 4096)
+                die("process_madvise(MADV_DONTNEED)");
+            *drop += now_ns() - t0;
+            n += (uint64_t)k;
+            continue;
+        }
         for (int i = 0; i < k; i++) {
             if (moved) {
                 move(fd, stage + (size_t)i * 4096, r + v[i] * 4096, 4096);
@@ -156,8 +194,8 @@ static void evict(int moved, uint64_t *install, uint64_t *drop, double *pages) {
         *drop += now_ns() - t0;
         n += (uint64_t)k;
     }
-    spin_stop = 1;
-    pthread_join(t, NULL);
+    stop_spinner(t);
+    if (pidfd >= 0) close(pidfd);
     *pages = (double)n;
 }
 
@@ -171,6 +209,8 @@ static uint64_t pagemap(void *a) {
 
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "copy";
+    int spin = argc > 2 && !strcmp(argv[2], "spin") && (!strcmp(mode, "copy") || !strcmp(mode, "move"));
+    pthread_t spin_t = spin ? start_spinner() : 0;
     char *src = aligned_alloc(4096, RUN);
     memset(src, 7, RUN);
     uint64_t t, recv_ns = 0, install_ns = 0, drop_ns = 0;
@@ -260,13 +300,16 @@ int main(int argc, char **argv) {
             move(fd, land, r + REGION - RUN, RUN);
             drop_ns += now_ns() - t;
         }
-    } else if (!strcmp(mode, "evict-inplace") || !strcmp(mode, "evict-move")) {
-        evict(!strcmp(mode, "evict-move"), &install_ns, &drop_ns, &pages);
+    } else if (!strcmp(mode, "evict-inplace") || !strcmp(mode, "evict-move") || !strcmp(mode, "evict-batch")) {
+        evict(!strcmp(mode, "evict-move") ? EVICT_MOVE : !strcmp(mode, "evict-batch") ? EVICT_BATCH : EVICT_INPLACE,
+              &install_ns, &drop_ns, &pages);
     } else {
-        fprintf(stderr, "usage: %s copy|memfd|memfd-pop|move|wp|evict-inplace|evict-move\n", argv[0]);
+        fprintf(stderr, "usage: %s copy|memfd|memfd-pop|move|wp|evict-inplace|evict-move|evict-batch [spin]\n", argv[0]);
         return 2;
     }
-    printf("%-13s ns per 4 KiB page: receive %5.0f  install %5.0f  drop %5.0f  total %5.0f\n", mode,
+    if (spin) stop_spinner(spin_t);
+    printf("%-13s%s ns per 4 KiB page: receive %5.0f  install %5.0f  drop %5.0f  total %5.0f\n", mode,
+           spin ? " (spin)" : "",
            recv_ns / pages, install_ns / pages, drop_ns / pages, (recv_ns + install_ns + drop_ns) / pages);
     return 0;
 }

@@ -25,16 +25,20 @@ def tool(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("mode", ["copy", "memfd", "memfd-pop", "move", "evict-inplace", "evict-move"])
+@pytest.mark.parametrize("mode", ["copy", "memfd", "memfd-pop", "move", "evict-inplace", "evict-move", "evict-batch",
+                                  "copy spin", "move spin"])
 def test_each_mode_prints_its_costs_per_page(tool, mode):
-    r = subprocess.run([str(tool), mode], capture_output=True, text=True, timeout=120)
-    if mode in ("move", "evict-move") and r.returncode and "UFFDIO_API" in r.stderr:
+    r = subprocess.run([str(tool), *mode.split()], capture_output=True, text=True, timeout=120)
+    if mode.startswith(("move", "evict-move")) and r.returncode and "UFFDIO_API" in r.stderr:
         pytest.skip(f"this kernel has no UFFDIO_MOVE (Linux 6.8+): {r.stderr.strip()}")
-    if mode.startswith("evict") and r.returncode and "needs 2 CPUs" in r.stderr:
+    if mode == "evict-batch" and r.returncode and "process_madvise" in r.stderr:
+        pytest.skip(f"this kernel refuses MADV_DONTNEED through process_madvise: {r.stderr.strip()}")
+    if (mode.startswith("evict") or mode.endswith("spin")) and r.returncode and "needs 2 CPUs" in r.stderr:
         pytest.skip("one CPU: no other CPU to interrupt")
     assert r.returncode == 0, r.stderr
     m = re.search(r"receive\s+(\d+)\s+install\s+(\d+)\s+drop\s+(\d+)\s+total\s+(\d+)", r.stdout)
-    assert m and r.stdout.startswith(mode), r.stdout
+    name = mode.split()[0]
+    assert m and r.stdout.startswith(name) and ("(spin)" in r.stdout) == mode.endswith("spin"), r.stdout
     recv, install, drop, total = map(int, m.groups())
     assert install > 0 and drop > 0 and abs(recv + install + drop - total) <= 2, r.stdout
 
