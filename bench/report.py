@@ -45,7 +45,7 @@ def idle_settings() -> dict[str, Any]:
     Every hand-off between threads on different vCPUs (a region's fault path has three) pays it."""
     poll = _read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
     return {"virtual": "hypervisor" in _cpuinfo("flags").split(), "cpuidle_driver": _read("/sys/devices/system/cpu/cpuidle/current_driver"),
-            "guest_halt_poll_ns": int(poll) if poll and poll.isdigit() else None}
+            "guest_halt_poll_ns": int(poll) if poll and poll.isascii() and poll.isdigit() else None}
 
 
 def machine() -> dict[str, Any]:

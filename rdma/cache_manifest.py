@@ -205,7 +205,7 @@ def check_manifest(doc: Any) -> Manifest:
         raise ManifestError(f"manifest field 'segments' must be an object of at most {MAX_SEGMENTS}")
     segs: dict[int, SegmentRef] = {}
     for k, s in raw_segs.items():
-        if not (isinstance(k, str) and k.isdigit() and len(k) <= 6 and int(k) < rsegs) or not isinstance(s, dict):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 6 and int(k) < rsegs) or not isinstance(s, dict):
             raise ManifestError(f"segment {k!r}: bad id or body"[:200])
         segs[int(k)] = SegmentRef(_int(s, "gen", 0, (1 << 32) - 1), _copies(s.get("copies"), f"segment {k}"))
     return Manifest(owner, slots, page, seg_bytes, rsegs, version, tuple(index), segs)

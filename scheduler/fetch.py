@@ -140,7 +140,7 @@ def assemble_sensitivity(models: dict[str, str]) -> dict:
     out = {}
     for stem, src in sorted(models.items()):
         model, _, gpus = stem.rpartition("_")
-        if not model or not gpus.isdigit():
+        if not model or not (gpus.isascii() and gpus.isdigit()):
             continue
         f = convert_synergy_model(src)
         out[stem] = {"model": model, "num_gpus": int(gpus), "best_cpus": f.get("cpus"), "best_mem_gb": f.get("mem"),

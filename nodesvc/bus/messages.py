@@ -288,7 +288,7 @@ def _addr(v: Any) -> str | None:
     if not isinstance(v, str) or ":" not in v:
         return None
     host, _, port = v.rpartition(":")
-    return v if host and port.isdigit() and 0 < int(port) < 65536 else None
+    return v if host and port.isascii() and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 def parse_donor(section: Any) -> DonorReport | None:

@@ -66,7 +66,7 @@ def with_status(comment: str, status: str) -> str:
 
 
 def _positive_int(key: str, raw: str) -> int:
-    if not raw.isdigit() or len(raw) > 9:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:  # str.isdigit() takes '²', int() does not
         raise CommentError(f"{key}={raw!r}: expected a positive whole number")
     v = int(raw)
     if not 0 < v <= MAX_BATCH:

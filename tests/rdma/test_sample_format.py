@@ -109,6 +109,15 @@ def test_a_manifest_opens_only_with_its_secret_and_name():
         seal(good_doc(), "x", "short")
 
 
+def test_segment_keys_must_be_ascii_digits():
+    """'²' passes str.isdigit() but not int(); an Arabic-Indic digit passes both and would alias "3"."""
+    for key in ("\u00b2", "\u0663", "-1", "4", "x"):
+        doc = good_doc()
+        doc["segments"] = {key: doc["segments"]["0"]}
+        with pytest.raises(ManifestError, match="segment"):
+            check_manifest(doc)
+
+
 json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8)),
                            lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                    st.dictionaries(st.text(max_size=8), inner, max_size=4)),

@@ -84,7 +84,8 @@ def test_a_donor_section_is_placeable_only_when_every_part_is_valid():
     good = {"enabled": True, "addr": "10.0.0.2:4100", "slab_bytes": 1 << 20, "free_slabs": 3, "lent_to": {"c": 5}}
     d = messages.parse_donor(good)
     assert d is not None and d.placeable and d.lent_to == {"c": 5} and d.provider == "tcp"
-    for bad in ({"enabled": False}, {"addr": "10.0.0.2"}, {"addr": "h:0"}, {"slab_bytes": 1000},
+    for bad in ({"enabled": False}, {"addr": "10.0.0.2"}, {"addr": "h:0"}, {"addr": "h:\u00b2"}, {"addr": "h:\u0663"},
+                {"slab_bytes": 1000},
                 {"free_slabs": -1}, {"free_slabs": True}):
         d = messages.parse_donor({**good, **bad})
         assert d is not None and not d.placeable, bad

@@ -37,6 +37,7 @@ def test_batch_size_defaults_to_the_first_allowed():
 @pytest.mark.parametrize("comment,name,words", [
     ("model=LM bs=abc", "", "bs='abc'"),
     ("model=LM bs=0", "", "between 1"),
+    ("model=LM bs=\u00b2", "", "positive whole number"),  # str.isdigit() is true of '²'; int() refuses it
     ("model=LM colour=blue", "", "unknown key"),
     ("model=LM model=LM", "", "given twice"),
     ("model=LM batch_sizes=32,,64", "", "comma-separated"),
