@@ -63,7 +63,7 @@ def resolve(cfg: dict) -> dict:
     if not 0 <= a["max_jobs_per_peer"] <= 1_000_000:
         raise config.ConfigError("agg.max_jobs_per_peer must be 0 (no limit)..1000000")
     mhost, _, mport = str(a["metrics_listen"]).rpartition(":")
-    if not (mport.isascii() and mport.lstrip("-").isdigit()) or not -1 <= int(mport) <= 65535:
+    if not (mport.isascii() and mport.removeprefix("-").isdigit()) or not -1 <= int(mport) <= 65535:
         raise config.ConfigError(f"agg.metrics_listen must be HOST:PORT (port -1 turns metrics off), "
                                  f"got {a['metrics_listen']!r}")
     if not MAX_CHUNK_BYTES <= a["max_receiving_bytes_per_peer"] <= a["max_receiving_bytes"]:

@@ -83,7 +83,7 @@ def test_server_settings_come_from_the_config_in_one_object():
     bad = config.load(env={}, flags={"agg": {"round_timeout_s": -1.0}})
     with pytest.raises(config.ConfigError, match="round_timeout_s"):
         ServerSettings.from_config(bad)
-    for port in ("\u00b2", "\u0663", "x"):  # '²' and an Arabic-Indic 3 are str.isdigit() but no port
+    for port in ("\u00b2", "\u0663", "x", "--1"):  # "²" and an Arabic-Indic 3 are str.isdigit() but no port
         bad = config.load(env={}, flags={"agg": {"metrics_listen": f"127.0.0.1:{port}"}})
         with pytest.raises(config.ConfigError, match="metrics_listen"):
             ServerSettings.from_config(bad)
