@@ -59,7 +59,9 @@ def drive(state: SchedulerState, duration: float, until: float = 1e7) -> dict[st
         nonlocal n
         rec = state.records[jid]
         ver[jid] = ver.get(jid, 0) + 1
-        heapq.heappush(heap, (t + duration - elapsed_of(rec, t), n, jid, ver[jid]))
+        # its end as the replay computes it (t plus what is left), to the last bit: an end that meets a Tick
+        # in one and misses it by a rounding in the other would be decided in another order
+        heapq.heappush(heap, (t + (duration - elapsed_of(rec, t)), n, jid, ver[jid]))
         n += 1
 
     for jid, rec in state.running.items():
