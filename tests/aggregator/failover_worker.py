@@ -46,6 +46,7 @@ def main() -> int:
         ap.add_argument(flag, type=int, required=True)
     for flag in ("--init", "--agg", "--job", "--out"):
         ap.add_argument(flag, required=True)
+    ap.add_argument("--pause", type=float, default=0.25, help="seconds before each step")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
@@ -61,7 +62,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(100 + a.rank)
     at_kill, times, done = None, [], 0
     for _ in range(a.steps):
-        time.sleep(0.25)  # stands in for GPU time, so that the run spans the victim's restart
+        time.sleep(a.pause)  # stands in for GPU time, so that a faulty run spans the victim's restart
         x, y = torch.randn(32, 64, generator=g), torch.randn(32, 16, generator=g)
         t0 = time.monotonic()
         opt.zero_grad()

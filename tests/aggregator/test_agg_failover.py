@@ -112,7 +112,7 @@ def test_a_round_fails_cleanly_when_no_server_is_left_to_retry_on(tmp_path):
 
 
 def _run_ddp(tmp: Path, addrs: list[str], tag: str, kill_pid: int = 0, kill_step: int = -1,
-             on_start=None) -> list[dict]:
+             on_start=None, pause_s: float = 0.25) -> list[dict]:
     world, steps = 4, 16
     init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
@@ -122,7 +122,8 @@ def _run_ddp(tmp: Path, addrs: list[str], tag: str, kill_pid: int = 0, kill_step
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "failover_worker.py"), "--rank", str(rank), "--world", str(world),
              "--init", init, "--agg", ",".join(addrs), "--steps", str(steps), "--out", str(out),
-             "--job", f"ddp-{tag}", "--kill-pid", str(kill_pid), "--kill-step", str(kill_step)],
+             "--job", f"ddp-{tag}", "--kill-pid", str(kill_pid), "--kill-step", str(kill_step),
+             "--pause", str(pause_s)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         if on_start:
@@ -142,7 +143,7 @@ def _run_ddp(tmp: Path, addrs: list[str], tag: str, kill_pid: int = 0, kill_step
 @pytest.mark.slow
 def test_ddp_with_a_server_killed_mid_training_ends_bit_identical_to_a_run_without_the_fault(servers, tmp_path):
     addrs = [s.addr for s in servers]
-    clean = _run_ddp(tmp_path, addrs, "clean")
+    clean = _run_ddp(tmp_path, addrs, "clean", pause_s=0)  # the reference: nothing to span
     victim = max(servers, key=lambda s: s.addr)  # the worker's victim: the last of the sorted list
     restarted = threading.Event()
 
