@@ -11,7 +11,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # and benchmarked against; its basic plugins carry job_submit/lua (liblua5.1), gres/shard and `squeue --json`.
 # prometheus (with promtool): deploy/prometheus's rules and the Grafana dashboard's queries are checked against
 # a real Prometheus scraping a live stack (tests/deploy/test_prometheus.py).
-APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge prometheus
+APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge prometheus openssl
 PYTEST_ARGS ?=
 
 .PHONY: all demo test test-stress sanitize lint deps sysdeps ext bench bench-quick clean k8s-testbed

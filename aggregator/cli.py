@@ -31,7 +31,10 @@ def _run(args, cfg) -> int:
     if args.action == "drain":
         return _drain_cmd(args, cfg)
     from aggregator.server import serve
+    from nodesvc.bus.commands import check_broker
 
+    if cfg["dlshare"]["broker"]:
+        check_broker(cfg["dlshare"]["broker"])
     cfg = resolve(cfg)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -55,8 +58,8 @@ async def drain(broker: str, server: str, wait: bool = True, timeout_s: float = 
 
     addr = parse_broker_url(broker)
     rpc = Correlator("dlshare-agg-drain", timeout_s=reply_timeout_s)
-    async with aiomqtt.Client(addr.host, addr.port, username=addr.username, password=addr.password,
-                              identifier=rpc.prefix + f"-{time.monotonic_ns()}", timeout=5) as client:
+    async with aiomqtt.Client(**addr.client_args(), identifier=rpc.prefix + f"-{time.monotonic_ns()}",
+                              timeout=5) as client:
         await client.subscribe(messages.topic("agg", server, "reply"), qos=1)
 
         async def pump() -> None:

@@ -128,6 +128,20 @@ def print_when_changed() -> Callable[[str], None]:
     return show
 
 
+def check_broker(url: str) -> str:
+    """A command's broker URL checked before it starts (its form and the TLS files it names), so that a
+    mistake is a config error, not a traceback or a daemon retrying for ever.  Returns the URL without
+    user name and password, for messages and logs."""
+    from nodesvc.bus.mqtt import parse_broker_url
+
+    try:
+        addr = parse_broker_url(url)
+        addr.tls_context()
+    except ValueError as exc:
+        raise config.ConfigError(str(exc)) from None
+    return addr.url()
+
+
 def run_drain(cmd: str, broker: str, coro) -> Any:
     """Run a drain coroutine and return its result; a refusal, no answer, a drain not finished in time
     or an unreachable broker is one line on stderr and exit status 1 (returned as the int 1)."""
@@ -138,11 +152,16 @@ def run_drain(cmd: str, broker: str, coro) -> Any:
     from nodesvc.bus.rpc import CommandError
 
     try:
+        shown = check_broker(broker)
+    except config.ConfigError:
+        coro.close()
+        raise
+    try:
         return asyncio.run(coro)
     except (CommandError, TimeoutError) as exc:
         print(f"dlshare {cmd} drain: {exc}", file=sys.stderr)
     except aiomqtt.MqttError as exc:
-        print(f"dlshare {cmd} drain: cannot reach broker {broker}: {exc}", file=sys.stderr)
+        print(f"dlshare {cmd} drain: cannot reach broker {shown}: {exc}", file=sys.stderr)
     return 1
 
 

@@ -13,13 +13,22 @@ import logging
 import random
 import select
 import socket
+import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiomqtt
 
 log = logging.getLogger("dlshare.bus")
+
+
+PLAIN_SCHEMES = ("mqtt", "tcp")
+TLS_SCHEMES = ("mqtts", "ssl")
+# Query parameters of an mqtts:// URL: the CA bundle that signs the broker's certificate (else the
+# system's trust store), and a client certificate and key for brokers that ask for one.
+TLS_PARAMS = {"ca": "ca_file", "cert": "cert_file", "key": "key_file"}
 
 
 @dataclass(frozen=True)
@@ -28,25 +37,77 @@ class BrokerAddress:
     port: int
     username: str | None = None
     password: str | None = None
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
 
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        """The URL without user name and password (for logs, and for jobs); TLS settings kept."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        query = urllib.parse.urlencode({k: getattr(self, f) for k, f in TLS_PARAMS.items() if getattr(self, f)},
+                                       safe="/")
+        return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}" + (f"?{query}" if query else "")
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The TLS context of an mqtts:// address (None for mqtt://): the broker's certificate is
+        checked against ``ca`` (or the system's trust store) and its name against the host.  A file
+        that cannot be read or is not PEM raises ValueError, naming it."""
+        if not self.tls:
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"broker CA file {self.ca_file!r}: {exc}") from None
+        if self.cert_file:
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"broker client certificate {self.cert_file!r}"
+                                 f"{f' (key {self.key_file!r})' if self.key_file else ''}: {exc}") from None
+        return ctx
+
+    def client_args(self, tls_context: ssl.SSLContext | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``aiomqtt.Client``: where, who, and TLS (``tls_context`` when given,
+        else built here)."""
+        return {"hostname": self.host, "port": self.port, "username": self.username, "password": self.password,
+                "tls_context": tls_context or self.tls_context()}
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
-    """``mqtt://[user:pass@]host[:port]`` (also ``tcp://`` or bare ``host:port``)."""
+    """``mqtt://[user:pass@]host[:port]`` (also ``tcp://`` or bare ``host:port``), or over TLS
+    ``mqtts://[user:pass@]host[:port][?ca=PATH][&cert=PATH&key=PATH]`` (also ``ssl://``; port 8883 by
+    default)."""
     if "://" not in url:
         url = "mqtt://" + url
     u = urllib.parse.urlsplit(url)
-    if u.scheme not in ("mqtt", "tcp"):
-        raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// (TLS is not supported yet)")
+    scheme = u.scheme.lower()
+    if scheme not in PLAIN_SCHEMES + TLS_SCHEMES:
+        raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
     if not u.hostname:
         raise ValueError(f"broker URL {url!r} has no host")
     try:
-        port = u.port or 1883
+        port = u.port or (8883 if scheme in TLS_SCHEMES else 1883)
     except ValueError:
         raise ValueError(f"broker URL {url!r} has an invalid port") from None
-    return BrokerAddress(u.hostname, port, u.username, u.password)
+    if u.path not in ("", "/") or u.fragment:
+        raise ValueError(f"broker URL {url!r}: nothing may follow host:port but ?ca=, cert= and key=")
+    try:
+        query = urllib.parse.parse_qs(u.query, keep_blank_values=True, strict_parsing=bool(u.query))
+    except ValueError:
+        raise ValueError(f"broker URL {url!r}: malformed query") from None
+    files: dict[str, str] = {}
+    for key, values in query.items():
+        if key not in TLS_PARAMS:
+            raise ValueError(f"broker URL {url!r}: unknown parameter {key!r} (known: {', '.join(TLS_PARAMS)})")
+        if scheme not in TLS_SCHEMES:
+            raise ValueError(f"broker URL {url!r}: {key}= needs mqtts://")
+        if len(values) != 1 or not values[0]:
+            raise ValueError(f"broker URL {url!r}: {key}= needs exactly one path")
+        files[TLS_PARAMS[key]] = values[0]
+    if "key_file" in files and "cert_file" not in files:
+        raise ValueError(f"broker URL {url!r}: key= needs cert=")
+    return BrokerAddress(u.hostname, port, u.username, u.password, tls=scheme in TLS_SCHEMES, **files)
 
 
 MessageHandler = Callable[[str, bytes], Awaitable[None]]
@@ -84,8 +145,10 @@ def _drain_reads(client: aiomqtt.Client, most: int = READ_BURST) -> None:
     def drain() -> None:
         try:
             for _ in range(most):
-                if paho.loop_read() != 0 or paho.socket() is None:
+                if paho.loop_read() != 0 or (sock := paho.socket()) is None:
                     return
+                if getattr(sock, "pending", None) and sock.pending() > 0:
+                    continue  # TLS: bytes already decrypted and read off the socket, which is not readable
                 ready, _, _ = select.select([fd], [], [], 0)
                 if not ready:
                     return
@@ -120,6 +183,7 @@ class Bus:
         max_inflight: int | None = None,
     ) -> None:
         self.addr = parse_broker_url(url)
+        self.tls = self.addr.tls_context()  # built once: a bad CA or certificate file fails here, not per retry
         self.client_id = client_id
         self.subscriptions = subscriptions or []
         self.handler = handler
@@ -156,11 +220,8 @@ class Bus:
                 will = aiomqtt.Will(topic=t, payload=p, qos=q, retain=r)
             try:
                 async with aiomqtt.Client(
-                    self.addr.host,
-                    self.addr.port,
+                    **self.addr.client_args(self.tls),
                     identifier=self.client_id,
-                    username=self.addr.username,
-                    password=self.addr.password,
                     will=will,
                     keepalive=self.keepalive,
                     timeout=5,

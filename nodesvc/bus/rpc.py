@@ -134,6 +134,7 @@ class NodeClient:
 
     def __init__(self, broker: str, client_id: str | None = None, timeout_s: float = 10.0) -> None:
         self.addr = parse_broker_url(broker)
+        self.tls = self.addr.tls_context()  # a bad CA or certificate file fails here
         self.client_id = client_id or f"dlshare-client-{os.getpid()}-{time.monotonic_ns()}"
         self.rpc = Correlator(self.client_id, timeout_s)
         self._client: aiomqtt.Client | None = None
@@ -141,8 +142,7 @@ class NodeClient:
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     async def __aenter__(self) -> "NodeClient":
-        self._client = aiomqtt.Client(self.addr.host, self.addr.port, identifier=self.client_id,
-                                      username=self.addr.username, password=self.addr.password, timeout=5)
+        self._client = aiomqtt.Client(**self.addr.client_args(self.tls), identifier=self.client_id, timeout=5)
         await self._client.__aenter__()
         await self._client.subscribe(f"{messages.PREFIX}/node/+/reply", qos=1)
         await self._client.subscribe(f"{messages.PREFIX}/node/+/events", qos=1)

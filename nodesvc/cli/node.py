@@ -130,7 +130,8 @@ def register(cli) -> None:
     p.add_argument("--pause", type=float, default=3600.0, metavar="S",
                    help="drain: lend nothing for S seconds after (default 3600; at most a day, send again to "
                    "extend; 0: take back what is lent and go on lending)")
-    cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL, mqtt://HOST:PORT")
+    cli.config_flag(p, "--broker", "dlshare", "broker",
+                    help="MQTT broker URL, mqtt://HOST:PORT (mqtts://HOST:PORT?ca=PATH for TLS)")
     cli.config_flag(p, "--node-id", "node", "id", help="this node's id (default: host name)")
     cli.config_flag(p, "--interval", "node", "interval", type=float, help="telemetry period in seconds")
     cli.config_flag(p, "--metrics-listen", "node", "metrics_listen", help="HOST:PORT for Prometheus metrics")

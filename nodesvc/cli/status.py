@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from nodesvc.bus import messages
+from nodesvc.bus.commands import check_broker
 from nodesvc.bus.mqtt import parse_broker_url
 
 
@@ -118,8 +119,8 @@ async def gather(broker: str, settle_s: float = 0.4, timeout_s: float = 3.0) -> 
 
     addr = parse_broker_url(broker)
     states: dict[str, dict[str, Any]] = {}
-    async with aiomqtt.Client(addr.host, addr.port, username=addr.username, password=addr.password,
-                              identifier=f"dlshare-status-{time.monotonic_ns()}", timeout=5) as client:
+    async with aiomqtt.Client(**addr.client_args(), identifier=f"dlshare-status-{time.monotonic_ns()}",
+                              timeout=5) as client:
         await client.subscribe("dlshare/v1/+/+/state", qos=1)
         await client.subscribe("dlshare/v1/cache/+/manifest", qos=1)
         deadline = time.monotonic() + timeout_s
@@ -205,10 +206,11 @@ def _render_caches(doc: dict[str, Any], console) -> None:
 def _run(args, cfg) -> int:
     import aiomqtt
 
+    shown = check_broker(cfg["dlshare"]["broker"])
     try:
         states = asyncio.run(gather(cfg["dlshare"]["broker"], timeout_s=args.timeout))
-    except aiomqtt.MqttError as exc:
-        print(f"dlshare status: cannot reach broker {cfg['dlshare']['broker']}: {exc}", file=sys.stderr)
+    except aiomqtt.MqttError as exc:  # a TLS handshake that fails too (its certificate, its name)
+        print(f"dlshare status: cannot reach broker {shown}: {exc}", file=sys.stderr)
         return 1
     doc = summarize(states)
     if args.json:

@@ -41,8 +41,7 @@ async def wait_nodes(broker: str, node_ids: list[str], timeout: float = 30.0) ->
 async def job_usage(broker: str, node: str, job: str, timeout: float = 10.0) -> dict[str, Any] | None:
     """The job's entry in the node's next telemetry message that shows it running."""
     addr = parse_broker_url(broker)
-    async with aiomqtt.Client(addr.host, addr.port, identifier=f"dlshare-tour-{time.monotonic_ns()}",
-                              username=addr.username, password=addr.password) as c:
+    async with aiomqtt.Client(**addr.client_args(), identifier=f"dlshare-tour-{time.monotonic_ns()}") as c:
         await c.subscribe(messages.node_topic(node, "telemetry"))
         deadline = time.monotonic() + timeout
         it = c.messages.__aiter__()

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from nodesvc.bus import config, jobenv
+from nodesvc.bus.commands import check_broker
 
 log = logging.getLogger("dlshare.sched")
 
@@ -193,6 +194,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         binder = binder_from_config(s)
     except BinderConfigError as exc:
         raise config.ConfigError(str(exc)) from None
+    broker = check_broker(cfg["dlshare"]["broker"]) if cfg["dlshare"]["broker"] else "none"
     store = JobStore(s["db"], synchronous=s["synchronous"])
     try:
         token = load_or_create_token(s["db"], s["token"])
@@ -270,7 +272,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         raise RuntimeError(f"scheduler API could not listen on {host}:{port}"
                            + (f": {failed[0]}" if failed else ""))
     log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s, API on %s)", host, port,
-             service.profile, s["db"], cfg["dlshare"]["broker"], "its own thread" if s["api_thread"] else "the loop")
+             service.profile, s["db"], broker, "its own thread" if s["api_thread"] else "the loop")
     if ready:
         ready.set()
     await stop.wait()

@@ -74,8 +74,10 @@ def build_shell(cfg):
         raise config.ConfigError(f"scheduling profile {s['profile']!r}: {exc}") from None
     feed = None
     if s["telemetry"]:
+        from nodesvc.bus.commands import check_broker
         from scheduler.slurm.telemetry import TelemetryFeed
 
+        check_broker(cfg["dlshare"]["broker"])
         feed = TelemetryFeed(cfg["dlshare"]["broker"], client_id=f"dlshare-slurm-{s['partition']}")
     shell = SlurmShell(core, s["partition"], journal,
                        SlurmCLI(s["slurm_conf"]), poll_s=s["poll_s"], retry_s=s["retry_s"], status_s=s["status_s"],
