@@ -87,14 +87,18 @@ class AclFilePlugin(BaseTopicPlugin):  # type: ignore[misc]
 
 
 def broker_config(host: str, port: int, extra: list[tuple[str, int]] = (), password_file: str = "",
-                  acl_file: str = "") -> dict:
+                  acl_file: str = "", tls_cert_file: str = "", tls_key_file: str = "") -> dict:
     """amqtt's configuration.  ``password_file``: users and passwords (anonymous clients refused);
-    ``acl_file``: topic rights (needs ``password_file``)."""
+    ``acl_file``: topic rights (needs ``password_file``); ``tls_cert_file`` and ``tls_key_file``:
+    every listener speaks TLS only (clients connect with mqtts://)."""
     if acl_file and not password_file:
         raise ValueError("an ACL file needs a password file: without users, every client is anonymous")
-    listeners = {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 0}}
+    if bool(tls_cert_file) != bool(tls_key_file):
+        raise ValueError("TLS needs both broker.tls_cert_file and broker.tls_key_file")
+    tls = {"ssl": True, "certfile": tls_cert_file, "keyfile": tls_key_file} if tls_cert_file else {}
+    listeners = {"default": {"type": "tcp", "bind": f"{host}:{port}", "max_connections": 0, **tls}}
     for i, (h, p) in enumerate(extra):
-        listeners[f"extra{i}"] = {"type": "tcp", "bind": f"{h}:{p}", "max_connections": 0}
+        listeners[f"extra{i}"] = {"type": "tcp", "bind": f"{h}:{p}", "max_connections": 0, **tls}
     plugins: dict[str, Any]
     if password_file:
         plugins = {f"{__name__}.PasswordFilePlugin": {"password_file": password_file, "acl_file": acl_file}}
@@ -105,8 +109,18 @@ def broker_config(host: str, port: int, extra: list[tuple[str, int]] = (), passw
     return {"listeners": listeners, "plugins": plugins, "timeout_disconnect_delay": 0}
 
 
+def check_tls_files(cert_file: str, key_file: str) -> None:
+    """The broker's certificate and key load together (else ValueError naming them)."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"broker TLS certificate {cert_file!r} with key {key_file!r}: {exc}") from None
+
+
 async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asyncio.Event | None = None,
-                password_file: str = "", acl_file: str = "") -> None:
+                password_file: str = "", acl_file: str = "", tls_cert_file: str = "", tls_key_file: str = "") -> None:
     from amqtt.broker import Broker
 
     if password_file or acl_file:  # read here, so a bad file is one clear error before anything listens
@@ -114,10 +128,13 @@ async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asynci
         if acl_file:
             parse_acl(read_text(acl_file, "ACL file"), acl_file)
     (host, port), extra = addrs[0], addrs[1:]
-    broker = Broker(broker_config(host, port, extra, password_file, acl_file))
+    conf = broker_config(host, port, extra, password_file, acl_file, tls_cert_file, tls_key_file)
+    if tls_cert_file:
+        check_tls_files(tls_cert_file, tls_key_file)
+    broker = Broker(conf)
     await broker.start()
     for h, p in addrs:
-        log.info("MQTT broker (amqtt) listening on mqtt://%s:%d", h, p)
+        log.info("MQTT broker (amqtt) listening on %s://%s:%d", "mqtts" if tls_cert_file else "mqtt", h, p)
     if not password_file:
         log.warning("the broker takes anonymous clients: anyone who reaches it may command the nodes "
                     "(give broker.password_file and broker.acl_file; dlshare up does)")

@@ -15,6 +15,10 @@ config.register_section("broker", {
     # refused) and an ACL file (deploy/mosquitto/dlshare.acl). Empty: anyone may connect.
     "password_file": "",
     "acl_file": "",
+    # TLS on every listener (clients then use mqtts://): the broker's certificate (PEM, its chain
+    # after it) and its key.  Empty: plain MQTT.
+    "tls_cert_file": "",
+    "tls_key_file": "",
 })
 
 
@@ -30,7 +34,9 @@ def _run(args, cfg) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(addrs, stop, password_file=cfg["broker"]["password_file"], acl_file=cfg["broker"]["acl_file"])
+        b = cfg["broker"]
+        await serve(addrs, stop, password_file=b["password_file"], acl_file=b["acl_file"],
+                    tls_cert_file=b["tls_cert_file"], tls_key_file=b["tls_key_file"])
 
     try:
         asyncio.run(main())
@@ -46,3 +52,6 @@ def register(cli) -> None:
     cli.config_flag(p, "--password-file", "broker", "password_file",
                     help="mosquitto_passwd file of users; anonymous clients are then refused")
     cli.config_flag(p, "--acl-file", "broker", "acl_file", help="mosquitto ACL file of topic rights")
+    cli.config_flag(p, "--tls-cert-file", "broker", "tls_cert_file",
+                    help="PEM certificate (and chain) of the broker: every listener speaks TLS (mqtts://)")
+    cli.config_flag(p, "--tls-key-file", "broker", "tls_key_file", help="PEM private key of --tls-cert-file")

@@ -1,5 +1,6 @@
-"""The bus over TLS (``mqtts://``): the URL, the TLS context, and every client against a real mosquitto
-with a TLS listener and a password file (certificates made here with the openssl command)."""
+"""The bus over TLS (``mqtts://``): the URL, the TLS context, and every client against real brokers
+(mosquitto and the embedded ``dlshare broker``) with a TLS listener, a password file and the shipped
+ACL (certificates made here with the openssl command)."""
 
 from __future__ import annotations
 
@@ -122,18 +123,26 @@ USERS = ("n-tls", "dlshare-operator", "dlshare-memory")  # a node, an operator, 
 
 
 class TlsBroker:
-    """mosquitto with the shipped example configuration and ACL, its TLS listener uncommented and the
-    plain one taken out (as the example's comment says), and a CA and certificate made here."""
+    """A broker with a TLS listener only, a password file and the shipped ACL; a CA and a certificate
+    for 127.0.0.1 made here.  mosquitto runs the shipped example configuration with its TLS
+    listener uncommented and the plain one taken out (as the example's comment says); the embedded
+    broker runs ``dlshare broker`` with the same files."""
 
-    def __init__(self, d: Path) -> None:
-        self.dir, self.port = d, free_port()
-        _ca(d, "ca")
-        _ca(d, "other-ca")
-        _signed(d, "ca", "server", "IP:127.0.0.1")
-        for i, user in enumerate(USERS):
-            subprocess.run(["mosquitto_passwd", "-b", *(["-c"] if i == 0 else []), str(d / "passwd"), user, PASSWORD],
-                           check=True, capture_output=True, timeout=30)
-        lines = []
+    def __init__(self, d: Path, run: Path, kind: str) -> None:
+        self.dir, self.port, self.kind = d, free_port(), kind  # d: the files of `tls_files`
+        if kind == "mosquitto":
+            (run / "mosquitto.conf").write_text(self._mosquitto_conf())
+            cmd = [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(run / "mosquitto.conf")]
+        else:
+            cmd = [PY, "-m", "nodesvc.cli", "broker", "--listen", f"127.0.0.1:{self.port}", "--password-file",
+                   str(d / "passwd"), "--acl-file", str(DEPLOY / "dlshare.acl"), "--tls-cert-file",
+                   str(d / "server.pem"), "--tls-key-file", str(d / "server.key")]
+        self.log = open(run / f"{kind}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        wait_port(self.port, proc=self.proc)
+
+    def _mosquitto_conf(self) -> str:
+        d, lines = self.dir, []
         for line in (DEPLOY / "dlshare.conf").read_text().splitlines():
             if line.startswith("listener 1883"):
                 continue
@@ -152,11 +161,7 @@ class TlsBroker:
             conf = conf.replace(old, new)
         if os.geteuid() == 0:
             conf += "user root\n"  # else it drops to a user that cannot read tmp_path
-        (d / "mosquitto.conf").write_text(conf)
-        exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-        self.log = open(d / "mosquitto.log", "ab")
-        self.proc = subprocess.Popen([exe, "-c", str(d / "mosquitto.conf")], stdout=self.log, stderr=subprocess.STDOUT)
-        wait_port(self.port, proc=self.proc)
+        return conf
 
     def url(self, user: str = "dlshare-operator", ca: str = "ca", host: str = "127.0.0.1", scheme: str = "mqtts") -> str:
         query = f"?ca={self.dir}/{ca}.pem" if scheme == "mqtts" else ""
@@ -167,13 +172,39 @@ class TlsBroker:
         self.log.close()
 
 
-@pytest.fixture
-def tls_broker(tmp_path):
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory) -> Path:
+    """Two CAs, a certificate for 127.0.0.1 signed by the first, and the users' password file: made
+    once for the module (the brokers only read them)."""
     if not (shutil.which("openssl") and shutil.which("mosquitto_passwd")):
         pytest.fail("openssl or mosquitto_passwd is missing: run `make deps` (the test command installs them)")
-    b = TlsBroker(tmp_path)
+    d = tmp_path_factory.mktemp("tls")
+    _ca(d, "ca")
+    _ca(d, "other-ca")
+    _signed(d, "ca", "server", "IP:127.0.0.1")
+    for i, user in enumerate(USERS):
+        subprocess.run(["mosquitto_passwd", "-b", *(["-c"] if i == 0 else []), str(d / "passwd"), user, PASSWORD],
+                       check=True, capture_output=True, timeout=30)
+    return d
+
+
+@pytest.fixture(params=["mosquitto", "amqtt"])
+def tls_broker(request, tls_files, tmp_path):
+    b = TlsBroker(tls_files, tmp_path, request.param)
     yield b
     b.stop()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tls-cert-file", "{d}/server.pem"], "needs both"),
+    (["--tls-cert-file", "{d}/nonexistent.pem", "--tls-key-file", "{d}/server.key"], "nonexistent.pem"),
+    (["--tls-cert-file", "{d}/server.pem", "--tls-key-file", "{d}/other-ca.key"], "other-ca.key"),  # not its key
+])
+def test_the_embedded_brokers_tls_files_are_checked_before_it_listens(tls_files, flags, says):
+    port = free_port()
+    out = subprocess.run([PY, "-m", "nodesvc.cli", "broker", "--listen", f"127.0.0.1:{port}",
+                          *[f.format(d=tls_files) for f in flags]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "config error" in out.stderr and says in out.stderr, out.stderr
 
 
 def _status(url: str) -> subprocess.CompletedProcess:
@@ -199,19 +230,22 @@ async def test_a_node_daemon_status_and_commands_over_tls(tls_broker, node_daemo
     assert job_url.startswith("mqtts://127.0.0.1:") and "ca=" in job_url and PASSWORD not in job_url
 
 
-@pytest.mark.parametrize("how, says", [
-    ("other-ca", "certificate verify failed"),  # a CA that did not sign the broker's certificate
-    ("localhost", "certificate verify failed"),  # the certificate names 127.0.0.1, not localhost
-    ("plain", ""),  # no TLS against a TLS listener: refused, not a hang
-])
-def test_a_broker_it_cannot_trust_is_refused_clearly(tls_broker, how, says):
-    url = {"other-ca": tls_broker.url(ca="other-ca"), "localhost": tls_broker.url(host="localhost"),
-           "plain": tls_broker.url(scheme="mqtt")}[how]
-    t0 = time.monotonic()
+@pytest.mark.parametrize("how", ["other-ca", "localhost"])
+def test_a_broker_it_cannot_trust_is_refused_clearly(tls_broker, how):
+    """A CA that did not sign the broker's certificate; a host name the certificate does not give
+    (it names 127.0.0.1, not localhost)."""
+    url = tls_broker.url(ca="other-ca") if how == "other-ca" else tls_broker.url(host="localhost")
     out = _status(url)
     assert out.returncode == 1 and "cannot reach broker" in out.stderr, out.stderr
-    assert says in out.stderr and PASSWORD not in out.stderr + out.stdout
-    assert time.monotonic() - t0 < 30
+    assert "certificate verify failed" in out.stderr and PASSWORD not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("tls_broker", ["mosquitto"], indirect=True)
+def test_a_plain_client_at_a_tls_port_fails_and_does_not_hang(tls_broker):
+    t0 = time.monotonic()
+    out = _status(tls_broker.url(scheme="mqtt"))
+    assert out.returncode == 1 and "cannot reach broker mqtt://127.0.0.1:" in out.stderr, out.stderr
+    assert PASSWORD not in out.stderr + out.stdout and time.monotonic() - t0 < 30
 
 
 async def test_a_burst_of_retained_messages_arrives_whole_over_tls(tls_broker):
