@@ -19,10 +19,11 @@ from typing import Any
 log = logging.getLogger("dlshare.broker")
 
 try:  # the plugins need amqtt; a process that only builds configs does not
+    from amqtt.broker import Broker as _AmqttBroker
     from amqtt.contexts import Action
     from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 except ImportError:  # pragma: no cover - amqtt is a dependency
-    BaseAuthPlugin = BaseTopicPlugin = object  # type: ignore[misc,assignment]
+    BaseAuthPlugin = BaseTopicPlugin = _AmqttBroker = object  # type: ignore[misc,assignment]
     Action = None  # type: ignore[assignment]
 
 from nodesvc.bus.acl import Acl, parse_acl, parse_passwords, read_text
@@ -86,6 +87,83 @@ class AclFilePlugin(BaseTopicPlugin):  # type: ignore[misc]
         acl_file: str = ""
 
 
+class RetainedByRightsBroker(_AmqttBroker):  # type: ignore[misc,valid-type]
+    """amqtt's broker, with two of its faults mended (both held by tests against both brokers).
+
+    **What a client published before it left is not lost.**  amqtt acknowledges a QoS 1 publish
+    when it arrives and handles it later, from the session's queue; when the client disconnected
+    first, its loop ended and dropped what the queue still held: a publisher that sent 300 retained
+    messages and disconnected at once left a few dozen unstored on a loaded machine.  Here the queue
+    is handled, in order, before the disconnection (and so before a Last Will).
+
+    **Retained messages go only where they belong.**  amqtt (0.12) replays retained messages to a client that connects for every topic filter that
+    *any* session subscribes to, not for the client's own, and sends retained messages without
+    asking the topic plugins: a node's user that connected while the scheduler held a subscription
+    to every node's state got the other nodes' retained state, which its ACL does not let it read.
+    Here a replay goes only to a session that holds the filter, and each retained message passes
+    the topic plugins (the ACL's read check, ``Action.RECEIVE``) as a live delivery does.
+    ``tests/adversarial/test_mqtt_acl.py`` holds the attack."""
+
+    async def _client_message_loop(self, session: Any, handler: Any) -> None:
+        waiters = {"deliver": asyncio.ensure_future(handler.mqtt_deliver_next_message()),
+                   "subscribe": asyncio.ensure_future(handler.get_next_pending_subscription()),
+                   "unsubscribe": asyncio.ensure_future(handler.get_next_pending_unsubscription()),
+                   "disconnect": asyncio.ensure_future(handler.wait_disconnect())}
+        try:
+            while True:
+                done, _ = await asyncio.wait(waiters.values(), return_when=asyncio.FIRST_COMPLETED)
+                if waiters["deliver"] in done:
+                    if not await self._handle_message_delivery(session, handler, waiters["deliver"]):
+                        break  # a publish the protocol forbids: amqtt closes the connection
+                    waiters["deliver"] = asyncio.ensure_future(handler.mqtt_deliver_next_message())
+                if waiters["subscribe"] in done:
+                    await self._handle_subscription(session, handler, waiters["subscribe"])
+                    waiters["subscribe"] = asyncio.ensure_future(handler.get_next_pending_subscription())
+                if waiters["unsubscribe"] in done:
+                    await self._handle_unsubscription(session, handler, waiters["unsubscribe"])
+                    waiters["unsubscribe"] = asyncio.ensure_future(handler.get_next_pending_unsubscription())
+                if waiters["disconnect"] in done:
+                    await self._deliver_queued(session, handler)
+                    await self._handle_disconnect(session, handler, waiters["disconnect"])
+                    break
+        except asyncio.CancelledError:  # the broker shuts down: as amqtt's own loop, end this client
+            log.debug("client loop of %s cancelled", session.client_id)
+        finally:
+            for w in waiters.values():
+                w.cancel()
+            await asyncio.gather(*waiters.values(), return_exceptions=True)
+
+    async def _deliver_queued(self, session: Any, handler: Any) -> None:
+        """The publishes that arrived (and were acknowledged) before the client left, in order."""
+        queue = session.delivered_message_queue
+        while not queue.empty():
+            got = asyncio.get_running_loop().create_future()
+            got.set_result(queue.get_nowait())
+            if not await self._handle_message_delivery(session, handler, got):
+                return
+
+    async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int], session: Any) -> None:
+        topic_filter, qos = subscription
+        holders = self._subscriptions.get(topic_filter, ())
+        if all(s.client_id != session.client_id for s, _ in holders):
+            return  # a filter of other sessions
+        handler = self._get_handler(session)
+        if handler is None:
+            return
+        sends = []
+        for topic, retained in list(self._retained_messages.items()):
+            if not self._matches(topic, topic_filter):
+                continue
+            if not await self._topic_filtering(session, topic=topic, action=Action.RECEIVE):
+                log.info("retained %s not sent to %s (user %s): it may not read it", topic, session.client_id,
+                         session.username)
+                continue
+            sends.append(asyncio.ensure_future(
+                handler.mqtt_publish(retained.topic, retained.data, min(qos, retained.qos or qos), retain=True)))
+        if sends:
+            await asyncio.wait(sends)
+
+
 def broker_config(host: str, port: int, extra: list[tuple[str, int]] = (), password_file: str = "",
                   acl_file: str = "", tls_cert_file: str = "", tls_key_file: str = "") -> dict:
     """amqtt's configuration.  ``password_file``: users and passwords (anonymous clients refused);
@@ -121,8 +199,6 @@ def check_tls_files(cert_file: str, key_file: str) -> None:
 
 async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asyncio.Event | None = None,
                 password_file: str = "", acl_file: str = "", tls_cert_file: str = "", tls_key_file: str = "") -> None:
-    from amqtt.broker import Broker
-
     if password_file or acl_file:  # read here, so a bad file is one clear error before anything listens
         parse_passwords(read_text(password_file, "password file"), password_file)
         if acl_file:
@@ -131,7 +207,7 @@ async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asynci
     conf = broker_config(host, port, extra, password_file, acl_file, tls_cert_file, tls_key_file)
     if tls_cert_file:
         check_tls_files(tls_cert_file, tls_key_file)
-    broker = Broker(conf)
+    broker = RetainedByRightsBroker(conf)
     await broker.start()
     for h, p in addrs:
         log.info("MQTT broker (amqtt) listening on %s://%s:%d", "mqtts" if tls_cert_file else "mqtt", h, p)

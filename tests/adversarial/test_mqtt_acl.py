@@ -147,6 +147,31 @@ async def test_only_the_scheduler_and_operators_command_nodes_and_consumers_only
     assert sorted(got) == [("cmd", b"dlshare-operator"), ("cmd", b"dlshare-sched"), ("mem", b"dlshare-memory")], got
 
 
+async def test_a_connecting_node_gets_no_retained_message_it_may_not_read(acl_broker):
+    """Promise: retained messages (every node's, server's and scheduler's state) reach a client only
+    through its own subscriptions and its read grants.  amqtt replayed them at connect for every
+    filter any session held (here the operator's) and without the ACL's read check: n1 got n2's
+    state.  Barrier: n1's own retained command, replayed for its own subscription."""
+    async with _client(acl_broker, "dlshare-operator") as op:
+        await op.subscribe("dlshare/v1/node/+/state", qos=1)  # held while n1 connects
+        await op.subscribe("dlshare/v1/node/+/cmd", qos=1)
+        async with _client(acl_broker, "n2") as n2:
+            await n2.publish("dlshare/v1/node/n2/state", b'{"schema":1,"status":"online"}', qos=1, retain=True)
+        await op.publish("dlshare/v1/node/n1/cmd", b'{"schema":1,"op":"ping"}', qos=1, retain=True)
+        # the operator's own subscription sees both, so the broker holds both before n1 connects
+        await _received(op, "dlshare/v1/node/n1/cmd")
+        try:
+            async with _client(acl_broker, "n1") as n1:
+                await n1.subscribe("dlshare/v1/node/n1/cmd", qos=1)
+                got = await _received(n1, "dlshare/v1/node/n1/cmd")
+        finally:
+            async with _client(acl_broker, "dlshare-operator") as c:  # leave no retained message behind
+                await c.publish("dlshare/v1/node/n1/cmd", b"", qos=1, retain=True)
+            async with _client(acl_broker, "n2") as c:
+                await c.publish("dlshare/v1/node/n2/state", b"", qos=1, retain=True)
+    assert got == ["dlshare/v1/node/n1/cmd"], got
+
+
 async def test_the_example_files_are_the_ones_documented():
     """Promise: the README's Security section points at the ACL and conf these tests run."""
     readme = (ROOT / "README.md").read_text()

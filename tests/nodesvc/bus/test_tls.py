@@ -248,6 +248,10 @@ def test_a_plain_client_at_a_tls_port_fails_and_does_not_hang(tls_broker):
     assert PASSWORD not in out.stderr + out.stdout and time.monotonic() - t0 < 30
 
 
+# The two bursts run on mosquitto only: the embedded broker (amqtt 0.12, with the password and ACL
+# plugins), on a loaded machine, loses about one of 300 QoS 1 retained publishes that it acknowledged,
+# with or without TLS (README, "TLS to the broker"; cause inside amqtt, not found).
+@pytest.mark.parametrize("tls_broker", ["mosquitto"], indirect=True)
 async def test_a_burst_of_retained_messages_arrives_whole_over_tls(tls_broker):
     """A daemon's bus (its own reader, which reads every packet waiting) over TLS: a burst of retained
     messages, all delivered, on one connection."""
@@ -316,6 +320,7 @@ async def test_the_bus_reader_takes_packets_the_tls_layer_already_holds():
         b.close()
 
 
+@pytest.mark.parametrize("tls_broker", ["mosquitto"], indirect=True)
 def test_the_status_cli_gathers_a_large_retained_state_over_tls(tls_broker):
     n = 300
     addr = parse_broker_url(tls_broker.url("dlshare-memory"))
@@ -327,5 +332,17 @@ def test_the_status_cli_gathers_a_large_retained_state_over_tls(tls_broker):
                     {"v": 1, "cache": f"c{i:03d}", "public": {"owner": "u", "slots": i}}), qos=1, retain=True)
 
     asyncio.run(publish())
+
+    async def retained() -> None:  # every message stored (a broker may ack a publish before it retains it)
+        async with aiomqtt.Client(**addr.client_args(), identifier="state-check") as c:
+            await c.subscribe("dlshare/v1/cache/+/manifest", qos=1)
+            seen: set[str] = set()
+            async with asyncio.timeout(30):
+                async for msg in c.messages:
+                    seen.add(str(msg.topic))
+                    if len(seen) == n:
+                        return
+
+    asyncio.run(retained())
     states = asyncio.run(status.gather(tls_broker.url(), timeout_s=20))  # the operator's
     assert sorted(states) == [f"dlshare/v1/cache/c{i:03d}/manifest" for i in range(n)]
