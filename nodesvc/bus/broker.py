@@ -87,19 +87,20 @@ class AclFilePlugin(BaseTopicPlugin):  # type: ignore[misc]
         acl_file: str = ""
 
 
-class RetainedByRightsBroker(_AmqttBroker):  # type: ignore[misc,valid-type]
+class MendedAmqttBroker(_AmqttBroker):  # type: ignore[misc,valid-type]
     """amqtt's broker, with two of its faults mended (both held by tests against both brokers).
 
     **What a client published before it left is not lost.**  amqtt acknowledges a QoS 1 publish
     when it arrives and handles it later, from the session's queue; when the client disconnected
     first, its loop ended and dropped what the queue still held: a publisher that sent 300 retained
-    messages and disconnected at once left a few dozen unstored on a loaded machine.  Here the queue
+    messages and disconnected at once left up to 18 unstored on a loaded machine.  Here the queue
     is handled, in order, before the disconnection (and so before a Last Will).
 
-    **Retained messages go only where they belong.**  amqtt (0.12) replays retained messages to a client that connects for every topic filter that
-    *any* session subscribes to, not for the client's own, and sends retained messages without
-    asking the topic plugins: a node's user that connected while the scheduler held a subscription
-    to every node's state got the other nodes' retained state, which its ACL does not let it read.
+    **Retained messages go only where they belong.**  amqtt (0.12) replays retained messages to a
+    client that connects for every topic filter that *any* session subscribes to, not for the
+    client's own, and sends retained messages without asking the topic plugins: a node's user that
+    connected while the operator held a subscription to every node's state got the other nodes'
+    retained state, which its ACL does not let it read.
     Here a replay goes only to a session that holds the filter, and each retained message passes
     the topic plugins (the ACL's read check, ``Action.RECEIVE``) as a live delivery does.
     ``tests/adversarial/test_mqtt_acl.py`` holds the attack."""
@@ -207,7 +208,7 @@ async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asynci
     conf = broker_config(host, port, extra, password_file, acl_file, tls_cert_file, tls_key_file)
     if tls_cert_file:
         check_tls_files(tls_cert_file, tls_key_file)
-    broker = RetainedByRightsBroker(conf)
+    broker = MendedAmqttBroker(conf)
     await broker.start()
     for h, p in addrs:
         log.info("MQTT broker (amqtt) listening on %s://%s:%d", "mqtts" if tls_cert_file else "mqtt", h, p)
