@@ -163,6 +163,9 @@ class MendedAmqttBroker(_AmqttBroker):  # type: ignore[misc,valid-type]
                 handler.mqtt_publish(retained.topic, retained.data, min(qos, retained.qos or qos), retain=True)))
         if sends:
             await asyncio.wait(sends)
+            for t in sends:  # amqtt waits 5 s for a PUBACK that can come before it listens for it
+                if not t.cancelled() and t.exception() is not None:
+                    log.debug("retained message to %s: %s", session.client_id, t.exception())
 
 
 def broker_config(host: str, port: int, extra: list[tuple[str, int]] = (), password_file: str = "",
