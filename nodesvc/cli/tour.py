@@ -108,13 +108,22 @@ async def enforcement_demo(st, console) -> bool:
     return ok
 
 
+def _still_running(doc: dict) -> bool:
+    """A node's telemetry, or an online scheduler's state, still counts a running job."""
+    if any(n["jobs_running"] for n in doc["nodes"]):
+        return True
+    return any(s["status"] == "online" and isinstance(s["jobs"], dict) and s["jobs"].get("running")
+               for s in doc["schedulers"])
+
+
 async def settled_status(broker_url: str, timeout_s: float = 15.0) -> dict:
-    """The status once every node's telemetry shows the tour's jobs gone (the jobs ended a moment ago;
-    the sample before that still counts them), or what there is after ``timeout_s``."""
+    """The status once every node's telemetry and every scheduler's state show the tour's jobs gone
+    (the jobs ended a moment ago; the sample before that still counts them), or what there is after
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         doc = status.summarize(await status.gather(broker_url))
-        if not any(n["jobs_running"] for n in doc["nodes"]) or time.monotonic() >= deadline:
+        if not _still_running(doc) or time.monotonic() >= deadline:
             return doc
         await asyncio.sleep(0.5)
 

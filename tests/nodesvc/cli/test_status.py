@@ -37,9 +37,9 @@ def test_summarize_status_document():
     assert "imagenet-224" in text and "sample caches" in text
 
 
-async def test_the_tours_final_status_waits_for_the_nodes_to_report_their_jobs_gone(mosquitto):
-    """The tour's last table comes after a node's sample that counts no job (the sample taken before
-    the jobs ended still counted them), through a real broker's retained messages."""
+async def test_the_tours_final_status_waits_for_the_nodes_and_the_scheduler_to_report_their_jobs_gone(mosquitto):
+    """The tour's last table comes after a node's sample, and a scheduler's state, that count no job
+    (those taken before the jobs ended still counted them), through a real broker's retained messages."""
     import asyncio
 
     import aiomqtt
@@ -65,6 +65,20 @@ async def test_the_tours_final_status_waits_for_the_nodes_to_report_their_jobs_g
     await say(2)  # a node that keeps a job: the status comes after the timeout, as it is
     doc = await asyncio.wait_for(settled_status(mosquitto.url, timeout_s=1.0), 30)
     assert [n["jobs_running"] for n in doc["nodes"]] == [2]
+    await say(0)
+
+    async def sched_says(running: int) -> None:  # the scheduler's state lags its last job's end too
+        async with aiomqtt.Client(addr.host, addr.port, identifier=f"t-{time.monotonic_ns()}") as c:
+            await c.publish("dlshare/v1/sched/s1/state", messages.encode(
+                {"status": "online", "url": "http://x", "jobs": {"waiting": 0, "running": running}}), qos=1, retain=True)
+
+    await sched_says(1)
+    waiting = asyncio.create_task(settled_status(mosquitto.url, timeout_s=30))
+    await asyncio.sleep(1.5)
+    assert not waiting.done()  # the scheduler still counts a running job
+    await sched_says(0)
+    doc = await asyncio.wait_for(waiting, 30)
+    assert doc["schedulers"][0]["jobs"] == {"waiting": 0, "running": 0}
 
 
 async def test_status_ends_once_the_retained_burst_is_over_while_services_keep_publishing(broker):
