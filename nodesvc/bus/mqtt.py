@@ -74,39 +74,50 @@ class BrokerAddress:
                 "tls_context": tls_context or self.tls_context()}
 
 
+def _shown(url: str) -> str:
+    """The URL for an error message: its password, if any, replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0] + [len(rest)])
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{host}{rest[end:]}"
+
+
 def parse_broker_url(url: str) -> BrokerAddress:
     """``mqtt://[user:pass@]host[:port]`` (also ``tcp://`` or bare ``host:port``), or over TLS
     ``mqtts://[user:pass@]host[:port][?ca=PATH][&cert=PATH&key=PATH]`` (also ``ssl://``; port 8883 by
     default)."""
     if "://" not in url:
         url = "mqtt://" + url
+    shown = _shown(url)
     u = urllib.parse.urlsplit(url)
     scheme = u.scheme.lower()
     if scheme not in PLAIN_SCHEMES + TLS_SCHEMES:
-        raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
+        raise ValueError(f"broker URL {shown!r}: scheme must be mqtt:// or mqtts://")
     if not u.hostname:
-        raise ValueError(f"broker URL {url!r} has no host")
+        raise ValueError(f"broker URL {shown!r} has no host")
     try:
         port = u.port or (8883 if scheme in TLS_SCHEMES else 1883)
     except ValueError:
-        raise ValueError(f"broker URL {url!r} has an invalid port") from None
+        raise ValueError(f"broker URL {shown!r} has an invalid port") from None
     if u.path not in ("", "/") or u.fragment:
-        raise ValueError(f"broker URL {url!r}: nothing may follow host:port but ?ca=, cert= and key=")
+        raise ValueError(f"broker URL {shown!r}: nothing may follow host:port but ?ca=, cert= and key=")
     try:
         query = urllib.parse.parse_qs(u.query, keep_blank_values=True, strict_parsing=bool(u.query))
     except ValueError:
-        raise ValueError(f"broker URL {url!r}: malformed query") from None
+        raise ValueError(f"broker URL {shown!r}: malformed query") from None
     files: dict[str, str] = {}
     for key, values in query.items():
         if key not in TLS_PARAMS:
-            raise ValueError(f"broker URL {url!r}: unknown parameter {key!r} (known: {', '.join(TLS_PARAMS)})")
+            raise ValueError(f"broker URL {shown!r}: unknown parameter {key!r} (known: {', '.join(TLS_PARAMS)})")
         if scheme not in TLS_SCHEMES:
-            raise ValueError(f"broker URL {url!r}: {key}= needs mqtts://")
+            raise ValueError(f"broker URL {shown!r}: {key}= needs mqtts://")
         if len(values) != 1 or not values[0]:
-            raise ValueError(f"broker URL {url!r}: {key}= needs exactly one path")
+            raise ValueError(f"broker URL {shown!r}: {key}= needs exactly one path")
         files[TLS_PARAMS[key]] = values[0]
     if "key_file" in files and "cert_file" not in files:
-        raise ValueError(f"broker URL {url!r}: key= needs cert=")
+        raise ValueError(f"broker URL {shown!r}: key= needs cert=")
     return BrokerAddress(u.hostname, port, u.username, u.password, tls=scheme in TLS_SCHEMES, **files)
 
 

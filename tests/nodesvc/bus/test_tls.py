@@ -60,6 +60,14 @@ def test_bad_broker_urls_say_what_is_wrong(url, says):
         parse_broker_url(url)
 
 
+@pytest.mark.parametrize("url", ["http://u:pw-hidden@h", "mqtts://u:pw-hidden@h?cafile=/x", "mqtt://u:pw-hidden@h:99999",
+                                 "mqtts://u:pw@hidden@h/p?ca=/a@b"])
+def test_a_bad_urls_error_does_not_show_its_password(url):
+    with pytest.raises(ValueError) as err:
+        parse_broker_url(url)
+    assert "hidden" not in str(err.value) and "u:***@" in str(err.value)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80) | st.builds(lambda s, q: f"mqtts://{s}?{q}", st.text(max_size=20), st.text(max_size=40)))
 def test_parse_broker_url_random_text_only_value_error(text):
