@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - amqtt is a dependency
     BaseAuthPlugin = BaseTopicPlugin = _AmqttBroker = object  # type: ignore[misc,assignment]
     Action = None  # type: ignore[assignment]
 
+from nodesvc.bus import tls
 from nodesvc.bus.acl import Acl, parse_acl, parse_passwords, read_text
 
 
@@ -193,12 +194,7 @@ def broker_config(host: str, port: int, extra: list[tuple[str, int]] = (), passw
 
 def check_tls_files(cert_file: str, key_file: str) -> None:
     """The broker's certificate and key load together (else ValueError naming them)."""
-    import ssl
-
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"broker TLS certificate {cert_file!r} with key {key_file!r}: {exc}") from None
+    tls.server_context(cert_file, key_file, what="broker TLS certificate")
 
 
 async def serve(addrs: list[tuple[str, int]], stop: asyncio.Event, ready: asyncio.Event | None = None,

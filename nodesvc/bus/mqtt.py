@@ -21,6 +21,8 @@ from typing import Any
 
 import aiomqtt
 
+from nodesvc.bus import tls
+
 log = logging.getLogger("dlshare.bus")
 
 
@@ -55,17 +57,7 @@ class BrokerAddress:
         that cannot be read or is not PEM raises ValueError, naming it."""
         if not self.tls:
             return None
-        try:
-            ctx = ssl.create_default_context(cafile=self.ca_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"broker CA file {self.ca_file!r}: {exc}") from None
-        if self.cert_file:
-            try:
-                ctx.load_cert_chain(self.cert_file, self.key_file)
-            except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"broker client certificate {self.cert_file!r}"
-                                 f"{f' (key {self.key_file!r})' if self.key_file else ''}: {exc}") from None
-        return ctx
+        return tls.client_context(self.ca_file, self.cert_file, self.key_file, what="broker")
 
     def client_args(self, tls_context: ssl.SSLContext | None = None) -> dict[str, Any]:
         """Keyword arguments for ``aiomqtt.Client``: where, who, and TLS (``tls_context`` when given,

@@ -22,6 +22,7 @@ from nodesvc.bus.procs import free_port, stop_proc, until, wait_port
 from nodesvc.bus.rpc import NodeClient
 from nodesvc.cli import status
 from tests.conftest import PY, ROOT
+from tests.tls_certs import make_test_pki
 
 PASSWORD = "s3cret-pw"
 
@@ -109,23 +110,6 @@ def test_a_missing_ca_file_is_a_config_error_of_every_command_that_uses_the_bus(
 
 # --- a real mosquitto over TLS -----------------------------------------------------------------------
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
-             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
-
-
-def _signed(d: Path, ca: str, name: str, san: str) -> None:
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN={name}",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-    (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
-
-
 DEPLOY = ROOT / "deploy" / "mosquitto"
 USERS = ("n-tls", "dlshare-operator", "dlshare-memory")  # a node, an operator, a memory consumer
 
@@ -186,10 +170,7 @@ def tls_files(tmp_path_factory) -> Path:
     once for the module (the brokers only read them)."""
     if not (shutil.which("openssl") and shutil.which("mosquitto_passwd")):
         pytest.fail("openssl or mosquitto_passwd is missing: run `make deps` (the test command installs them)")
-    d = tmp_path_factory.mktemp("tls")
-    _ca(d, "ca")
-    _ca(d, "other-ca")
-    _signed(d, "ca", "server", "IP:127.0.0.1")
+    d = make_test_pki(tmp_path_factory.mktemp("tls"))
     for i, user in enumerate(USERS):
         subprocess.run(["mosquitto_passwd", "-b", *(["-c"] if i == 0 else []), str(d / "passwd"), user, PASSWORD],
                        check=True, capture_output=True, timeout=30)
