@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,12 @@ def _explain(r: httpx.Response) -> str:
     return str(body)[:500]
 
 
+def _seg(text: str) -> str:
+    """One path segment: an id with '/', '?', '#', '..' or control characters names that id, never
+    another path or a query."""
+    return urllib.parse.quote(str(text), safe="") if text not in (".", "..") else text.replace(".", "%2E")
+
+
 class SchedulerClient:
     def __init__(self, url: str, token: str, timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
@@ -79,7 +86,7 @@ class SchedulerClient:
         return self._call("POST", "/v1/jobs", json=spec)
 
     def get(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+        return self._call("GET", f"/v1/jobs/{_seg(job_id)}")
 
     def list(self, states: Iterable[str] | None = None, limit: int = 1000, offset: int = 0,
              user: str | None = None) -> list[dict[str, Any]]:
@@ -100,10 +107,10 @@ class SchedulerClient:
                 return out
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/v1/jobs/{job_id}")
+        return self._call("DELETE", f"/v1/jobs/{_seg(job_id)}")
 
     def events(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
-        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after})["events"]
+        return self._call("GET", f"/v1/jobs/{_seg(job_id)}/events", params={"after": after})["events"]
 
     def cluster(self) -> dict[str, Any]:
         return self._call("GET", "/v1/cluster")
@@ -122,7 +129,7 @@ class SchedulerClient:
         return self._call("GET", "/v1/tokens")["tokens"]
 
     def revoke_token(self, token_id: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/v1/tokens/{token_id}")
+        return self._call("DELETE", f"/v1/tokens/{_seg(token_id)}")
 
     def wait(self, job_id: str, states: Iterable[str] = TERMINAL_STATES, timeout: float = 60.0,
              poll: float = 0.2) -> dict[str, Any]:
