@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from nodesvc.bus import tls
+
 TERMINAL_STATES = frozenset({"done", "failed", "cancelled"})
 
 
@@ -57,11 +59,45 @@ def _seg(text: str) -> str:
     return urllib.parse.quote(str(text), safe="") if text not in (".", "..") else text.replace(".", "%2E")
 
 
+def _verify(url: str, ca_file: str | None) -> Any:
+    """httpx's ``verify`` for ``url``: an https:// API's certificate checked against ``ca_file`` (else
+    the system's trust store) and its host name.  ValueError for a URL that is neither http:// nor
+    https://, a CA file with http://, or a CA file that cannot be read."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("http", "https"):
+        raise ValueError(f"scheduler URL {url!r}: the scheme must be http:// or https://")
+    if scheme == "http":
+        if ca_file:
+            raise ValueError(f"a scheduler CA file ({ca_file!r}) needs an https:// URL, not {url!r}")
+        return True
+    return tls.client_context(ca_file, what="scheduler")
+
+
+def _hint(url: str, exc: httpx.TransportError) -> str:
+    """What a TLS failure most likely means, for the error's reader."""
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return (" (give the CA that signed the API's certificate: --ca-file, sched.ca_file or "
+                "DLSHARE_SCHED_CA_FILE)")
+    if url.startswith("http://") and isinstance(exc, httpx.RemoteProtocolError):
+        return " (if the API serves HTTPS, use an https:// URL)"
+    if url.startswith("https://") and ("WRONG_VERSION_NUMBER" in text or "record layer failure" in text):
+        return " (the API answered in plain HTTP: use an http:// URL)"
+    return ""
+
+
 class SchedulerClient:
-    def __init__(self, url: str, token: str, timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, url: str, token: str, timeout: float = 10.0, transport: httpx.BaseTransport | None = None,
+                 ca_file: str | None = None) -> None:
+        """``ca_file``: the CA bundle that signed an https:// API's certificate (default: the system's).
+        ValueError for a URL httpx cannot use or a bad TLS setting (see :func:`_verify`)."""
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout,
-                                 transport=transport)
+        verify = _verify(self.url, ca_file)
+        try:
+            self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+                                     timeout=timeout, transport=transport, verify=verify)
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"scheduler URL {url!r}: {exc}") from None
 
     def close(self) -> None:
         self.http.close()
@@ -76,7 +112,8 @@ class SchedulerClient:
         try:
             r = self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
-            raise SchedulerApiError(0, f"cannot reach the scheduler at {self.url}: {exc}") from None
+            raise SchedulerApiError(0, f"cannot reach the scheduler at {self.url}: {exc}"
+                                       f"{_hint(self.url, exc)}") from None
         if r.status_code >= 400:
             raise SchedulerApiError(r.status_code, _explain(r))
         return r.json()

@@ -42,7 +42,11 @@ config.register_section("sched", {
     "tick_s": 2.0,
     "command_timeout_s": 10.0,
     "node_timeout_s": 30.0,
-    "url": "",  # for `dlshare job`: the service's URL (default http://<listen>)
+    "url": "",  # for `dlshare job`: the service's URL (default http(s)://<listen>)
+    # HTTPS: the API's certificate and key (PEM); both empty: plain HTTP (README, "HTTPS for the API").
+    "tls_cert_file": "",
+    "tls_key_file": "",
+    "ca_file": "",  # for `dlshare job` and `dlshare token`: the CA that signed the API's certificate
     "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
     "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed
     # Talk to the API server: list the dlshare pods every second (PodSync: the core holds what the API
@@ -93,7 +97,26 @@ def _url(cfg: dict[str, dict[str, Any]]) -> str:
     host, port = split_hostport(cfg["sched"]["listen"], 7800)
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    return f"http://{host}:{port}"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{'https' if cfg['sched']['tls_cert_file'] else 'http'}://{host}:{port}"
+
+
+def tls_files(s: dict[str, Any]) -> tuple[str, str] | None:
+    """The API's certificate and key (None: plain HTTP), checked to load together: a missing, unreadable
+    or non-PEM file, or a key that is not the certificate's, is a config error before anything listens."""
+    from nodesvc.bus import tls
+
+    cert, key = str(s["tls_cert_file"] or ""), str(s["tls_key_file"] or "")
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise config.ConfigError("sched.tls_cert_file and sched.tls_key_file go together: give both, or neither")
+    try:
+        tls.server_context(cert, key, what="sched.tls_cert_file")
+    except ValueError as exc:
+        raise config.ConfigError(str(exc)) from None
+    return cert, key
 
 
 def _predictors(kind: str):
@@ -111,7 +134,7 @@ def _predictors(kind: str):
         return Predictors.default()
 
 
-def api_url(host: str, port: int) -> str:
+def api_url(host: str, port: int, https: bool = False) -> str:
     """The API's URL as others can use it: a wildcard listen address (0.0.0.0, ::) names this host."""
     import socket
 
@@ -119,7 +142,7 @@ def api_url(host: str, port: int) -> str:
         host = socket.gethostname()
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{'https' if https else 'http'}://{host}:{port}"
 
 
 def token_user(cfg: dict[str, dict[str, Any]]) -> str:
@@ -172,6 +195,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
                 ready: asyncio.Event | None = None) -> None:
     """Run the service until ``stop`` is set or SIGINT/SIGTERM.  The live loop runs on this
     thread's event loop; with ``sched.api_thread`` the HTTP API runs on its own thread and loop."""
+    import ssl
     import threading
 
     import uvicorn
@@ -195,6 +219,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     except BinderConfigError as exc:
         raise config.ConfigError(str(exc)) from None
     broker = check_broker(cfg["dlshare"]["broker"]) if cfg["dlshare"]["broker"] else "none"
+    https = tls_files(s)
     store = JobStore(s["db"], synchronous=s["synchronous"])
     try:
         token = load_or_create_token(s["db"], s["token"])
@@ -206,7 +231,7 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     except config.ConfigError:
         store.close()
         raise
-    service.url = api_url(host, port)
+    service.url = api_url(host, port, https is not None)
     service.k8s_binder = binder
     service.k8s_order = bool(s["k8s_order"]) and binder is not None  # the waiting pods come from PodSync
     if binder is not None:
@@ -221,8 +246,14 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     app = create_app(service, token, k8s_open=s["k8s_open"], max_body_bytes=s["max_body_bytes"], tokens=book,
                      env_allow=env_allow, env_deny=env_deny, metrics_open=bool(s["metrics_open"]))
     limits = server_options(s["max_connections"], s["request_timeout_s"], s["keep_alive_s"])
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           lifespan="off", **limits))
+    if https is not None:
+        limits.update(ssl_certfile=https[0], ssl_keyfile=https[1])
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                               **limits)
+    if https is not None:
+        uv_config.load()  # builds its TLS context, which then refuses anything before TLS 1.2
+        uv_config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
+    server = uvicorn.Server(uv_config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -271,8 +302,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
             task.result()
         raise RuntimeError(f"scheduler API could not listen on {host}:{port}"
                            + (f": {failed[0]}" if failed else ""))
-    log.info("scheduler service on http://%s:%d (profile %s, db %s, broker %s, API on %s)", host, port,
-             service.profile, s["db"], broker, "its own thread" if s["api_thread"] else "the loop")
+    log.info("scheduler service on %s://%s:%d (profile %s, db %s, broker %s, API on %s)", "https" if https else "http",
+             host, port, service.profile, s["db"], broker, "its own thread" if s["api_thread"] else "the loop")
     if ready:
         ready.set()
     await stop.wait()
@@ -300,7 +331,10 @@ def _client(cfg):
     if not token:
         raise config.ConfigError(f"no scheduler token: set DLSHARE_SCHED_TOKEN or --token "
                                  f"(the service stores it in {cfg['sched']['db']}.token)")
-    return SchedulerClient(_url(cfg), token)
+    try:
+        return SchedulerClient(_url(cfg), token, ca_file=cfg["sched"]["ca_file"] or None)
+    except ValueError as exc:  # a CA file that cannot be read
+        raise config.ConfigError(str(exc)) from None
 
 
 MAX_SPEC_BYTES = 16 << 20  # the largest valid spec (256 args and 128 variables of 4 KiB) is ~1.6 MB
@@ -507,7 +541,9 @@ def _run_token(args, cfg) -> int:
 
 def _api_client_flags(cli, p, token_help: str) -> None:
     """The flags of a command that talks to the scheduler API: where it is, whose token, and JSON out."""
-    cli.config_flag(p, "--url", "sched", "url", help="scheduler URL (default http://<sched.listen>)")
+    cli.config_flag(p, "--url", "sched", "url", help="scheduler URL (default http(s)://<sched.listen>)")
+    cli.config_flag(p, "--ca-file", "sched", "ca_file", help="CA bundle that signed an https:// API's certificate "
+                    "(default: the system's trust store)")
     cli.config_flag(p, "--token", "sched", "token", help=f"{token_help} (default $DLSHARE_SCHED_TOKEN or <db>.token)")
     cli.config_flag(p, "--db", "sched", "db", help="where the service keeps its DB (to find <db>.token)")
     p.add_argument("--json", dest="json_out", action="store_true", help="print JSON")
@@ -521,6 +557,8 @@ def register(cli) -> None:
     cli.config_flag(p, "--token", "sched", "token", help="bearer token (default: generated, stored in <db>.token)")
     cli.config_flag(p, "--profile", "sched", "profile", help="scheduling profile (scheduler/profiles/NAME.toml)")
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
+    cli.config_flag(p, "--tls-cert-file", "sched", "tls_cert_file", help="serve HTTPS with this certificate (PEM)")
+    cli.config_flag(p, "--tls-key-file", "sched", "tls_key_file", help="... and this private key (PEM)")
 
     j = cli.add("job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
                 sections=["sched"], quiet=True)

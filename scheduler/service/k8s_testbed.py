@@ -348,16 +348,18 @@ class Dlshare:
     URL kube-scheduler calls)."""
 
     def __init__(self, root: Path, kube: LocalKube, nodes: dict[str, int], profile: str = "dlshare",
-                 python: str | None = None, predictors: str = "default", env: dict[str, str] | None = None) -> None:
+                 python: str | None = None, predictors: str = "default", env: dict[str, str] | None = None,
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
+        """``tls``: (certificate, key, CA) to serve the API and the extender over HTTPS."""
         import sys
 
-        self.root, self.kube, self.nodes, self.profile = root, kube, nodes, profile
+        self.root, self.kube, self.nodes, self.profile, self.tls = root, kube, nodes, profile, tls
         self.python = python or sys.executable
         self.predictors = predictors
         self.env = dict(env or {})  # more DLSHARE_SCHED_* settings (DLSHARE_SCHED_K8S_ORDER, ...)
         root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.broker_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         (root / "kube-token").write_text(TOKEN + "\n")
@@ -403,7 +405,9 @@ class Dlshare:
                "DLSHARE_SCHED_K8S_CA_FILE": str(self.kube.ca), **self.env}
         p = self._spawn("sched", [self.python, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{self.port}",
                                   "--db", str(self.root / "sched.db"), "--token", SCHED_TOKEN,
-                                  "--broker", self.broker_url, "--profile", self.profile], env=env)
+                                  "--broker", self.broker_url, "--profile", self.profile,
+                                  *(["--tls-cert-file", str(self.tls[0]), "--tls-key-file", str(self.tls[1])]
+                                    if self.tls else [])], env=env)
         wait_port(self.port, proc=p, timeout=60)
         c = self.client()
         wait_until(lambda: sum(n["status"] == "online" for n in c.cluster()["nodes"]) >= len(self.nodes),
@@ -423,7 +427,7 @@ class Dlshare:
         from scheduler.client import SchedulerClient
 
         if getattr(self, "_client", None) is None:
-            self._client = SchedulerClient(self.url, SCHED_TOKEN)
+            self._client = SchedulerClient(self.url, SCHED_TOKEN, ca_file=str(self.tls[2]) if self.tls else None)
         return self._client
 
     def stop(self) -> None:

@@ -29,6 +29,7 @@ import yaml
 from nodesvc.bus.procs import free_port, stop_proc, until, wait_port
 from tests.deploy.promql import selectors
 from tests.scheduler.service.svc_helpers import TOKEN, SchedProc
+from tests.tls_certs import make_test_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "prometheus"
@@ -106,10 +107,19 @@ async def until_or(pred, detail, timeout: float, what: str) -> None:
         raise AssertionError(f"{exc}; still: {detail()}") from None
 
 
-def live_config(tmp: Path, nodes: list[str], agg: str, sched: str, interval: str = "15s") -> Path:
+def live_config(tmp: Path, nodes: list[str], agg: str, sched: str, interval: str = "15s",
+                sched_ca: Path | None = None) -> Path:
     """The shipped prometheus.yml with only what a site fills in changed: targets, the token file,
-    absolute rule paths, and (for a test) the intervals."""
-    conf = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    absolute rule paths, and (for a test) the intervals; with ``sched_ca``, the scheduler's job scraped
+    over HTTPS by the lines the file has commented out for that, its CA file pointed at ``sched_ca``."""
+    text = (DEPLOY / "prometheus.yml").read_text()
+    if sched_ca is not None:
+        commented = ("    #scheme: https\n", "    #tls_config:\n", "    #  ca_file: /etc/prometheus/dlshare-ca.pem")
+        assert all(c in text for c in commented), "prometheus.yml no longer says how to scrape an HTTPS scheduler"
+        for c in commented:
+            text = text.replace(c, c.replace("#", "", 1))
+        text = text.replace("/etc/prometheus/dlshare-ca.pem", str(sched_ca))
+    conf = yaml.safe_load(text)
     conf["global"]["scrape_interval"] = conf["global"]["evaluation_interval"] = interval
     conf["rule_files"] = [str(DEPLOY / f) for f in conf["rule_files"]]
     sd = tmp / "dlshare-nodes.json"
@@ -140,7 +150,8 @@ async def test_a_real_prometheus_scrapes_every_series_the_rules_and_the_dashboar
     node_daemons(mosquitto.url, "prom-b", "--fake-gpus", "2", "--allow-run", "--metrics-listen",
                  f"127.0.0.1:{ports['b']}", interval=0.5, env=run_env)
     procs: list[subprocess.Popen] = []
-    sched = SchedProc(tmp_path, mosquitto.url, profile="fifo")
+    # The scheduler serves HTTPS (a certificate made here), scraped as the shipped file's comments say.
+    sched = SchedProc(tmp_path, mosquitto.url, profile="fifo", tls=make_test_pki(tmp_path / "pki"))
     try:
         with open(tmp_path / "agg.log", "ab") as log:
             procs.append(subprocess.Popen(
@@ -150,7 +161,8 @@ async def test_a_real_prometheus_scrapes_every_series_the_rules_and_the_dashboar
         await asyncio.to_thread(sched.start, {"DLSHARE_SCHED_HISTORY_STEP_S": "0.5", "DLSHARE_SCHED_REASONS_S": "0.2"})
         await asyncio.to_thread(wait_port, ports["agg_metrics"], procs[0], 30)
         conf = live_config(tmp_path, [f"127.0.0.1:{ports['a']}", f"127.0.0.1:{ports['b']}"],
-                           f"127.0.0.1:{ports['agg_metrics']}", f"127.0.0.1:{sched.port}", interval="1s")
+                           f"127.0.0.1:{ports['agg_metrics']}", f"127.0.0.1:{sched.port}", interval="1s",
+                           sched_ca=tmp_path / "pki" / "ca.pem")
         with open(tmp_path / "prometheus.log", "ab") as log:
             procs.append(subprocess.Popen(
                 [prometheus, f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",

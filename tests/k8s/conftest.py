@@ -1,7 +1,8 @@
 """A real Kubernetes control plane for the extender's end-to-end tests, one per session:
 etcd, kube-apiserver and kube-scheduler 1.20 (built by ``make k8s-testbed``), the shipped
 ``deploy/kubernetes/scheduler-config.yaml`` turned into v1beta1, a real ``dlshare sched`` serving
-the extender and binding through the API server, real ``dlshare node`` daemons (fake GPUs) named as
+the extender over HTTPS (as the shipped file's comments say to, with a certificate made here) and
+binding through the API server, real ``dlshare node`` daemons (fake GPUs) named as
 the Kubernetes nodes, and the pod-lifecycle driver in place of kubelets.
 
 Without the binaries the tests fail under CI (``CI=true``) naming the build, and skip elsewhere
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from scheduler.service import k8s_testbed as tb
+from tests.tls_certs import make_test_pki
 
 # kn3 has the most GPUs but no dlshare node daemon: kube-scheduler alone would use it, dlshare filters it out.
 NODES = {"kn1": 4, "kn2": 4}
@@ -45,6 +47,19 @@ def _binaries_or_fail() -> None:
         pytest.skip(msg)
 
 
+def with_https(config: dict[str, Any], ca: Any) -> dict[str, Any]:
+    """The extender called over HTTPS, its certificate checked against ``ca``: the settings
+    deploy/kubernetes/scheduler-config.yaml gives in its comments for a service with a certificate."""
+    shipped = (tb.DEPLOY / "scheduler-config.yaml").read_text()
+    assert "#   enableHTTPS: true" in shipped and "#   tlsConfig:" in shipped and "#     caFile:" in shipped, \
+        "scheduler-config.yaml no longer says how to call the extender over HTTPS"
+    for ext in config["extenders"]:
+        assert ext["urlPrefix"].startswith("https://"), ext
+        ext["enableHTTPS"] = True
+        ext["tlsConfig"] = {"caFile": str(ca)}
+    return config
+
+
 @pytest.fixture(scope="session")
 def k8s(tmp_path_factory):
     _binaries_or_fail()
@@ -56,9 +71,11 @@ def k8s(tmp_path_factory):
         api = kube.client()
         for name, gpus in KUBE_NODES.items():
             api.create_node(name, gpus)
-        dl = tb.Dlshare(root / "dlshare", kube, NODES).start()
+        pki = make_test_pki(root / "pki")
+        dl = tb.Dlshare(root / "dlshare", kube, NODES,
+                        tls=(pki / "server.pem", pki / "server.key", pki / "ca.pem")).start()
         shipped = yaml.safe_load((tb.DEPLOY / "scheduler-config.yaml").read_text())
-        config = tb.v1beta1_config(shipped, dl.extender_url, kube.kubeconfig)
+        config = with_https(tb.v1beta1_config(shipped, dl.extender_url, kube.kubeconfig), pki / "ca.pem")
         kube.start_scheduler(config)
         driver = tb.PodDriver(kube).start()
         yield K8s(kube, dl, driver, api, config)

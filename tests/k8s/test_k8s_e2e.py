@@ -89,12 +89,19 @@ def test_shipped_config_becomes_v1beta1_by_its_api_version_alone(k8s):
 
 
 def test_gpu_pod_filtered_scored_and_bound_by_dlshare(k8s):
+    log_start = (k8s.kube.root / "kube-scheduler.log").stat().st_size  # the session's scheduler: this test's lines
     names = [pod_name("gpu") for _ in range(3)]
     for n in names:
         k8s.api.create_pod(n, gpus=1, cpu="100m", memory="64Mi")
     nodes = {n: wait_bound(k8s, n) for n in names}
-    # kn3 has the most GPUs but no dlshare node daemon: only dlshare's filter keeps pods off it
+    # kn3 has the most GPUs but no dlshare node daemon: only dlshare's filter keeps pods off it...
     assert set(nodes.values()) <= {"kn1", "kn2"}, nodes
+    # ...and kube-scheduler reached it (over HTTPS, its certificate checked): an extender that fails is
+    # skipped (ignorable), and the pods then land on kn1 and kn2 by chance in a third of the runs
+    with open(k8s.kube.root / "kube-scheduler.log", "rb") as f:
+        f.seek(log_start)
+        skipped = [line for line in f.read().decode(errors="replace").splitlines() if "Skipping extender" in line]
+    assert not skipped, skipped[-3:]
     # dlshare's books hold each pod on the node the API server has
     view = wait_until(lambda: (v := dlshare_view(k8s)) and all(n in v for n in names) and v, timeout=30,
                       what="dlshare holds the pods", interval=0.2)

@@ -25,12 +25,15 @@ FAST_RULES = WatchRules(backoff_s=0.2, backoff_max_s=2.0, vanish_after_s=1.5)
 
 
 class SchedProc:
-    """``python -m nodesvc.cli sched`` as a real process on a free port."""
+    """``python -m nodesvc.cli sched`` as a real process on a free port; with ``tls`` (a directory of
+    tests/tls_certs.py's files) it serves HTTPS with ``server.pem``, and its client trusts ``ca.pem``."""
 
-    def __init__(self, tmp: Path, broker_url: str, profile: str = "dlshare", db: Path | None = None) -> None:
+    def __init__(self, tmp: Path, broker_url: str, profile: str = "dlshare", db: Path | None = None,
+                 tls: Path | None = None) -> None:
         self.port = free_port()
         self.db = db or tmp / "sched.db"
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.broker_url = broker_url
         self.profile = profile
         self.tmp = tmp
@@ -43,7 +46,9 @@ class SchedProc:
         self.log = open(self.tmp / f"sched-{self.port}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nodesvc.cli", "sched", "--listen", f"127.0.0.1:{self.port}", "--db", str(self.db),
-             "--token", TOKEN, "--broker", self.broker_url, "--profile", self.profile],
+             "--token", TOKEN, "--broker", self.broker_url, "--profile", self.profile,
+             *(["--tls-cert-file", str(self.tls / "server.pem"), "--tls-key-file", str(self.tls / "server.key")]
+               if self.tls else [])],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         wait_port(self.port, timeout=30, proc=self.proc)
         return self
@@ -51,7 +56,7 @@ class SchedProc:
     def client(self):
         from scheduler.client import SchedulerClient
 
-        return SchedulerClient(self.url, TOKEN)
+        return SchedulerClient(self.url, TOKEN, ca_file=str(self.tls / "ca.pem") if self.tls else None)
 
     def stop(self) -> None:
         if self.proc is not None:
