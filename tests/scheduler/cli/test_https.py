@@ -34,14 +34,23 @@ def pki(tmp_path_factory):
     return make_test_pki(tmp_path_factory.mktemp("pki"))
 
 
-@pytest.fixture
-def https_sched(mosquitto, pki, tmp_path):
-    sched = SchedProc(tmp_path, mosquitto.url, profile="fifo", tls=pki).start()
+@pytest.fixture(scope="module")
+def https_sched(pki, tmp_path_factory):
+    """One HTTPS service for the module's tests that need no broker (they only talk to its API)."""
+    sched = SchedProc(tmp_path_factory.mktemp("https"), "", profile="fifo", tls=pki).start()
     yield sched
     sched.stop()
 
 
-def test_the_job_and_token_commands_work_over_https_with_the_ca(https_sched, pki, mosquitto):
+def test_the_job_and_token_commands_work_over_https_with_the_ca(pki, mosquitto, tmp_path):
+    https_sched = SchedProc(tmp_path, mosquitto.url, profile="fifo", tls=pki).start()
+    try:
+        _commands_over_https(https_sched, pki, mosquitto)
+    finally:
+        https_sched.stop()
+
+
+def _commands_over_https(https_sched, pki, mosquitto) -> None:
     env = {"DLSHARE_SCHED_URL": https_sched.url, "DLSHARE_SCHED_TOKEN": TOKEN,
            "DLSHARE_SCHED_CA_FILE": str(pki / "ca.pem")}
     r = _dlshare("job", "submit", "--id", "tls-1", "--gpus", "1", "--", "python", "train.py", env=env)
