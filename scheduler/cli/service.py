@@ -47,6 +47,9 @@ config.register_section("sched", {
     "tls_cert_file": "",
     "tls_key_file": "",
     "ca_file": "",  # for `dlshare job` and `dlshare token`: the CA that signed the API's certificate
+    # With HTTPS: a client certificate signed by this CA may call /k8s/* without a token (kube-scheduler's
+    # extender client sends a certificate, never a token: tlsConfig certFile/keyFile); empty: none asked for.
+    "k8s_client_ca_file": "",
     "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
     "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed
     # Talk to the API server: list the dlshare pods every second (PodSync: the core holds what the API
@@ -102,21 +105,32 @@ def _url(cfg: dict[str, dict[str, Any]]) -> str:
     return f"{'https' if cfg['sched']['tls_cert_file'] else 'http'}://{host}:{port}"
 
 
-def tls_files(s: dict[str, Any]) -> tuple[str, str] | None:
-    """The API's certificate and key (None: plain HTTP), checked to load together: a missing, unreadable
-    or non-PEM file, or a key that is not the certificate's, is a config error before anything listens."""
+def tls_files(s: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The API's certificate, key and client CA (None: plain HTTP), checked to load: a missing,
+    unreadable or non-PEM file, a key that is not the certificate's, or a client CA without HTTPS is a
+    config error before anything listens."""
+    import ssl
+
     from nodesvc.bus import tls
 
-    cert, key = str(s["tls_cert_file"] or ""), str(s["tls_key_file"] or "")
+    cert, key, client_ca = (str(s[k] or "") for k in ("tls_cert_file", "tls_key_file", "k8s_client_ca_file"))
     if not cert and not key:
+        if client_ca:
+            raise config.ConfigError("sched.k8s_client_ca_file needs HTTPS: give sched.tls_cert_file and "
+                                     "sched.tls_key_file too")
         return None
     if not cert or not key:
         raise config.ConfigError("sched.tls_cert_file and sched.tls_key_file go together: give both, or neither")
     try:
-        tls.server_context(cert, key, what="sched.tls_cert_file")
+        ctx = tls.server_context(cert, key, what="sched.tls_cert_file")
     except ValueError as exc:
         raise config.ConfigError(str(exc)) from None
-    return cert, key
+    if client_ca:
+        try:
+            ctx.load_verify_locations(cafile=client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise config.ConfigError(f"sched.k8s_client_ca_file {client_ca!r}: {exc}") from None
+    return cert, key, client_ca
 
 
 def _predictors(kind: str):
@@ -253,6 +267,10 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     if https is not None:
         uv_config.load()  # builds its TLS context, which then refuses anything before TLS 1.2
         uv_config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
+        if https[2]:  # ask every client for a certificate; one that sends one must pass this CA
+            uv_config.ssl.load_verify_locations(cafile=https[2])
+            uv_config.ssl.verify_mode = ssl.CERT_OPTIONAL
+            log.info("/k8s/* takes a client certificate signed by %s (sched.k8s_client_ca_file)", https[2])
     server = uvicorn.Server(uv_config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # ours below
     stop = stop or asyncio.Event()
@@ -559,6 +577,8 @@ def register(cli) -> None:
     cli.config_flag(p, "--broker", "dlshare", "broker", help="MQTT broker URL")
     cli.config_flag(p, "--tls-cert-file", "sched", "tls_cert_file", help="serve HTTPS with this certificate (PEM)")
     cli.config_flag(p, "--tls-key-file", "sched", "tls_key_file", help="... and this private key (PEM)")
+    cli.config_flag(p, "--k8s-client-ca-file", "sched", "k8s_client_ca_file",
+                    help="with HTTPS: client certificates signed by this CA may call /k8s/* (kube-scheduler's)")
 
     j = cli.add("job", _run_job, "submit, list, show or cancel jobs through the scheduler API",
                 sections=["sched"], quiet=True)

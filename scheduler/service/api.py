@@ -30,7 +30,7 @@ from starlette.routing import Match
 
 from scheduler.service import k8s, status_page
 from scheduler.service.http_checks import BAD_BODY, known_query
-from scheduler.service.http_limits import BodyLimit
+from scheduler.service.http_limits import TLS_CLIENT, BodyLimit
 from scheduler.service.live import SchedulerService
 from nodesvc.bus import jobenv
 from scheduler.service.models import (
@@ -182,6 +182,11 @@ def create_app(service: SchedulerService, token: str, k8s_open: bool = False,
         # Checked before the body is read or validated: a caller without the token learns nothing,
         # not even whether its request would have validated.  (The dependency below documents it.)
         path = request.url.path
+        client = (request.scope.get("state") or {}).get(TLS_CLIENT)
+        if path.startswith("/k8s/") and not k8s_open and client:
+            # a client certificate signed by sched.k8s_client_ca_file: kube-scheduler's, for /k8s/* only
+            request.state.principal = Principal(user=f"tls:{client}", admin=True)
+            return await call_next(request)
         if path.startswith("/v1/") or (path.startswith("/k8s/") and not k8s_open) or (path == "/metrics"
                                                                                           and not metrics_open):
             scheme, _, cred = request.headers.get("authorization", "").partition(" ")

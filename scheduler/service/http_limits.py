@@ -13,6 +13,10 @@ deadlines and concurrent connections.
   forever.
 - :func:`server_options`: the ``uvicorn.Config`` arguments that apply them, with
   ``limit_concurrency`` (connections and tasks beyond it get 503s) and the keep-alive timeout.
+
+The same protocol tells the app who a TLS client is: a connection whose client certificate the
+server verified (HTTPS with ``sched.k8s_client_ca_file``) carries its subject in every request's
+``scope["state"][TLS_CLIENT]`` (ASGI's per-request state, copied from the connection's).
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _TOO_LARGE = b'{"detail":"request body larger than the limit of %d bytes"}'
+TLS_CLIENT = "dlshare.tls_client"  # scope["state"] key: the verified client certificate's subject
+
+
+def cert_subject(cert: dict[str, Any]) -> str:
+    """A verified peer certificate's name, as ``ssl`` decodes it: its commonName (else the whole
+    subject), for logs and the principal's name."""
+    parts = [(k, v) for rdn in cert.get("subject", ()) for k, v in rdn]
+    return next((v for k, v in parts if k == "commonName"), None) or ",".join(f"{k}={v}" for k, v in parts) or "?"
 
 
 class BodyTooLarge(Exception):
@@ -95,6 +107,11 @@ class RequestDeadline(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Over TLS this runs after the handshake: a client certificate is here only if it was verified
+        # (ssl gives {} when the server asks for none).
+        cert = transport.get_extra_info("peercert")
+        if cert:
+            self.app_state = {**self.app_state, TLS_CLIENT: cert_subject(cert)}
         self._arm()
 
     def data_received(self, data: bytes) -> None:

@@ -349,11 +349,13 @@ class Dlshare:
 
     def __init__(self, root: Path, kube: LocalKube, nodes: dict[str, int], profile: str = "dlshare",
                  python: str | None = None, predictors: str = "default", env: dict[str, str] | None = None,
-                 tls: tuple[Path, Path, Path] | None = None) -> None:
-        """``tls``: (certificate, key, CA) to serve the API and the extender over HTTPS."""
+                 tls: tuple[Path, Path, Path] | None = None, client_ca: Path | None = None) -> None:
+        """``tls``: (certificate, key, CA) to serve the API and the extender over HTTPS; ``client_ca``:
+        kube-scheduler calls the extender with a client certificate this CA signed (else ``k8s_open``)."""
         import sys
 
         self.root, self.kube, self.nodes, self.profile, self.tls = root, kube, nodes, profile, tls
+        self.client_ca = client_ca
         self.python = python or sys.executable
         self.predictors = predictors
         self.env = dict(env or {})  # more DLSHARE_SCHED_* settings (DLSHARE_SCHED_K8S_ORDER, ...)
@@ -399,7 +401,9 @@ class Dlshare:
 
     def start_sched(self) -> subprocess.Popen:
         env = {"DLSHARE_SCHED_TICK_S": "0.5", "DLSHARE_SCHED_NODE_TIMEOUT_S": "6",
-               "DLSHARE_SCHED_PREDICTORS": self.predictors, "DLSHARE_SCHED_K8S_OPEN": "true",
+               "DLSHARE_SCHED_PREDICTORS": self.predictors,
+               **({"DLSHARE_SCHED_K8S_CLIENT_CA_FILE": str(self.client_ca)} if self.client_ca
+                  else {"DLSHARE_SCHED_K8S_OPEN": "true"}),
                "DLSHARE_SCHED_K8S_BIND": "true", "DLSHARE_SCHED_K8S_API": self.kube.url,
                "DLSHARE_SCHED_K8S_TOKEN_FILE": str(self.root / "kube-token"),
                "DLSHARE_SCHED_K8S_CA_FILE": str(self.kube.ca), **self.env}

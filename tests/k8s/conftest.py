@@ -1,8 +1,9 @@
 """A real Kubernetes control plane for the extender's end-to-end tests, one per session:
 etcd, kube-apiserver and kube-scheduler 1.20 (built by ``make k8s-testbed``), the shipped
 ``deploy/kubernetes/scheduler-config.yaml`` turned into v1beta1, a real ``dlshare sched`` serving
-the extender over HTTPS (as the shipped file's comments say to, with a certificate made here) and
-binding through the API server, real ``dlshare node`` daemons (fake GPUs) named as
+the extender over HTTPS (as the shipped file's comments say to, with certificates made here:
+kube-scheduler authenticates with its client certificate, no ``k8s_open``) and binding through the
+API server, real ``dlshare node`` daemons (fake GPUs) named as
 the Kubernetes nodes, and the pod-lifecycle driver in place of kubelets.
 
 Without the binaries the tests fail under CI (``CI=true``) naming the build, and skip elsewhere
@@ -47,16 +48,18 @@ def _binaries_or_fail() -> None:
         pytest.skip(msg)
 
 
-def with_https(config: dict[str, Any], ca: Any) -> dict[str, Any]:
-    """The extender called over HTTPS, its certificate checked against ``ca``: the settings
-    deploy/kubernetes/scheduler-config.yaml gives in its comments for a service with a certificate."""
+def with_https(config: dict[str, Any], pki: Any) -> dict[str, Any]:
+    """The extender called over HTTPS, its certificate checked against the CA, kube-scheduler's own
+    client certificate sent: the settings deploy/kubernetes/scheduler-config.yaml gives in its
+    comments for a service with a certificate (``pki``: tests/tls_certs.py's files)."""
     shipped = (tb.DEPLOY / "scheduler-config.yaml").read_text()
-    assert "#   enableHTTPS: true" in shipped and "#   tlsConfig:" in shipped and "#     caFile:" in shipped, \
-        "scheduler-config.yaml no longer says how to call the extender over HTTPS"
+    for line in ("#   enableHTTPS: true", "#   tlsConfig:", "#     caFile:", "#     certFile:", "#     keyFile:"):
+        assert line in shipped, f"scheduler-config.yaml no longer says how to call the extender over HTTPS: {line}"
     for ext in config["extenders"]:
         assert ext["urlPrefix"].startswith("https://"), ext
         ext["enableHTTPS"] = True
-        ext["tlsConfig"] = {"caFile": str(ca)}
+        ext["tlsConfig"] = {"caFile": str(pki / "ca.pem"), "certFile": str(pki / "client.pem"),
+                            "keyFile": str(pki / "client.key")}
     return config
 
 
@@ -72,10 +75,10 @@ def k8s(tmp_path_factory):
         for name, gpus in KUBE_NODES.items():
             api.create_node(name, gpus)
         pki = make_test_pki(root / "pki")
-        dl = tb.Dlshare(root / "dlshare", kube, NODES,
-                        tls=(pki / "server.pem", pki / "server.key", pki / "ca.pem")).start()
+        dl = tb.Dlshare(root / "dlshare", kube, NODES, tls=(pki / "server.pem", pki / "server.key", pki / "ca.pem"),
+                        client_ca=pki / "client-ca.pem").start()
         shipped = yaml.safe_load((tb.DEPLOY / "scheduler-config.yaml").read_text())
-        config = with_https(tb.v1beta1_config(shipped, dl.extender_url, kube.kubeconfig), pki / "ca.pem")
+        config = with_https(tb.v1beta1_config(shipped, dl.extender_url, kube.kubeconfig), pki)
         kube.start_scheduler(config)
         driver = tb.PodDriver(kube).start()
         yield K8s(kube, dl, driver, api, config)

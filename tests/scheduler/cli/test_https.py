@@ -1,7 +1,8 @@
 """The scheduler's HTTP API over HTTPS (``dlshare sched --tls-cert-file --tls-key-file``), as real
 processes: the job and token commands with ``--ca-file``, a wrong CA, a wrong host name and a plain
 client refused with the reason and without the token, the status page's cookie marked Secure, the
-URL the service publishes, and every bad TLS setting a config error before anything listens.
+URL the service publishes, the extender opened by a client certificate (``--k8s-client-ca-file``)
+and nothing else by it, and every bad TLS setting a config error before anything listens.
 (The Kubernetes extender and Prometheus scrape it over HTTPS in tests/k8s and tests/deploy.)"""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from nodesvc.bus.procs import free_port, wait_until
 from scheduler.client import SchedulerApiError, SchedulerClient
-from tests.scheduler.service.svc_helpers import ROOT, TOKEN, SchedProc
+from tests.scheduler.service.svc_helpers import ROOT, TOKEN, SchedProc, node_list, pod
 from tests.tls_certs import make_test_pki
 
 
@@ -36,8 +37,10 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def https_sched(pki, tmp_path_factory):
-    """One HTTPS service for the module's tests that need no broker (they only talk to its API)."""
-    sched = SchedProc(tmp_path_factory.mktemp("https"), "", profile="fifo", tls=pki).start()
+    """One HTTPS service for the module's tests that need no broker (they only talk to its API); it asks
+    clients for a certificate (``k8s_client_ca_file``), which clients without one do not notice."""
+    sched = SchedProc(tmp_path_factory.mktemp("https"), "", profile="fifo", tls=pki).start(
+        {"DLSHARE_SCHED_K8S_CLIENT_CA_FILE": str(pki / "client-ca.pem")})
     yield sched
     sched.stop()
 
@@ -128,6 +131,37 @@ def test_the_status_pages_cookie_is_secure_over_https(https_sched, pki):
         assert page.get("/").status_code == 200  # the cookie logs the page in
 
 
+def test_a_client_certificate_opens_the_extender_and_nothing_else(https_sched, pki):
+    """kube-scheduler's extender client sends a certificate, never a token: one signed by
+    sched.k8s_client_ca_file may call /k8s/*, and nothing else; one signed by another CA is refused in
+    the handshake; without either, /k8s/* wants a token as before."""
+    body = {"Pod": pod("train-0", gpus=1), "Nodes": node_list("n1"), "NodeNames": None}
+    def client(cert: str | None = None) -> httpx.Client:  # a context each: httpx loads the certificate into it
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        if cert:
+            ctx.load_cert_chain(str(pki / f"{cert}.pem"), str(pki / f"{cert}.key"))
+        return httpx.Client(base_url=https_sched.url, verify=ctx, timeout=10)
+
+    with client("client") as kube:
+        r = kube.post("/k8s/filter", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["FailedNodes"] == {"n1": r.json()["FailedNodes"]["n1"]}  # no daemon reports from n1
+        r = kube.post("/k8s/prioritize", json=body)
+        assert r.status_code == 200 and r.json() == [{"Host": "n1", "Score": 0}], r.text
+        for method, path in (("GET", "/v1/jobs"), ("GET", "/v1/cluster"), ("GET", "/metrics"),
+                             ("POST", "/v1/tokens")):
+            r = kube.request(method, path, json={"user": "eve"} if method == "POST" else None)
+            assert r.status_code == 401, (path, r.status_code, r.text)
+    with client() as anon:
+        r = anon.post("/k8s/filter", json=body)
+        assert r.status_code == 401 and "bearer token" in r.text, r.text
+    with client("stranger") as stranger:
+        with pytest.raises(httpx.TransportError):
+            stranger.post("/k8s/filter", json=body)
+    with https_sched.client() as c:  # and token clients go on as before
+        assert c.whoami()["admin"]
+
+
 def _sched_fails(tmp_path, *args: str) -> str:
     port = free_port()
     r = _dlshare("sched", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "sched.db"), "--broker", "",
@@ -148,6 +182,11 @@ def test_bad_tls_settings_are_config_errors_before_anything_listens(pki, tmp_pat
     (tmp_path / "not.pem").write_text("not a certificate\n")
     assert "not.pem" in _sched_fails(tmp_path, "--tls-cert-file", str(tmp_path / "not.pem"), "--tls-key-file",
                                      str(pki / "server.key"))
+    err = _sched_fails(tmp_path, "--k8s-client-ca-file", str(pki / "client-ca.pem"))
+    assert "needs HTTPS" in err
+    err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
+                       "--k8s-client-ca-file", str(tmp_path / "not.pem"))
+    assert "sched.k8s_client_ca_file" in err and "not.pem" in err
     # a key that is not the certificate's
     err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"),
                        "--tls-key-file", str(pki / "other-ca.key"))
