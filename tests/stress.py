@@ -18,7 +18,15 @@ import signal
 import subprocess
 import sys
 
-HOG = "import os\nos.sched_setaffinity(0, {0})\nwhile True:\n    pass\n"
+# The busy loop ends by itself once this process is gone (killed with SIGKILL, say): it checks its
+# parent every few milliseconds, so a stress run stopped any way leaves no core busy behind it.
+# Its argument is the parent's pid (read at start, the parent could already be gone).
+HOG = ("import os, sys\nos.sched_setaffinity(0, {0})\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n"
+       "    for _ in range(100_000):\n        pass\n")
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # SIGTERM, SIGHUP: through the finally below
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,12 +34,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=1, help="run each selected test this many times")
     ap.add_argument("--no-hog", action="store_true", help="repeat without the busy core")
     a, rest = ap.parse_known_args(argv)
-    hog = None if a.no_hog else subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
+    hog = None if a.no_hog else subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())],
+                                                  start_new_session=True)
+    tests = None
     try:
         cmd = [sys.executable, "-m", "pytest", "-q", "-ra", *(["--count", str(a.count)] if a.count > 1 else []), *rest]
         print("stress:", "one core busy (pid %d)," % hog.pid if hog else "no hog,", " ".join(cmd), flush=True)
-        return subprocess.call(cmd)
+        tests = subprocess.Popen(cmd)
+        return tests.wait()
     finally:
+        if tests is not None and tests.poll() is None:
+            tests.send_signal(signal.SIGINT)  # stopped from outside: pytest stops too, running its teardowns
+            try:
+                tests.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                tests.kill()
+                tests.wait()
         if hog is not None:
             os.killpg(hog.pid, signal.SIGKILL)
             hog.wait()
