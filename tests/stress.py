@@ -29,6 +29,18 @@ def _stop(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # SIGTERM, SIGHUP: through the finally below
 
 
+def _stop_tests(tests: subprocess.Popen) -> None:
+    """Stopped from outside: pytest stops too, by SIGINT (its teardowns run), else SIGTERM, else SIGKILL."""
+    for send, wait_s in ((signal.SIGINT, 30.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if tests.poll() is not None:
+            return
+        tests.send_signal(send)
+        try:
+            tests.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=1, help="run each selected test this many times")
@@ -42,16 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cmd = [sys.executable, "-m", "pytest", "-q", "-ra", *(["--count", str(a.count)] if a.count > 1 else []), *rest]
         print("stress:", "one core busy (pid %d)," % hog.pid if hog else "no hog,", " ".join(cmd), flush=True)
-        tests = subprocess.Popen(cmd)
+        # SIGINT as pytest's default (a shell's background job inherits it ignored), for the stop below
+        tests = subprocess.Popen(cmd, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         return tests.wait()
     finally:
-        if tests is not None and tests.poll() is None:
-            tests.send_signal(signal.SIGINT)  # stopped from outside: pytest stops too, running its teardowns
-            try:
-                tests.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                tests.kill()
-                tests.wait()
+        if tests is not None:
+            _stop_tests(tests)
         if hog is not None:
             os.killpg(hog.pid, signal.SIGKILL)
             hog.wait()

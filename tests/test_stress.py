@@ -43,8 +43,10 @@ def test_sigterm_stops_the_tests_and_the_busy_core(tmp_path):
     (tmp_path / "test_waits.py").write_text(
         "import os, time\n"
         f"def test_waits():\n    open({str(marker)!r}, 'w').write(str(os.getpid()))\n    time.sleep(120)\n")
+    # SIGINT ignored, as a shell's background job (CI's, say) inherits it: the stop must not depend on it
     run = subprocess.Popen([sys.executable, "-m", "tests.stress", "-p", "no:randomly", "-p", "no:cacheprovider",
-                            str(tmp_path / "test_waits.py")], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                            str(tmp_path / "test_waits.py")], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         hog = int(run.stdout.readline().split("(pid ")[1].split(")")[0])
         wait_until(lambda: marker.exists() and marker.read_text(), 60, "the selected test running")
@@ -52,6 +54,7 @@ def test_sigterm_stops_the_tests_and_the_busy_core(tmp_path):
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=60) == 128 + signal.SIGTERM
         assert not _alive(hog) and not _alive(pytest_pid)
+        assert "KeyboardInterrupt" in run.stdout.read()  # pytest stopped by SIGINT, its teardowns run
     finally:
         if run.poll() is None:
             run.kill()
