@@ -4,7 +4,10 @@ certificate raises ValueError naming the file (callers turn it into a config err
 
 from __future__ import annotations
 
+import os
+import shutil
 import ssl
+import tempfile
 
 
 def client_context(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None,
@@ -34,3 +37,48 @@ def server_context(cert_file: str, key_file: str, what: str = "TLS certificate")
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"{what} {cert_file!r} with key {key_file!r}: {exc}") from None
     return ctx
+
+
+class CertFiles:
+    """A server's certificate and key on disk, loaded into its live context again when either file
+    changes (a renewal by certbot or cert-manager, a Kubernetes Secret volume's symlink swap): new
+    handshakes get the new certificate, open connections keep theirs.
+
+    The two files are copied aside and checked together in a scratch context first, so the live
+    context is only ever given a pair that loads: a renewal caught between its two writes fails the
+    check (``reload_if_changed`` raises ValueError naming the files) and is tried again when the files
+    change next.  Call it from the thread that runs the context's handshakes."""
+
+    def __init__(self, ctx: ssl.SSLContext, cert_file: str, key_file: str) -> None:
+        self.ctx, self.cert_file, self.key_file = ctx, cert_file, key_file
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple:
+        out = []
+        for path in (self.cert_file, self.key_file):
+            try:
+                st = os.stat(path)
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def reload_if_changed(self) -> bool:
+        """True when the files changed and the context now holds them; False when they did not change."""
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return False
+        self._seen = stamp
+        with tempfile.TemporaryDirectory(prefix="dlshare-tls-") as tmp:
+            cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+            try:
+                shutil.copyfile(self.cert_file, cert)
+                shutil.copyfile(self.key_file, key)
+            except OSError as exc:
+                raise ValueError(f"TLS certificate {self.cert_file!r} or key {self.key_file!r}: {exc}") from None
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+            except ssl.SSLError as exc:
+                raise ValueError(f"TLS certificate {self.cert_file!r} with key {self.key_file!r}: {exc}") from None
+            self.ctx.load_cert_chain(cert, key)
+        return True

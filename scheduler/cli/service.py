@@ -50,6 +50,7 @@ config.register_section("sched", {
     # With HTTPS: a client certificate signed by this CA may call /k8s/* without a token (kube-scheduler's
     # extender client sends a certificate, never a token: tlsConfig certFile/keyFile); empty: none asked for.
     "k8s_client_ca_file": "",
+    "tls_reload_s": 60.0,  # look for a renewed certificate and key this often (0: never; a restart reloads)
     "k8s_open": False,  # serve /k8s/* without the token (kube-scheduler sends none; restrict by network)
     "predictors": "data",  # data: trained on the shared data (Gavel, Synergy) at start; default: uninformed
     # Talk to the API server: list the dlshare pods every second (PodSync: the core holds what the API
@@ -214,6 +215,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
 
     import uvicorn
 
+    from nodesvc.bus import tls
+
     from nodesvc.bus.procs import split_hostport
     from scheduler.service.api import create_app
     from scheduler.service.http_limits import server_options
@@ -225,7 +228,8 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
     s = cfg["sched"]
     host, port = split_hostport(s["listen"], 7800)
     for key, lo, hi in (("max_body_bytes", 1 << 10, 1 << 30), ("max_connections", 1, 1 << 16),
-                        ("request_timeout_s", 0.1, 3600.0), ("keep_alive_s", 0.1, 3600.0)):
+                        ("request_timeout_s", 0.1, 3600.0), ("keep_alive_s", 0.1, 3600.0),
+                        ("tls_reload_s", 0.0, 86400.0)):
         if not lo <= s[key] <= hi:
             raise config.ConfigError(f"sched.{key} must be between {lo:g} and {hi:g}, got {s[key]!r}")
     try:
@@ -288,9 +292,15 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         # With a binder, PodSync keeps the core's books equal to the API server's pods (ended pods free
         # their GPUs at once, so no hold needs to run out; pods bound while dlshare was down are taken in).
         sync = asyncio.create_task(PodSync(service, binder).run(sync_stop)) if binder is not None else None
+        renew = (asyncio.create_task(_reload_tls(tls.CertFiles(uv_config.ssl, https[0], https[1]),
+                                                 float(s["tls_reload_s"])))
+                 if https is not None and s["tls_reload_s"] > 0 else None)
         try:
             await server.serve()
         finally:
+            if renew is not None:
+                renew.cancel()
+                await asyncio.gather(renew, return_exceptions=True)
             if sync is not None:  # stopped, not awaited through a list or a call still in flight
                 sync_stop.set()
                 sync.cancel()
@@ -332,6 +342,18 @@ async def serve(cfg: dict[str, dict[str, Any]], stop: asyncio.Event | None = Non
         await task
     await service.stop()
     store.close()
+
+
+async def _reload_tls(files, period_s: float) -> None:
+    """Every ``period_s``, a renewed certificate and key go into the API's TLS context (on the API's
+    own loop, which runs its handshakes); a pair that does not load is logged and the old one kept."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            if files.reload_if_changed():
+                log.info("HTTPS: loaded the renewed certificate %s", files.cert_file)
+        except ValueError as exc:
+            log.error("HTTPS: %s; still serving the certificate loaded before", exc)
 
 
 def _run_sched(args, cfg) -> int:

@@ -174,23 +174,31 @@ def _sched_fails(tmp_path, *args: str) -> str:
 
 
 def test_bad_tls_settings_are_config_errors_before_anything_listens(pki, tmp_path):
+    # as a process: exit 2, a config error, no traceback, nothing listening
     assert "go together" in _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"))
-    assert "go together" in _sched_fails(tmp_path, "--tls-key-file", str(pki / "server.key"))
-    err = _sched_fails(tmp_path, "--tls-cert-file", str(tmp_path / "missing.pem"),
-                       "--tls-key-file", str(pki / "server.key"))
-    assert "missing.pem" in err
+    err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "other-ca.key"))
+    assert "server.pem" in err and "other-ca.key" in err  # a key that is not the certificate's
+    # every other case through the same check, in this process
+    from nodesvc.bus import config
+    from scheduler.cli.service import tls_files
+
+    def fails(**given: str) -> str:
+        s = {"tls_cert_file": "", "tls_key_file": "", "k8s_client_ca_file": "", **given}
+        with pytest.raises(config.ConfigError) as err:
+            tls_files(s)
+        return str(err.value)
+
     (tmp_path / "not.pem").write_text("not a certificate\n")
-    assert "not.pem" in _sched_fails(tmp_path, "--tls-cert-file", str(tmp_path / "not.pem"), "--tls-key-file",
-                                     str(pki / "server.key"))
-    err = _sched_fails(tmp_path, "--k8s-client-ca-file", str(pki / "client-ca.pem"))
-    assert "needs HTTPS" in err
-    err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key"),
-                       "--k8s-client-ca-file", str(tmp_path / "not.pem"))
+    assert "go together" in fails(tls_key_file=str(pki / "server.key"))
+    assert "missing.pem" in fails(tls_cert_file=str(tmp_path / "missing.pem"), tls_key_file=str(pki / "server.key"))
+    assert "not.pem" in fails(tls_cert_file=str(tmp_path / "not.pem"), tls_key_file=str(pki / "server.key"))
+    assert "needs HTTPS" in fails(k8s_client_ca_file=str(pki / "client-ca.pem"))
+    err = fails(tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
+                k8s_client_ca_file=str(tmp_path / "not.pem"))
     assert "sched.k8s_client_ca_file" in err and "not.pem" in err
-    # a key that is not the certificate's
-    err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"),
-                       "--tls-key-file", str(pki / "other-ca.key"))
-    assert "server.pem" in err and "other-ca.key" in err
+    assert tls_files({"tls_cert_file": str(pki / "server.pem"), "tls_key_file": str(pki / "server.key"),
+                      "k8s_client_ca_file": str(pki / "client-ca.pem")}) == (
+        str(pki / "server.pem"), str(pki / "server.key"), str(pki / "client-ca.pem"))
 
 
 @pytest.mark.parametrize("url, ca, says", [
@@ -257,3 +265,42 @@ def test_any_url_and_ca_setting_gives_a_client_or_a_value_error(url, ca):
         return
     c.close()
     assert url.split("://", 1)[0].lower() in ("http", "https") and not (ca and url.lower().startswith("http:"))
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(pki, tmp_path):
+    """The files replaced (by another CA's certificate, as a renewal that changes CA would): new
+    connections get the new certificate within a reload period; a broken pair is logged and the
+    certificate loaded before goes on serving."""
+    import shutil
+
+    from tests.tls_certs import make_signed
+
+    d = tmp_path / "live"
+    d.mkdir()
+    for f in ("server.pem", "server.key", "ca.pem"):
+        shutil.copy(pki / f, d / f)
+    sched = SchedProc(tmp_path, "", profile="fifo", tls=d).start({"DLSHARE_SCHED_TLS_RELOAD_S": "0.2"})
+    log = tmp_path / f"sched-{sched.port}.log"
+    try:
+        def works(ca: str) -> bool:
+            with SchedulerClient(sched.url, TOKEN, ca_file=str(pki / ca)) as c:
+                try:
+                    return c.whoami()["admin"]
+                except SchedulerApiError:
+                    return False
+
+        assert works("ca.pem") and not works("other-ca.pem")
+        # a half-done renewal: a new certificate beside the old key is refused, the old pair serves on
+        make_signed(pki, "other-ca", "renewed", "IP:127.0.0.1")
+        shutil.copy(pki / "renewed.pem", d / "server.pem.new")
+        os.replace(d / "server.pem.new", d / "server.pem")
+        wait_until(lambda: "still serving the certificate loaded before" in log.read_text(), 30,
+                   "the mismatched pair logged")
+        assert works("ca.pem")
+        # the key follows: the new pair is served
+        shutil.copy(pki / "renewed.key", d / "server.key.new")
+        os.replace(d / "server.key.new", d / "server.key")
+        wait_until(lambda: works("other-ca.pem"), 30, "the renewed certificate served")
+        assert not works("ca.pem") and "loaded the renewed certificate" in log.read_text()
+    finally:
+        sched.stop()
