@@ -13,7 +13,9 @@ explanation, e.g. ``422 invalid request: cpus: Input should be greater than 0``.
 
 from __future__ import annotations
 
+import functools
 import os
+import ssl
 import time
 import urllib.parse
 from collections.abc import Iterable
@@ -69,8 +71,16 @@ def _verify(url: str, ca_file: str | None) -> Any:
     if scheme == "http":
         if ca_file:
             raise ValueError(f"a scheduler CA file ({ca_file!r}) needs an https:// URL, not {url!r}")
-        return True
-    return tls.client_context(ca_file, what="scheduler")
+        return _system_context()  # never used for a handshake; httpx would build one per client
+    return tls.client_context(ca_file, what="scheduler") if ca_file else _system_context()
+
+
+@functools.lru_cache(maxsize=1)
+def _system_context() -> ssl.SSLContext:
+    """The system's trust store, loaded once per process: loading it takes about 20 ms, which httpx
+    otherwise spends on every new client (a launcher's or a benchmark's client per thread).  The
+    clients only read it."""
+    return tls.client_context(None, what="scheduler")
 
 
 def _hint(url: str, exc: httpx.TransportError) -> str:
