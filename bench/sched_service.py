@@ -9,8 +9,11 @@
    reply to its ``run`` (``started``), p50/p99, from the service's own log, overall and for the
    burst alone.  Runs, side by side: the API on its own thread (the default) with SQLite
    ``synchronous=FULL`` and ``NORMAL``, and the baseline: the API on the live loop's thread
-   (``sched.api_thread = false``, the design before this one), FULL.  Plus the pure core alone
-   on the same jobs, to show what the shell costs.
+   (``sched.api_thread = false``, the design before this one), FULL; and FULL over HTTPS
+   (``FULL-thread-tls``: a self-signed certificate made with openssl, every client checking it), with,
+   for each run, the rate of fresh connections (one ``GET /healthz`` each: over HTTPS, a handshake
+   each) to show what TLS costs.  Plus the pure core alone on the same jobs, to show what the shell
+   costs.
 2. **1,000 nodes** (bench/sched_scale.py ``fleet_run``): decision and telemetry lag with
    ``--fleet-nodes`` nodes reporting every 5 s, and ``--kill-nodes`` of them SIGKILLed at once.
 3. **Restart** (``restart_run``): the time to a listening API after ``--restart-events`` logged
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
 import tempfile
 import threading
 import time
@@ -66,9 +70,10 @@ def add_arguments(parser, seen: set[str]) -> None:
                      ("--snapshot-core-s", dict(type=float, default=1.0,
                                                 help="the service's sched.snapshot_core_s (sched-service restart)")),
                      ("--skip", dict(default="", help="sched-service parts to skip: burst,fleet,restart")),
-                     ("--burst-modes", dict(default="FULL-thread,NORMAL-thread,FULL-loop",
+                     ("--burst-modes", dict(default="FULL-thread,FULL-thread-tls,NORMAL-thread,FULL-loop",
                                             help="sched-service burst runs: SYNC-thread|SYNC-loop, comma-separated "
-                                                 "(SYNC: FULL or NORMAL; loop: the API on the loop, the baseline)")),
+                                                 "(SYNC: FULL or NORMAL; loop: the API on the loop, the baseline; "
+                                                 "-tls: over HTTPS)")),
                      ("--restart-modes", dict(default="snapshots,whole_log",
                                               help="sched-service restarts: snapshots,whole_log (the whole log "
                                                    "is the slow baseline: ~2 min a restart)"))):
@@ -97,20 +102,49 @@ def _events(db: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str, Any]:
+def _self_signed(tmp: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (P-256, made by openssl), its own CA for the clients."""
+    cert, key = tmp / "bench-sched.pem", tmp / "bench-sched.key"
+    if not cert.exists():
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def _fresh_connections_per_s(url: str, ca_file: str | None, n: int = 200) -> float:
+    """``GET /healthz`` ``n`` times, each on a new connection (a TLS handshake each over HTTPS)."""
+    import httpx
+
+    from nodesvc.bus import tls
+
+    verify = tls.client_context(ca_file, what="scheduler")  # built once, as a launcher's client keeps it
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with httpx.Client(base_url=url, verify=verify, timeout=30) as fresh:
+            fresh.get("/healthz").raise_for_status()
+    return n / (time.perf_counter() - t0)
+
+
+def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path, tls: bool = False) -> dict[str, Any]:
     from scheduler.client import SchedulerClient
 
-    name = f"{synchronous}-{'thread' if api_thread else 'loop'}"
+    name = f"{synchronous}-{'thread' if api_thread else 'loop'}{'-tls' if tls else ''}"
     broker, burl, bkind = start_broker(tmp)
     db = tmp / f"burst-{name}.db"
-    svc, url = start_service(tmp, db, burl, {"DLSHARE_SCHED_SYNCHRONOUS": synchronous,
-                                             "DLSHARE_SCHED_API_THREAD": "true" if api_thread else "false"}, name)
+    env = {"DLSHARE_SCHED_SYNCHRONOUS": synchronous, "DLSHARE_SCHED_API_THREAD": "true" if api_thread else "false"}
+    ca = None
+    if tls:
+        ca, key = _self_signed(tmp)
+        env.update(DLSHARE_SCHED_TLS_CERT_FILE=ca, DLSHARE_SCHED_TLS_KEY_FILE=key)
+    svc, url = start_service(tmp, db, burl, env, name)
+    url = url.replace("http://", "https://") if tls else url
     fleet = Fleet(burl, tmp, gpus=args.gpus_per_node, cpus=64, interval=1.0, job_s=args.job_s)
     try:
         wait_port(int(url.rsplit(":", 1)[1]), svc, timeout=120)
         fleet.start(f"burst-{name}", args.nodes, prefix=f"b{name[0]}")
         fleet.wait_ready()
-        c = SchedulerClient(url, TOKEN, timeout=60)
+        c = SchedulerClient(url, TOKEN, timeout=60, ca_file=ca)
         wait_until(lambda: sum(1 for n in c.cluster()["nodes"] if n["status"] == "online") >= args.nodes,
                    timeout=60, what="the simulated nodes online", interval=0.2)
         n_seq = max(1, args.jobs // 2)
@@ -122,7 +156,7 @@ def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str,
         lock = threading.Lock()
 
         def worker() -> None:
-            with SchedulerClient(url, TOKEN, timeout=60) as wc:
+            with SchedulerClient(url, TOKEN, timeout=60, ca_file=ca) as wc:
                 while True:
                     with lock:
                         if not rest:
@@ -145,6 +179,7 @@ def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str,
             time.sleep(0.5)
         stats = c.http.get("/v1/stats").json()
         c.close()
+        fresh_per_s = _fresh_connections_per_s(url, ca)
     finally:
         fleet.stop()
         stop_proc(svc)
@@ -171,7 +206,8 @@ def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str,
             cmd.append(e["started"] - e["placed"])
     twice = double_starts(fleet.records(), fleet.node_deaths(), placements)
     ms = lambda xs, q: (pct(xs, q) or 0) * 1e3  # noqa: E731
-    return {"synchronous": synchronous, "api_thread": api_thread, "broker": bkind,
+    return {"synchronous": synchronous, "api_thread": api_thread, "tls": tls, "broker": bkind,
+            "fresh_connections_per_s": fresh_per_s,
             "submit_seq_per_s": n_seq / seq_s,
             "submit_concurrent_per_s": (args.jobs - n_seq) / conc_s if conc_s > 0 else None,
             "decision_p50_ms": ms(lat, 0.5), "decision_p99_ms": ms(lat, 0.99),
@@ -188,13 +224,29 @@ def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path) -> dict[str,
                                                                                                         args.jobs)])}
 
 
-def _burst_modes(args) -> list[tuple[str, bool]]:
+def _median_ratio(runs: list[dict[str, Any]], key: str) -> float | None:
+    """median over the HTTPS runs (FULL, API thread) / median over the plain ones, of ``key``."""
+    import statistics
+
+    def med(tls: bool) -> float | None:
+        xs = [r[key] for r in runs if r["synchronous"] == "FULL" and r["api_thread"] and r["tls"] == tls
+              and r.get(key)]
+        return statistics.median(xs) if xs else None
+
+    a, b = med(True), med(False)
+    return a / b if a is not None and b else None
+
+
+def _burst_modes(args) -> list[tuple[str, bool, bool]]:
+    """(synchronous, API on its own thread, HTTPS) of each ``--burst-modes`` entry, in order."""
     out = []
     for m in filter(None, (x.strip() for x in getattr(args, "burst_modes", "FULL-thread").split(","))):
         sync, _, where = m.partition("-")
-        if sync.upper() not in ("FULL", "NORMAL") or where not in ("thread", "loop"):
-            raise SystemExit(f"--burst-modes: {m!r} is not SYNC-thread or SYNC-loop (SYNC: FULL or NORMAL)")
-        out.append((sync.upper(), where == "thread"))
+        where, _, tls = where.partition("-")
+        if sync.upper() not in ("FULL", "NORMAL") or where not in ("thread", "loop") or tls not in ("", "tls"):
+            raise SystemExit(f"--burst-modes: {m!r} is not SYNC-thread or SYNC-loop, optionally with -tls "
+                             "(SYNC: FULL or NORMAL)")
+        out.append((sync.upper(), where == "thread", tls == "tls"))
     return out
 
 
@@ -249,16 +301,17 @@ def run(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dlshare-bench-sched-") as tmpd:
         tmp = Path(tmpd)
         if "burst" not in skip:
-            for mode, api_thread in _burst_modes(args):
+            for mode, api_thread, tls in _burst_modes(args):
                 print(f"sched-service: {args.jobs} submissions, synchronous={mode}, API on "
-                      f"{'its own thread' if api_thread else 'the loop (baseline)'} ...", flush=True)
-                runs.append(_burst_run(args, mode, api_thread, tmp))
+                      f"{'its own thread' if api_thread else 'the loop (baseline)'}{', HTTPS' if tls else ''} ...",
+                      flush=True)
+                runs.append(_burst_run(args, mode, api_thread, tmp, tls))
         if "fleet" not in skip:
             scale = fleet_run(args, tmp)
         if "restart" not in skip:
             restart = restart_run(args, tmp)
     base = _core_baseline(args)
-    full = next((r for r in runs if r["synchronous"] == "FULL" and r["api_thread"]), {})
+    full = next((r for r in runs if r["synchronous"] == "FULL" and r["api_thread"] and not r["tls"]), {})
     baseline = next((r for r in runs if not r["api_thread"]), {})
     lost = sum(r["jobs_lost"] for r in runs) + scale.get("jobs_lost", 0)
     twice = sum(r["jobs_started_twice"] for r in runs) + scale.get("jobs_started_twice", 0)
@@ -277,14 +330,20 @@ def run(args) -> dict[str, Any]:
         "restart": restart, "restart_s_after_100k_events": (restart.get("snapshots") or {}).get("restart_s"),
         "restart_s_whole_log": (restart.get("whole_log") or {}).get("restart_s"),
         "jobs_lost": lost, "jobs_started_twice": twice,
+        # what HTTPS costs (FULL, API thread): medians over the runs of each, when the modes repeat
+        "https_vs_http_submit_per_s": _median_ratio(runs, "submit_concurrent_per_s"),
+        "https_vs_http_burst_decision_p99": _median_ratio(runs, "burst_decision_p99_ms"),
+        "https_vs_http_fresh_connections_per_s": _median_ratio(runs, "fresh_connections_per_s"),
     }
-    rows = [{"mode": f"burst, synchronous={r['synchronous']}, API on {'own thread' if r['api_thread'] else 'loop'}",
+    rows = [{"mode": f"burst, synchronous={r['synchronous']}, API on {'own thread' if r['api_thread'] else 'loop'}"
+                     f"{', HTTPS' if r['tls'] else ''}",
              "submit/s (1 client)": r["submit_seq_per_s"],
              f"submit/s ({args.concurrency} clients)": r["submit_concurrent_per_s"],
              "decision p50/p99 ms": f"{r['decision_p50_ms']:.0f}/{r['decision_p99_ms']:.0f}",
              "burst p50/p99 ms": f"{r['burst_decision_p50_ms']:.0f}/{r['burst_decision_p99_ms']:.0f}",
              "placed p50/p99 ms": f"{r['placed_p50_ms']:.0f}/{r['placed_p99_ms']:.0f}",
              "run cmd p50/p99 ms": f"{r['command_p50_ms']:.0f}/{r['command_p99_ms']:.0f}",
+             "fresh conn/s": r["fresh_connections_per_s"],
              "started": r["started"], "done": r["done"], "lost": r["jobs_lost"],
              "twice": r["jobs_started_twice"]} for r in runs]
     rows.append({"mode": "baseline: pure core, no I/O", "submit/s (1 client)": base["core_events_per_s"],
@@ -299,7 +358,8 @@ def run(args) -> dict[str, Any]:
                      "lost": scale["jobs_lost"], "twice": scale["jobs_started_twice"]})
     print(report.markdown_table(rows))
     srows = [x for r in runs for x in stage_rows(f"burst {r['synchronous']} "
-                                                 f"{'thread' if r['api_thread'] else 'loop'}", r["burst_stages"])]
+                                                 f"{'thread' if r['api_thread'] else 'loop'}"
+                                                 f"{' https' if r['tls'] else ''}", r["burst_stages"])]
     if scale:
         srows += stage_rows(f"{scale['nodes']} nodes", scale["stages"])
     if srows:
@@ -324,7 +384,8 @@ def run(args) -> dict[str, Any]:
     if runs:
         plt = report.pyplot()
         fig, ax = plt.subplots(figsize=(6.5, 3.2))
-        labels = [f"{r['synchronous']}\n{'API thread' if r['api_thread'] else 'API on loop'}" for r in runs]
+        labels = [f"{r['synchronous']}\n{'API thread' if r['api_thread'] else 'API on loop'}"
+                  f"{' HTTPS' if r['tls'] else ''}" for r in runs]
         ax.bar([x - 0.2 for x in range(len(runs))], [r["burst_decision_p50_ms"] for r in runs], 0.4, label="p50")
         ax.bar([x + 0.2 for x in range(len(runs))], [r["burst_decision_p99_ms"] for r in runs], 0.4, label="p99")
         ax.set_xticks(range(len(runs)), labels)
