@@ -126,10 +126,12 @@ def _fresh_connections_per_s(url: str, ca_file: str | None, n: int = 200) -> flo
     return n / (time.perf_counter() - t0)
 
 
-def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path, tls: bool = False) -> dict[str, Any]:
+def _burst_run(args, synchronous: str, api_thread: bool, tmp: Path, tls: bool = False, run: int = 0) -> dict[str, Any]:
     from scheduler.client import SchedulerClient
 
-    name = f"{synchronous}-{'thread' if api_thread else 'loop'}{'-tls' if tls else ''}"
+    # A database of its own per run: a mode given twice would otherwise resubmit the same ids to the
+    # first run's database, idempotent 200s, and report the first run's latencies again.
+    name = f"{synchronous}-{'thread' if api_thread else 'loop'}{'-tls' if tls else ''}{f'-{run}' if run else ''}"
     broker, burl, bkind = start_broker(tmp)
     db = tmp / f"burst-{name}.db"
     env = {"DLSHARE_SCHED_SYNCHRONOUS": synchronous, "DLSHARE_SCHED_API_THREAD": "true" if api_thread else "false"}
@@ -301,11 +303,11 @@ def run(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dlshare-bench-sched-") as tmpd:
         tmp = Path(tmpd)
         if "burst" not in skip:
-            for mode, api_thread, tls in _burst_modes(args):
+            for i, (mode, api_thread, tls) in enumerate(_burst_modes(args)):
                 print(f"sched-service: {args.jobs} submissions, synchronous={mode}, API on "
                       f"{'its own thread' if api_thread else 'the loop (baseline)'}{', HTTPS' if tls else ''} ...",
                       flush=True)
-                runs.append(_burst_run(args, mode, api_thread, tmp, tls))
+                runs.append(_burst_run(args, mode, api_thread, tmp, tls, run=i))
         if "fleet" not in skip:
             scale = fleet_run(args, tmp)
         if "restart" not in skip:
