@@ -24,7 +24,8 @@ def test_the_busy_core_ends_when_the_stress_run_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
                                "from tests.stress import HOG\n"
                                "import os\n"
-                               "p = subprocess.Popen([sys.executable, '-c', HOG, str(os.getpid())], start_new_session=True)\n"
+                               "p = subprocess.Popen([sys.executable, '-c', HOG, str(os.getpid())],\n"
+                               "                     start_new_session=True)\n"
                                "print(p.pid, flush=True)\ntime.sleep(60)\n"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     hog = int(parent.stdout.readline())

@@ -43,7 +43,7 @@ config.register_section("sched", {
     "command_timeout_s": 10.0,
     "node_timeout_s": 30.0,
     "url": "",  # for `dlshare job`: the service's URL (default http(s)://<listen>)
-    # HTTPS: the API's certificate and key (PEM); both empty: plain HTTP (README, "HTTPS for the API").
+    # HTTPS: the API's certificate and key (PEM); both empty: plain HTTP (README, "HTTPS for the scheduler API").
     "tls_cert_file": "",
     "tls_key_file": "",
     "ca_file": "",  # for `dlshare job` and `dlshare token`: the CA that signed the API's certificate
@@ -352,7 +352,7 @@ async def _reload_tls(files, period_s: float) -> None:
         try:
             if files.reload_if_changed():
                 log.info("HTTPS: loaded the renewed certificate %s", files.cert_file)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - a renewal that fails must not end the renewals
             log.error("HTTPS: %s; still serving the certificate loaded before", exc)
 
 

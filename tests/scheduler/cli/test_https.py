@@ -30,6 +30,17 @@ def _dlshare(*args: str, env: dict[str, str] | None = None, timeout: float = 60)
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def _job_list(monkeypatch, capsys, url: str, ca: str) -> tuple[int, str, str]:
+    """``dlshare job list`` in this process (the commands themselves run as processes above)."""
+    from nodesvc.cli import main
+
+    for name, value in (("DLSHARE_SCHED_URL", url), ("DLSHARE_SCHED_TOKEN", TOKEN), ("DLSHARE_SCHED_CA_FILE", ca)):
+        monkeypatch.setenv(name, value)
+    rc = main(["job", "list"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return make_test_pki(tmp_path_factory.mktemp("pki"))
@@ -83,7 +94,8 @@ def _commands_over_https(https_sched, pki, mosquitto) -> None:
     ("http", "if the API serves HTTPS, use an https:// URL"),
 ])
 def test_a_client_that_cannot_trust_the_api_is_refused_with_the_reason_and_without_the_token(https_sched, pki,
-                                                                                              how, says):
+                                                                                              how, says, monkeypatch,
+                                                                                              capsys):
     url, ca = https_sched.url, str(pki / "ca.pem")
     if how == "other-ca":
         ca = str(pki / "other-ca.pem")
@@ -93,13 +105,12 @@ def test_a_client_that_cannot_trust_the_api_is_refused_with_the_reason_and_witho
         url = url.replace("127.0.0.1", "localhost")
     elif how == "http":
         url, ca = url.replace("https://", "http://"), ""
-    r = _dlshare("job", "list", env={"DLSHARE_SCHED_URL": url, "DLSHARE_SCHED_TOKEN": TOKEN,
-                                     "DLSHARE_SCHED_CA_FILE": ca})
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "cannot reach the scheduler" in r.stderr and says in r.stderr, r.stderr
+    rc, out, err = _job_list(monkeypatch, capsys, url, ca)
+    assert rc == 1, (out, err)
+    assert "cannot reach the scheduler" in err and says in err, err
     if how != "http":
-        assert "--ca-file" in r.stderr, r.stderr  # the hint
-    assert TOKEN not in r.stderr + r.stdout and "Traceback" not in r.stderr
+        assert "--ca-file" in err, err  # the hint
+    assert TOKEN not in err + out and "Traceback" not in err
 
 
 def test_a_stalled_handshake_and_a_plain_request_do_not_stop_the_api(https_sched, pki):
@@ -176,7 +187,8 @@ def _sched_fails(tmp_path, *args: str) -> str:
 def test_bad_tls_settings_are_config_errors_before_anything_listens(pki, tmp_path):
     # as a process: exit 2, a config error, no traceback, nothing listening
     assert "go together" in _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"))
-    err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "other-ca.key"))
+    err = _sched_fails(tmp_path, "--tls-cert-file", str(pki / "server.pem"),
+                       "--tls-key-file", str(pki / "other-ca.key"))
     assert "server.pem" in err and "other-ca.key" in err  # a key that is not the certificate's
     # every other case through the same check, in this process
     from nodesvc.bus import config
@@ -207,12 +219,11 @@ def test_bad_tls_settings_are_config_errors_before_anything_listens(pki, tmp_pat
     ("ftp://127.0.0.1:1", "", "must be http:// or https://"),
     ("127.0.0.1:7800", "", "must be http:// or https://"),
 ])
-def test_a_bad_client_setting_is_a_config_error_naming_it(pki, url, ca, says):
+def test_a_bad_client_setting_is_a_config_error_naming_it(pki, url, ca, says, monkeypatch, capsys):
     ca = str(pki / "ca.pem") if ca == "CA" else ca
-    r = _dlshare("job", "list", env={"DLSHARE_SCHED_URL": url, "DLSHARE_SCHED_TOKEN": TOKEN,
-                                     "DLSHARE_SCHED_CA_FILE": ca}, timeout=30)
-    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
-    assert TOKEN not in r.stderr
+    rc, out, err = _job_list(monkeypatch, capsys, url, ca)
+    assert rc == 2 and says in err and "Traceback" not in err, (rc, err)
+    assert TOKEN not in err + out
 
 
 def test_the_default_url_follows_the_certificate(pki):
