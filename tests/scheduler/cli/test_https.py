@@ -228,7 +228,8 @@ def test_a_bad_client_setting_is_a_config_error_naming_it(pki, url, ca, says, mo
 
 def test_the_default_url_follows_the_certificate(pki):
     from nodesvc.bus import config
-    from scheduler.cli.service import _url, api_url
+    from scheduler.cli.jobs import api_client_url as _url
+    from scheduler.cli.service import api_url
 
     cfg = config.load(None, env={})
     cfg["sched"].update(listen="0.0.0.0:7443", tls_cert_file=str(pki / "server.pem"))
