@@ -79,16 +79,19 @@ struct dls_server {
 
 static char LISTEN_TAG, STOP_TAG;
 
+/* The counts and the peer's place are given back before the close, so that a
+ * peer which sees its connection closed sees them (and may connect again at
+ * once, even at its address's limit). */
 static void conn_close(worker *w, conn *c) {
-    close(c->st.fd); /* which takes it out of the epoll set: nothing else holds the descriptor */
+    DLS_ADD(&w->s->n.open_connections, (uint64_t)-1);
     dls_peers_leave(&w->s->peers, &c->peer);
+    close(c->st.fd); /* which takes it out of the epoll set: nothing else holds the descriptor */
     if (c->prev) c->prev->next = c->next;
     else w->conns = c->next;
     if (c->next) c->next->prev = c->prev;
     free(c->st.in);
     free(c->st.out);
     free(c);
-    DLS_ADD(&w->s->n.open_connections, (uint64_t)-1);
 }
 
 /* Send queued output; 0 when drained, 1 when the socket is full, -errno on error. */
