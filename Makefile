@@ -13,6 +13,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # a real Prometheus scraping a live stack (tests/deploy/test_prometheus.py).
 APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge prometheus openssl
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 .PHONY: all demo test test-stress sanitize lint deps sysdeps ext bench bench-quick clean k8s-testbed
 
@@ -65,7 +66,10 @@ test: deps
 	$(BIN)/lint-imports --no-cache
 	# Bytecode is cached (whatever the caller's PYTHONDONTWRITEBYTECODE says): the suite starts hundreds of
 	# Python processes, and each would otherwise compile every project module it imports again.
-	env -u PYTHONDONTWRITEBYTECODE DLSHARE_K8S_REQUIRED=1 $(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+	# Two passes (tests/suite.py): the suite on TEST_WORKERS isolated pytest-xdist workers, then the files
+	# that must run alone (tests/conftest.py, ALONE).  TEST_WORKERS=1: one pytest process, as before.
+	env -u PYTHONDONTWRITEBYTECODE DLSHARE_K8S_REQUIRED=1 $(BIN)/python -m tests.suite --workers $(TEST_WORKERS) \
+	  -q -ra --durations=15 $(PYTEST_ARGS)
 
 # The C core under AddressSanitizer and UndefinedBehaviorSanitizer: built apart (build/sanitize; the
 # in-place extension is untouched), then the tests that run the C in-process, with the sanitized

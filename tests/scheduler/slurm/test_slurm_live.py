@@ -9,6 +9,7 @@ really did.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -170,8 +171,9 @@ def test_telemetry_of_dlshare_node_beside_slurmd_reaches_the_core(slurm, tmp_pat
     from scheduler.slurm.telemetry import TelemetryFeed
 
     node = subprocess.Popen([sys.executable, "-m", "nodesvc.cli", "node", "--broker", mosquitto.url, "--node-id", "n2",
-                             "--interval", "0.5", "--no-enforce", "--fake-gpus", "4"],
-                            stdout=open(tmp_path / "node.log", "wb"), stderr=subprocess.STDOUT)
+                             "--interval", "0.5", "--no-enforce", "--fake-gpus", "4", "--metrics-listen", "127.0.0.1:-1"],
+                            stdout=open(tmp_path / "node.log", "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "DLSHARE_NODE_STATE_DIR": str(tmp_path / "state-n2")})
     feed = TelemetryFeed(mosquitto.url)
     feed.start()
     sh = make_shell(slurm, tmp_path, "fifo", telemetry=feed, telemetry_s=0.5)
