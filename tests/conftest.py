@@ -192,15 +192,25 @@ ALONE = {
     "tests/nodesvc/test_netns_shaping.py": "named network namespaces, shaped links",
     "tests/nodesvc/cli/test_up.py": "dlshare up puts its nodes in named network namespaces",
     "tests/aggregator/test_agg_network_bench.py": "the shaped-hosts benchmark (named network namespaces)",
+    # pytest-xdist runs one item per node id; schemathesis makes one item per API operation, all under
+    # the test function's one node id, so on a worker 1 of the 34 would run.
+    "tests/scheduler/service/test_schema.py": "one node id for many items (schemathesis's operations)",
 }
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks added here
 def pytest_collection_modifyitems(config, items):
+    seen: dict[str, int] = {}
     for item in items:
         rel = Path(str(item.path)).relative_to(ROOT).as_posix()
         if rel in ALONE:
             item.add_marker(pytest.mark.alone)
+        else:
+            seen[item.nodeid] = seen.get(item.nodeid, 0) + 1
+    twice = sorted(n for n, k in seen.items() if k > 1)
+    if twice:  # pytest-xdist would run one item of each such node id and drop the rest silently
+        raise pytest.UsageError(f"several tests share a node id (a worker would run only one): {twice[:5]}; "
+                                "put their file in tests/conftest.py's ALONE")
 
 
 def pytest_configure(config):

@@ -113,3 +113,23 @@ def test_the_two_passes_run_each_selected_test_once_and_fail_when_either_fails(t
     assert ran == sorted(["0", "1", "2", "3", "alone_ok", "alone_fails"]), r.stdout
     assert r.returncode == 1, r.stdout
     assert "pass 2 FAILED" in r.stdout
+
+
+class _Item:
+    def __init__(self, rel: str, name: str) -> None:
+        self.path, self.nodeid, self.marks = ROOT / rel, f"{rel}::{name}", []
+
+    def add_marker(self, mark) -> None:
+        self.marks.append(mark.name)
+
+
+def test_items_sharing_a_node_id_are_refused_unless_their_file_runs_alone():
+    """pytest-xdist keeps one item per node id: two items under one id outside ALONE stop the run."""
+    from tests import conftest
+
+    alone = next(iter(ALONE))
+    ok = [_Item("tests/test_isolate.py", "a"), _Item("tests/test_isolate.py", "b"), _Item(alone, "x"), _Item(alone, "x")]
+    conftest.pytest_collection_modifyitems(None, ok)
+    assert [i.marks for i in ok] == [[], [], ["alone"], ["alone"]]
+    with pytest.raises(pytest.UsageError, match="share a node id.*test_isolate.py::a"):
+        conftest.pytest_collection_modifyitems(None, [_Item("tests/test_isolate.py", "a")] * 2)
