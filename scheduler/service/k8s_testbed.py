@@ -259,7 +259,11 @@ class LocalKube:
         assert self.bin_dir is not None
         self._stop(name)
         path = self.root / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        # Its health and metrics server on a free loopback port: by default kube-scheduler 1.20 takes
+        # 0.0.0.0:10251 (whatever --port says once --config is given), which a real kube-scheduler on
+        # the host, or a second testbed, already holds; and nothing here reads it.
+        insecure = f"127.0.0.1:{free_port()}"
+        path.write_text(yaml.safe_dump({**config, "healthzBindAddress": insecure, "metricsBindAddress": insecure}))
         return self._spawn(name, [str(self.bin_dir / "kube-scheduler"), f"--config={path}", "--port=0",
                                   "--secure-port=0", "--v=2"])
 

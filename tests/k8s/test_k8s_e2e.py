@@ -86,6 +86,13 @@ def test_shipped_config_becomes_v1beta1_by_its_api_version_alone(k8s):
     assert {k: v for k, v in ext.items() if k != "urlPrefix"} == {k: v for k, v in orig.items() if k != "urlPrefix"}
     # ...and the running kube-scheduler accepted it (it would exit on an unknown or mistyped field)
     assert k8s.kube.procs["kube-scheduler"].poll() is None, k8s.kube.log_tail("kube-scheduler")
+    # Its health server takes a free loopback port, not its default 0.0.0.0:10251, which a real one would hold.
+    def serving() -> list[str]:
+        return [line.rsplit(" ", 1)[-1] for line in k8s.kube.log_tail("kube-scheduler", 100_000).splitlines()
+                if "Serving healthz insecurely on" in line]
+
+    addrs = wait_until(serving, timeout=60, what="kube-scheduler serving its health checks")
+    assert all(a.startswith("127.0.0.1:") and not a.endswith(":10251") for a in addrs), addrs
 
 
 def test_gpu_pod_filtered_scored_and_bound_by_dlshare(k8s):
