@@ -15,9 +15,9 @@ or collide with what the other's do:
   tests name nodes ``n1`` and jobs ``j1`` freely, and a daemon starting up removes the empty job
   groups it finds there.  Under a cgroup of its own per worker, each worker's daemons have their own.
 
-Left shared, and handled by running those tests alone after the workers (tests/conftest.py):
-named network namespaces (``/run/netns``), and the load one worker puts on the other's deadlines
-(tests/conftest.py, ``ALONE``).
+Left shared, and handled by running those tests alone after the workers (tests/conftest.py,
+``ALONE``): named network namespaces (``/run/netns``), and the load one worker puts on the other's
+deadlines.
 
 This needs root (a new network namespace, cgroup writes); :func:`available` says why not, and the
 suite then runs in one process as before.
@@ -43,8 +43,9 @@ def available() -> str | None:
     """None when workers can be isolated here, else why not."""
     if os.geteuid() != 0:
         return "isolating test workers needs root (a network namespace and cgroups of their own)"
-    if not shutil.which("ip"):
-        return "the ip command (iproute2) is needed to bring a worker's loopback up"
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
+        if not shutil.which(tool):
+            return f"the {tool} command ({package}) is needed to give a worker a network namespace"
     probe = subprocess.run(["unshare", "--net", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot make a network namespace here: {probe.stderr.strip() or probe.returncode}"

@@ -20,7 +20,6 @@ selected counts as passed), else 0.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -43,7 +42,7 @@ def _run(argv: list[str], what: str) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--workers", type=int, default=int(os.environ.get("DLSHARE_TEST_WORKERS", "2")),
+    ap.add_argument("--workers", type=int, default=2,
                     help="pytest-xdist workers for the first pass (1: one process, no second pass)")
     ap.add_argument("-m", dest="marks", default=None, help="pytest's -m, applied to both passes")
     a, rest = ap.parse_known_args(argv)
