@@ -46,9 +46,20 @@ def available() -> str | None:
     for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
         if not shutil.which(tool):
             return f"the {tool} command ({package}) is needed to give a worker a network namespace"
-    probe = subprocess.run(["unshare", "--net", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    probe = subprocess.run(["unshare", "--net", "sh", "-c", f"ip link set lo up && ip addr add {WORKER_ADDR} dev lo"],
+                           capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot make a network namespace here: {probe.stderr.strip() or probe.returncode}"
+    if _v1():  # the same steps as a worker's, on a group that no process joins
+        made: list[Path] = []
+        try:
+            for c, rel in _own_v1().items():
+                made.append(_make_group(c, rel, f"{PREFIX}probe-{os.getpid()}"))
+        except OSError as exc:
+            return f"cannot make a worker its own cgroups here: {exc}"
+        finally:
+            for g in made:
+                g.rmdir()
     return None
 
 
@@ -73,14 +84,19 @@ def enter_own_cgroups(pid: int) -> list[Path]:
         return []
     made = []
     for c, rel in _own_v1().items():
-        g = CGROUP_ROOT / c / rel.lstrip("/") / f"{PREFIX}{pid}"
-        g.mkdir(exist_ok=True)
+        g = _make_group(c, rel, f"{PREFIX}{pid}")
         made.append(g)
-        if c == "cpuset":  # a cpuset group starts empty: a task may join only once it has cpus and mems
-            for f in ("cpuset.cpus", "cpuset.mems"):
-                (g / f).write_text((g.parent / f).read_text())
         (g / "cgroup.procs").write_text(str(pid))
     return made
+
+
+def _make_group(controller: str, parent: str, name: str) -> Path:
+    g = CGROUP_ROOT / controller / parent.lstrip("/") / name
+    g.mkdir(exist_ok=True)
+    if controller == "cpuset":  # a cpuset group starts empty: a task may join only once it has cpus and mems
+        for f in ("cpuset.cpus", "cpuset.mems"):
+            (g / f).write_text((g.parent / f).read_text())
+    return g
 
 
 def remove_worker_cgroups() -> int:

@@ -133,3 +133,17 @@ def test_items_sharing_a_node_id_are_refused_unless_their_file_runs_alone():
     assert [i.marks for i in ok] == [[], [], ["alone"], ["alone"]]
     with pytest.raises(pytest.UsageError, match="share a node id.*test_isolate.py::a"):
         conftest.pytest_collection_modifyitems(None, [_Item("tests/test_isolate.py", "a")] * 2)
+
+
+def test_where_workers_cannot_be_isolated_the_suite_runs_in_one_process_and_says_why(tmp_path, monkeypatch, capfd):
+    from tests import suite
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    why = isolate.available()
+    assert why and "needs root" in why
+    (tmp_path / "test_y.py").write_text("def test_y():\n    pass\n")
+    rc = suite.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)])
+    out = capfd.readouterr().out
+    assert rc == 0, out
+    assert f"suite: one pytest process ({why})" in out
+    assert "1 passed" in out and "pass 1 of 2" not in out
