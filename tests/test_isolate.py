@@ -147,3 +147,11 @@ def test_where_workers_cannot_be_isolated_the_suite_runs_in_one_process_and_says
     assert rc == 0, out
     assert f"suite: one pytest process ({why})" in out
     assert "1 passed" in out and "pass 1 of 2" not in out
+
+
+@needs_isolation
+def test_a_cgroup_v2_host_runs_the_suite_in_one_process(tmp_path, monkeypatch):
+    """Node daemons there would make real v2 groups named by node id, shared by both workers."""
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
+    monkeypatch.setattr(isolate, "CGROUP_ROOT", tmp_path)
+    assert "cgroup v2" in (isolate.available() or "")
