@@ -15,7 +15,7 @@ from nodesvc.bus.procs import wait_until
 from tests import isolate
 from tests.conftest import ALONE, ROOT
 
-# What the isolated child reports: its network namespace, its cgroups, whether it could bind PORT.
+# The isolated child binds PORT (held in this namespace) and reports its network namespace and cgroups.
 PROBE = """
 import json, os, socket, sys
 port = int(sys.argv[1])
@@ -28,7 +28,8 @@ print(json.dumps({"pid": os.getpid(), "net": os.readlink("/proc/self/ns/net"),
                   "cgroup": open("/proc/self/cgroup").read()}))
 """
 
-needs_isolation = pytest.mark.skipif(isolate.available() is not None, reason=str(isolate.available()))
+_WHY_NOT = isolate.available()
+needs_isolation = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 
 @needs_isolation
