@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
@@ -103,18 +104,33 @@ def _make_group(controller: str, parent: str, name: str) -> Path:
     return g
 
 
-def remove_worker_cgroups() -> int:
+def _alive(pid: str) -> bool:
+    """The process runs (a zombie has left its cgroups already)."""
+    try:
+        stat = Path("/proc", pid, "stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] != "Z"
+
+
+def remove_worker_cgroups(wait_s: float = 0.0) -> int:
     """Remove the worker cgroups under this process's own cgroups whose worker is gone, bottom up with
-    what its node daemons left inside; the number of groups removed.  A live worker's are left alone,
-    and so is a group that still holds a process (for the next run's clean-up)."""
+    what its node daemons left inside; the number of groups removed.  A worker still alive is waited
+    for up to ``wait_s`` (the runner's own, just told to end), then its groups are left alone, and so
+    is a group that still holds a process (for the next run's clean-up)."""
     if not _v1():
         return 0
+    deadline = time.monotonic() + wait_s
     n = 0
     for c, rel in _own_v1().items():
         parent = CGROUP_ROOT / c / rel.lstrip("/")
         for top in parent.glob(f"{PREFIX}*"):
             pid = top.name[len(PREFIX):]
-            if not pid.isascii() or not pid.isdigit() or Path("/proc", pid).exists():
+            if not pid.isascii() or not pid.isdigit():
+                continue
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(pid):
                 continue
             for d, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
                 try:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         rc1, t1 = _run([*pytest, "--dist", "loadfile", "--tx", f"{a.workers}*{worker}",
                         *_marks(a.marks, "not alone"), *rest], f"pass 1 of 2, on {a.workers} isolated workers")
     finally:
-        isolate.remove_worker_cgroups()
+        isolate.remove_worker_cgroups(wait_s=30)  # the workers may still be exiting when pytest returns
     rc2, t2 = _run([*pytest, *_marks(a.marks, "alone"), *rest], "pass 2 of 2, the tests that run alone")
     print(f"\nsuite: pass 1 {'passed' if rc1 == 0 else f'FAILED ({rc1})'} in {t1:.0f} s, "
           f"pass 2 {'passed' if rc2 == 0 else f'FAILED ({rc2})'} in {t2:.0f} s, {t1 + t2:.0f} s in all", flush=True)

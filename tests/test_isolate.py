@@ -63,9 +63,10 @@ def test_a_worker_gets_its_own_loopback_and_cgroups_and_they_are_removed_after_i
 
 
 @needs_isolation
-def test_a_live_workers_cgroups_are_left_alone(tmp_path):
-    ready = tmp_path / "ready"
-    code = f"import pathlib, time\npathlib.Path({str(ready)!r}).write_text('1')\ntime.sleep(60)\n"
+def test_a_live_workers_cgroups_are_left_alone_and_an_ending_one_is_waited_for(tmp_path):
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    code = (f"import pathlib, time\npathlib.Path({str(ready)!r}).write_text('1')\n"
+            f"while not pathlib.Path({str(go)!r}).exists():\n    time.sleep(0.05)\ntime.sleep(0.5)\n")
     p = subprocess.Popen([sys.executable, "-m", "tests.isolate", "-c", code], cwd=ROOT)
     try:
         wait_until(lambda: ready.exists() or p.poll() is not None, timeout=60, what="the isolated child to start")
@@ -76,11 +77,12 @@ def test_a_live_workers_cgroups_are_left_alone(tmp_path):
         (mine[0] / "dlshare" / "n1").mkdir(parents=True)
         isolate.remove_worker_cgroups()
         assert all(g.is_dir() for g in mine) and (mine[0] / "dlshare" / "n1").is_dir()
+        go.write_text("1")  # it ends half a second later, and is not reaped here (a zombie) until the end
+        assert isolate.remove_worker_cgroups(wait_s=60) >= len(mine) + 2
+        assert not any(g.exists() for g in mine)
     finally:
         p.kill()
         p.wait()
-    isolate.remove_worker_cgroups()
-    assert not any(g.exists() for g in mine)
 
 
 def test_every_file_kept_alone_exists_and_says_why():
