@@ -10,9 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from nodesvc import cgroups
 from nodesvc.bus.procs import stop_proc, wait_until
 from scheduler.client import SchedulerApiError
 from tests.scheduler.service.svc_helpers import ROOT, SchedProc
@@ -38,6 +40,21 @@ def _online(c, n):
     return sum(1 for x in c.cluster()["nodes"] if x["status"] == "online") >= n
 
 
+def _end_jobs_of(node_ids) -> None:
+    """A node daemon's jobs outlive it (a restarted daemon adopts them): end the ones the test's daemons
+    started, found in their cgroups (cgroup v1, where the daemons enforce), so none runs on after the test."""
+    own = cgroups.own_cgroup(1).get("cpu")
+    if own is None:
+        return
+    for nid in node_ids:
+        for procs in Path("/sys/fs/cgroup/cpu", own.lstrip("/"), "dlshare", nid).glob("*/cgroup.procs"):
+            for pid in procs.read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # ended on its own meanwhile
+
+
 @pytest.fixture
 def stack(mosquitto, tmp_path):
     procs = {}
@@ -45,6 +62,7 @@ def stack(mosquitto, tmp_path):
     yield sched, procs
     for p in procs.values():
         stop_proc(p)
+    _end_jobs_of(procs)
     sched.stop()
 
 
