@@ -172,13 +172,18 @@ def _run_job(args, cfg) -> int:
                 print(json.dumps(me) if as_json else
                       f"{me['user']}{' (admin)' if me['admin'] else ''} account {me['account'] or '-'} "
                       f"token {me['token']}")
-    except SchedulerApiError as exc:
-        print(f"dlshare job: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as exc:
-        print(f"dlshare job: {exc}", file=sys.stderr)
-        return 2
+    except (SchedulerApiError, ValueError, OSError) as exc:
+        return _failed("job", exc)
     return 0
+
+
+def _failed(command: str, exc: Exception) -> int:
+    """Say why ``dlshare COMMAND`` failed; its exit status: 1 when the API refused, 2 for bad input or
+    configuration, or a service out of reach."""
+    from scheduler.client import SchedulerApiError
+
+    print(f"dlshare {command}: {exc}", file=sys.stderr)
+    return 1 if isinstance(exc, SchedulerApiError) else 2
 
 
 def parse_duration(text: str) -> float:
@@ -231,12 +236,8 @@ def _run_token(args, cfg) -> int:
             elif args.action == "revoke":
                 t = c.revoke_token(args.id)
                 print(f"{t['id']} {t['state']} (user {t['user']})")
-    except SchedulerApiError as exc:
-        print(f"dlshare token: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as exc:
-        print(f"dlshare token: {exc}", file=sys.stderr)
-        return 2
+    except (SchedulerApiError, ValueError, OSError) as exc:
+        return _failed("token", exc)
     return 0
 
 
