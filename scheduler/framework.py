@@ -81,6 +81,10 @@ class Candidate:
         return bool(self.residents)
 
 
+def _no_share_clock(gpus: int) -> float:
+    return 0.0
+
+
 @dataclass
 class Context:
     """What plugins may read while the core decides.  Read-only by convention."""
@@ -95,9 +99,10 @@ class Context:
     pool: Any = None  # the donors' lent memory (scheduler.donors.DonorPool); None outside the core
     # What each owner may still borrow (scheduler.fairshare.LentLimits); None: no lent-memory quota.
     quota: Any = None
-    # The equal-share clock now (scheduler.ledger.ShareClock): seconds of run time an even split of
-    # the cluster between the active jobs has given each of them since the core started.
-    share_clock: float = 0.0
+    # The equal-share clocks now (scheduler.ledger.ShareClock): share_clock(g) is the seconds of run
+    # time a max-min fair split of the cluster's GPUs has given a job asking for g GPUs since the core
+    # started.  Outside the core: no clock (always 0).
+    share_clock: Callable[[int], float] = _no_share_clock
     running: dict[str, JobRecord] | None = None  # the running jobs (None outside the core)
     waiting: dict[str, JobRecord] | None = None  # queued or preempted jobs
     # While a pass places a waiting job: the GPUs the waiting jobs ranked ahead of it ask for (the

@@ -16,6 +16,8 @@ time of the event being handled), no I/O.
 from __future__ import annotations
 
 import bisect
+import functools
+import math
 import random
 from typing import TYPE_CHECKING, Any
 
@@ -45,30 +47,68 @@ def _lent_limited(quota: Any) -> bool:
 
 
 class ShareClock:
-    """The equal-share clock: how many seconds of run time an even split of the cluster has given
-    every active job, each running the same fraction of the time, min(1, GPUs / GPUs the active
-    jobs ask for); on a cluster of several GPU generations each GPU counts for what it is worth in
-    reference GPUs (``Predictors.gpu_worth``: a K80 0.29 of a V100).  A job's equal share since it arrived is the clock now less the clock then
-    (scheduler.plugins.tail.ShareBound).  Piecewise linear in the events' times: exact, no clock read."""
+    """The equal-share clocks: how many seconds of run time a max-min fair split of the cluster's
+    GPUs between the active jobs has given a job of each size (Gavel's max-min fairness with
+    time-slicing; the "independent" share of Themis's finish-time fairness).  Every active job is
+    entitled to the same number of GPUs, the water level L, except that a job asking for fewer gets
+    what it asks for and the rest is shared out among the others (so the shares sum to the
+    capacity); a job of g GPUs given L of them runs min(1, L / g) of the time.  A job asking for no
+    GPU runs all the time.  On a cluster of several GPU generations each GPU counts for what it is
+    worth in reference GPUs (``Predictors.gpu_worth``: a K80 0.29 of a V100).
+
+    A job's equal share since it arrived is the clock of its size now less that clock then
+    (scheduler.plugins.tail.ShareBound).  Piecewise linear in the events' times: exact, no clock
+    read.  One clock per GPU count that an active job asks for: a handful, updated at each change.
+
+    (Until 2026-11-28 every job ran the same fraction of the time, capacity / GPUs asked for, which
+    entitles a job of 8 GPUs to 8 times the GPUs of a 1-GPU job: in a crowd of small jobs a wide job
+    was soon owed, and when promoted took whole nodes.)"""
 
     def __init__(self) -> None:
-        self.value = 0.0
         self.since = 0.0
-        self.demand = 0  # GPUs asked for by the active jobs it counts
         self.capacity = 0.0  # GPUs of alive nodes (in reference GPUs)
+        self.jobs: dict[int, int] = {}  # GPUs asked for -> active jobs asking for that many (> 0)
+        self.values: dict[int, float] = {}  # GPUs asked for -> that size's clock at ``since``
+        self.level = math.inf  # the water level L: GPUs each job is entitled to, at most
 
-    def rate(self) -> float:
-        return 1.0 if self.demand <= self.capacity or self.demand <= 0 else self.capacity / self.demand
+    @property
+    def demand(self) -> int:
+        """GPUs asked for by the active jobs it counts."""
+        return sum(g * n for g, n in self.jobs.items())
 
-    def at(self, now: float) -> float:
-        return self.value + max(0.0, now - self.since) * self.rate()
+    def _water_level(self) -> float:
+        left, n = self.capacity, sum(self.jobs.values())
+        for g in sorted(self.jobs):
+            if g * n > left:  # the rest cannot all have g GPUs: they share what is left equally
+                return max(left, 0.0) / n
+            left -= g * self.jobs[g]
+            n -= self.jobs[g]
+        return math.inf  # room for everyone
 
-    def change(self, now: float, demand: int = 0, capacity: float = 0.0) -> None:
-        """From ``now`` on, ``demand`` more GPUs are asked for, and the cluster has ``capacity`` more."""
-        self.value = self.at(now)
+    def rate(self, gpus: int) -> float:
+        """Seconds of run time a second that a job asking for ``gpus`` GPUs is entitled to now."""
+        return 1.0 if gpus <= 0 else min(1.0, self.level / gpus)
+
+    def at(self, now: float, gpus: int) -> float:
+        """The clock of jobs asking for ``gpus`` GPUs, at ``now`` (not before the last change)."""
+        return self.values.get(gpus, 0.0) + max(0.0, now - self.since) * self.rate(gpus)
+
+    def change(self, now: float, gpus: int = 0, jobs: int = 0, capacity: float = 0.0) -> None:
+        """From ``now`` on, ``jobs`` more active jobs ask for ``gpus`` GPUs each (fewer where
+        negative), and the cluster has ``capacity`` more."""
+        for g in self.values:
+            self.values[g] = self.at(now, g)
         self.since = max(self.since, now)
-        self.demand += demand
         self.capacity += capacity
+        if jobs and gpus > 0:
+            n = self.jobs.get(gpus, 0) + jobs
+            if n > 0:
+                self.jobs[gpus] = n
+                self.values.setdefault(gpus, 0.0)
+            else:  # no active job of this size is left: its clock is read by none
+                self.jobs.pop(gpus, None)
+                self.values.pop(gpus, None)
+        self.level = self._water_level()
 
 
 class Ledger:
@@ -114,7 +154,7 @@ class Ledger:
         return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
                        rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus,
                        pool=self.pool if self.pool.active else None, quota=self.lent_limits,
-                       share_clock=self.share_clock.at(self.now), running=self.running, waiting=self.waiting)
+                       share_clock=functools.partial(self.share_clock.at, self.now), running=self.running, waiting=self.waiting)
 
     # ------------------------------------------------------------ owners: fair share and quotas
 
@@ -225,8 +265,8 @@ class Ledger:
         self.waiting[jid] = rec
         rec.queued_since = self.now
         if rec.share_start is None:  # a new job: it asks for its GPUs until it is over
-            self.share_clock.change(self.now, demand=rec.job.gpus)
-            rec.share_start = self.share_clock.at(self.now)
+            self.share_clock.change(self.now, gpus=rec.job.gpus, jobs=1)
+            rec.share_start = self.share_clock.at(self.now, rec.job.gpus)
         # A waiting job's service does not grow, so its key is fixed until it runs.
         key = self.order.key(rec, self.context())
         self.wait_key[jid] = key
@@ -375,7 +415,7 @@ class Ledger:
             self._dequeue(rec.job.id)
         self.watch.forget(rec.job.id)
         if rec.share_start is not None and rec.job.state.active:
-            self.share_clock.change(self.now, demand=-rec.job.gpus)
+            self.share_clock.change(self.now, gpus=rec.job.gpus, jobs=-1)
         rec.job.state = state
         rec.finished_at = self.now
         # Order plugins learn from GPU service, and only of jobs the core scheduled.

@@ -34,8 +34,9 @@ MAGIC = b"DLSHARE-CORE\n"
 # 2: the ledger holds the donor pool (lent memory); 3: jobs have owners (user, account) and the ledger
 # holds their books (decayed usage for fair share, GPUs in use for quotas); 4: nodes have a GPU type, jobs
 # their equal-share clock at arrival, the ledger that clock, and the 2D-Gittins order may hold a learned
-# duration distribution (issue 23).  Older snapshots are refused.
-VERSION = 4
+# duration distribution (issue 23); 5: the equal-share clock is max-min fair, one clock per job size.
+# Older snapshots are refused.
+VERSION = 5
 
 
 class SnapshotError(ValueError):

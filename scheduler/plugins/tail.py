@@ -2,11 +2,13 @@
 (:class:`ShareBound`, the ``dlshare`` profile's), and boosted arrival times (:class:`BoostedArrival`).
 
 :class:`ShareBound` (issue 23).  Every active job has an *equal-share clock*: the progress (seconds of
-its run time) it would have made had the cluster been split evenly between the active jobs since it
-arrived, each running the same fraction of the time, min(1, GPUs / GPUs asked by the active jobs)
-(Gavel's max-min fairness with time-slicing, and the "independent" share of Themis's finish-time
-fairness).  The core keeps that clock (``Context.share_clock`` now, ``JobRecord.share_start`` at
-arrival).  A job is *owed* when that clock passed ``factor`` x what it has run, counting at least
+its run time) it would have made had the cluster's GPUs been split max-min fairly between the
+active jobs since it arrived: each entitled to the same number of GPUs, a job asking for fewer
+getting what it asks for and the rest shared among the others, and a job of g GPUs given L of them
+running min(1, L / g) of the time (Gavel's max-min fairness with time-slicing, and the "independent"
+share of Themis's finish-time fairness).  The core keeps one clock per job size
+(``Context.share_clock(gpus)`` now, ``JobRecord.share_start`` at arrival; scheduler.ledger.ShareClock).
+A job is *owed* when that clock passed ``factor`` x what it has run, counting at least
 the mean run time of the workload's jobs: it has had less than 1/``factor`` of an equal share (and,
 a newcomer, it has waited long enough that an equal share would have finished a typical job
 ``factor`` times over).  Owed jobs go before the others, oldest first, and keep the GPUs until they
@@ -106,8 +108,8 @@ class ShareBound:
         time), is owed at ``ctx.now``."""
         if rec.share_start is None:  # not counted by the core (a bound pod): never owed
             return False
-        return ctx.share_clock - rec.share_start > self.factor * ran_s
+        return ctx.share_clock(rec.job.gpus) - rec.share_start > self.factor * ran_s
 
     def caught_up(self, rec: JobRecord, ctx: Any, ran_s: float) -> bool:
         """``rec`` has run at least its whole equal share (``ran_s`` seconds of run time)."""
-        return rec.share_start is None or ran_s >= ctx.share_clock - rec.share_start
+        return rec.share_start is None or ran_s >= ctx.share_clock(rec.job.gpus) - rec.share_start

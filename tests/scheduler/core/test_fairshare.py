@@ -244,7 +244,7 @@ def test_a_snapshot_carries_usage_and_levels():
     for e in head:
         live.handle_batch([e])
     data = snapshot.dump(live)
-    assert snapshot.header(data)["version"] == snapshot.VERSION == 4
+    assert snapshot.header(data)["version"] == snapshot.VERSION == 5
     back = snapshot.load(data, profile("las", half_life_s=H))
     assert back.ledger.owners.usage == live.ledger.owners.usage and back.ledger.fair.held == live.ledger.fair.held
     assert back.fair_share() == live.fair_share()

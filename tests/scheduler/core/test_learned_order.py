@@ -80,19 +80,68 @@ def _rec(jid, arrival=0.0, service=0.0, gpus=1, share_start=0.0, running=False):
 
 
 def _ctx(now, share_clock):
+    """A context whose equal-share clock reads ``share_clock`` for every job size."""
     return Context(now=now, records={}, nodes={}, predictors=Predictors(), rng=random.Random(0),
-                   share_clock=share_clock)
+                   share_clock=lambda gpus: share_clock)
 
 
 def test_share_clock_runs_at_the_equal_share_and_counts_demand_and_capacity():
     c = ShareClock()
     c.change(0.0, capacity=4.0)
-    c.change(0.0, demand=2)
-    assert c.at(100.0) == pytest.approx(100.0)  # room for everyone: a second of run time a second
-    c.change(100.0, demand=6)  # 8 GPUs asked for on 4: half the time each
-    assert c.at(300.0) == pytest.approx(200.0)
-    c.change(300.0, demand=-8)
-    assert c.at(400.0) == pytest.approx(300.0) and c.rate() == 1.0
+    c.change(0.0, gpus=1, jobs=2)
+    assert c.at(100.0, 1) == pytest.approx(100.0)  # room for everyone: a second of run time a second
+    c.change(100.0, gpus=2, jobs=3)  # 8 GPUs asked for on 4, by five jobs: 0.8 GPU each
+    assert c.demand == 8 and c.level == pytest.approx(0.8)
+    assert c.at(300.0, 1) == pytest.approx(100.0 + 200 * 0.8)
+    assert c.at(300.0, 2) == pytest.approx(200 * 0.4)  # its clock started when the first 2-GPU job came
+    c.change(300.0, gpus=1, jobs=-2)
+    c.change(300.0, gpus=2, jobs=-3)
+    assert c.demand == 0 and c.rate(8) == 1.0 and c.values == {}
+    assert c.at(400.0, 0) == pytest.approx(0.0 + 100.0)  # a job asking for no GPU runs all the time
+
+
+def test_share_clock_is_max_min_fair_between_job_sizes():
+    """Every job is entitled to the same GPUs; a small job gets what it asks for and the rest go to the
+    wide ones: on 12 GPUs, two 1-GPU jobs run all the time and four 8-GPU jobs share the other 10."""
+    c = ShareClock()
+    c.change(0.0, capacity=12.0)
+    c.change(0.0, gpus=1, jobs=2)
+    c.change(0.0, gpus=8, jobs=4)
+    assert c.level == pytest.approx(2.5)
+    assert c.rate(1) == 1.0 and c.rate(8) == pytest.approx(2.5 / 8)
+    assert 2 * c.rate(1) * 1 + 4 * c.rate(8) * 8 == pytest.approx(12.0)  # the shares fill the cluster
+    # a job entitled to more than a small one asks for never takes from it: three 2-GPU jobs and a
+    # 16-GPU one on 12 GPUs: each 2-GPU job has its 2, the wide one the 6 left
+    d = ShareClock()
+    d.change(0.0, capacity=12.0)
+    d.change(0.0, gpus=2, jobs=3)
+    d.change(0.0, gpus=16, jobs=1)
+    assert d.level == pytest.approx(6.0) and d.rate(2) == 1.0 and d.rate(16) == pytest.approx(6 / 16)
+    # a crowd of equal jobs: the even split, whatever their size
+    e = ShareClock()
+    e.change(0.0, capacity=8.0)
+    e.change(0.0, gpus=4, jobs=4)
+    assert e.rate(4) == pytest.approx(0.5)
+    # no capacity (every node down): nobody is entitled to anything, the clocks stop
+    e.change(10.0, capacity=-8.0)
+    assert e.rate(4) == 0.0 and e.at(50.0, 4) == pytest.approx(5.0)
+
+
+def test_the_core_starts_each_job_on_its_own_size_clock():
+    """The ledger's context reads the clock of the job's own size; a wide job is owed later than a
+    narrow one that arrived with it."""
+    from scheduler.events import NodeReport
+
+    st = SchedulerState(parse_profile({"name": "t", "order": {"plugin": "fifo"}}))
+    st.handle(NodeReport("n", 0.0, Node("a", 4, 16, 64 * GiB)))
+    for i in range(4):
+        st.handle(JobArrived(f"w{i}", 0.0, Job(f"w{i}", "m", gpus=4, arrival=0.0)))
+    st.handle(JobArrived("s", 0.0, Job("s", "m", gpus=1, arrival=0.0)))
+    st.handle(Tick("t", 100.0))
+    ctx = st.ledger.context()
+    # 5 jobs on 4 GPUs: 0.8 GPU each; the 1-GPU job runs 0.8 of the time, a 4-GPU one 0.2
+    assert ctx.share_clock(1) - st.ledger.records["s"].share_start == pytest.approx(80.0)
+    assert ctx.share_clock(4) - st.ledger.records["w3"].share_start == pytest.approx(20.0)
 
 
 def test_share_bound_promotes_a_job_short_of_half_its_equal_share_until_it_has_it():
