@@ -5,6 +5,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from scheduler import Job, JobArrived, JobFinished, Node, SchedulerState, Tick
 from scheduler.events import Place, Preempt
@@ -125,6 +127,27 @@ def test_share_clock_is_max_min_fair_between_job_sizes():
     # no capacity (every node down): nobody is entitled to anything, the clocks stop
     e.change(10.0, capacity=-8.0)
     assert e.rate(4) == 0.0 and e.at(50.0, 4) == pytest.approx(5.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(jobs=hst.dictionaries(hst.integers(1, 64), hst.integers(1, 30), max_size=8),
+       capacity=hst.floats(0.0, 600.0, allow_nan=False))
+def test_share_clock_shares_are_max_min_fair(jobs, capacity):
+    """Whatever the crowd: the shares fill the cluster (or every job has what it asks for), no job is
+    given more than it asks for, and a job short of what it asks for has at least what any other job
+    has (max-min fairness)."""
+    c = ShareClock()
+    c.change(0.0, capacity=capacity)
+    for g, n in jobs.items():
+        c.change(0.0, gpus=g, jobs=n)
+    given_gpus = {g: c.rate(g) * g for g in jobs}
+    demand = sum(g * n for g, n in jobs.items())
+    assert c.demand == demand
+    assert sum(given_gpus[g] * n for g, n in jobs.items()) == pytest.approx(min(capacity, demand), abs=1e-6)
+    for g, have in given_gpus.items():
+        assert have <= g + 1e-9
+        if have < g - 1e-9:
+            assert all(have >= other - 1e-6 for other in given_gpus.values())
 
 
 def test_the_core_starts_each_job_on_its_own_size_clock():
