@@ -32,16 +32,66 @@ def test_plan_has_singles_then_pairs():
     p = gp.plan(["a", "b"], [16, 32])
     assert p[:4] == [(("a", 16),), (("a", 32),), (("b", 16),), (("b", 32),)]
     assert len(p) == 4 + 6 and all(len(g) == 2 for g in p[4:])
+    same = gp.plan(["a", "b"], [16, 32], pairs="same")
+    assert same[4:] == [(("a", 16), ("b", 16)), (("a", 32), ("b", 32))]
+    assert gp.plan(["a", "b"], [16], pairs="none") == gp.plan(["a", "b"], [16], pairs=False) == [(("a", 16),), (("b", 16),)]
 
 
 def test_sampler_and_summary_with_fake_nvml():
     s = gp.NvmlSampler(FakeNvml(), period_s=0.001)
     with s:
         wait_until(lambda: len(s.samples) > 5, timeout=30, what="six samples")
-    sm, mem, used = gp.summarise(s.samples, skip=2)
+    sm, mem, used = gp.summarise(s.samples)
     assert 40 <= sm <= 42 and mem == 20 and used == 1 << 30
+    # only the samples inside the timed window count
+    samples = [(1.0, 0.0, 0.0, 5.0), (2.0, 90.0, 30.0, 7.0), (3.0, 80.0, 40.0, 6.0), (4.0, 0.0, 0.0, 9.0)]
+    assert gp.summarise(samples, 2.0, 3.0) == (85.0, 35.0, 7.0)
     with pytest.raises(ValueError):
         gp.summarise([])
+    with pytest.raises(ValueError):
+        gp.summarise(samples, 5.0, 6.0)
+
+
+def test_a_pair_is_timed_together_and_a_failed_job_fails_its_group():
+    """The whole measuring path on the CPU: two training processes, warmed up, then timed over one
+    window; the samples of that window are summarised.  A job that cannot start fails the group with
+    its reason, and its partner does not wait for it."""
+    group = (("mlp_recommender", 4), ("transformer", 2))
+    rates, (sm, mem, used) = gp.run_group(group, 0.5, FakeNvml(), device="cpu", period_s=0.01)
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+    assert 40 <= sm <= 42 and mem == 20 and used == 1 << 30
+    with pytest.raises(RuntimeError, match="no_such_model"):
+        gp.run_group((("mlp_recommender", 4), ("no_such_model", 4)), 0.5, FakeNvml(), device="cpu")
+
+
+class ConstantPredictor:
+    def __init__(self, speeds):
+        self.speeds = speeds
+
+    def predict_one(self, a, b):
+        return self.speeds
+
+
+def _row(model, batch, partner="", pbatch="", sm=50.0, speed=""):
+    return {"model": model, "batch_size": str(float(batch)), "partner": partner, "partner_batch_size": pbatch,
+            "sm_percent": sm, "mem_percent": 10.0, "memory_used_bytes": 2.0 * 2**30, "steps_per_s": 1.0,
+            "speed_vs_alone": speed}
+
+
+def test_evaluate_holds_the_predictor_against_measured_pairs():
+    rows = [_row("a", 16, sm=30.0), _row("b", 16, sm=40.0),
+            _row("a", 16, "b", 16, speed=0.8), _row("b", 16, "a", 16, speed=0.6)]
+    solo = gp.solo_profiles(rows)
+    assert solo[("a", 16)].gpu_util == 30.0 and solo[("b", 16)].gmem_mib == pytest.approx(2048.0)
+    assert gp.measured_pairs(rows) == [(("a", 16), ("b", 16), 0.8, 0.6)]
+    # measured 0.8 + 0.6 = 1.4: admitted either way round; predicted 0.4 + 0.4: refused both ways
+    res = gp.evaluate(rows, ConstantPredictor((0.4, 0.4)))
+    assert res["mape"] == pytest.approx((0.4 / 0.8 + 0.2 / 0.6) / 2)
+    assert (res["decisions"], res["agree"], res["false_admit"], res["false_reject"]) == (2, 0, 0, 2)
+    # a resident that would keep less than half its speed refuses the newcomer, even if the sum gains:
+    # a (at 1.0) may join b, which keeps 0.3, only if b is not the one already there
+    res = gp.evaluate(rows, ConstantPredictor((1.0, 0.3)))
+    assert res["pairs"][0]["predicted_admit"] == (True, False)  # (b joins a, a joins b)
 
 
 def test_rows_round_trip_into_the_utilisation_predictor(tmp_path):
