@@ -90,7 +90,10 @@ class ShareClock:
         return 1.0 if gpus <= 0 else min(1.0, self.level / gpus)
 
     def at(self, now: float, gpus: int) -> float:
-        """The clock of jobs asking for ``gpus`` GPUs, at ``now`` (not before the last change)."""
+        """The clock of jobs asking for ``gpus`` GPUs, at ``now`` (not before the last change).  A job
+        asking for no GPU is entitled to all its time: its clock is ``now``."""
+        if gpus <= 0:
+            return now
         return self.values.get(gpus, 0.0) + max(0.0, now - self.since) * self.rate(gpus)
 
     def change(self, now: float, gpus: int = 0, jobs: int = 0, capacity: float = 0.0) -> None:

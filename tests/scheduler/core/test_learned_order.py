@@ -99,7 +99,10 @@ def test_share_clock_runs_at_the_equal_share_and_counts_demand_and_capacity():
     c.change(300.0, gpus=1, jobs=-2)
     c.change(300.0, gpus=2, jobs=-3)
     assert c.demand == 0 and c.rate(8) == 1.0 and c.values == {}
-    assert c.at(400.0, 0) == pytest.approx(0.0 + 100.0)  # a job asking for no GPU runs all the time
+    # a job asking for no GPU runs all the time, whatever changes meanwhile
+    start = c.at(310.0, 0)
+    c.change(320.0, gpus=4, jobs=9)
+    assert c.at(400.0, 0) - start == pytest.approx(90.0)
 
 
 def test_share_clock_is_max_min_fair_between_job_sizes():
