@@ -11,8 +11,11 @@ plane alone carrying each region run's traffic.  Per training step:
   writes, per step, through ``RemoteBuffer.read_pages`` / ``write_pages`` on the same donors, with no
   faults, installs or evictions (program and donors' CPU);
 - **the cache**: misses a step for the workload's law (Zipf(1.05) rows hashed over the table, 8
-  lookups a sample, independent draws) at the share's capacity, under LRU (simulated) and under A0 (the
-  most popular units held: for independent draws no policy misses less on average).
+  lookups a sample, independent draws) at the share's capacity, simulated under LRU, under the engine's
+  CLOCK as the workload's hints drive it (GCLOCK, references capped at 3), under an LFU that counts
+  every unit's references since the start (the most an online policy can learn of the law), and under
+  A0 (the most popular units held, knowing the law: for independent draws no policy misses less on
+  average).  The gaps say what a better replacement policy could still win.
 
 Also, when the machine has 2 CPUs or more, the 50% run once more with the program on CPU 0 and the
 donors on the others (``pinned50``): the program then never needs another CPU to flush its TLB when the
@@ -32,7 +35,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +93,65 @@ def lru_misses_per_step(p: np.ndarray, capacity: int, lookups: int, steps: int, 
             cache[u] = None
             if len(cache) > capacity:
                 cache.popitem(last=False)
+    return misses / steps
+
+
+def _draws(p: np.ndarray, lookups: int, steps: int, seed: int):
+    """Each step's distinct units, ``lookups`` independent draws from ``p`` a step."""
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    for _ in range(steps):
+        yield np.unique(np.searchsorted(cdf, rng.random(lookups), side="right"))
+
+
+def gclock_misses_per_step(p: np.ndarray, capacity: int, lookups: int, steps: int, warm: int,
+                           ref_max: int = 3, seed: int = 7) -> float:
+    """Mean misses a step of the engine's CLOCK as the workload's hints drive it (GCLOCK): units in a
+    ring in the order they came in; each step's resident units gain a reference (at most ``ref_max``,
+    the engine's cap); the hand passes a referenced unit on with one reference less and evicts the
+    first unit with none."""
+    ring: deque[int] = deque()
+    ref: dict[int, int] = {}
+    misses = 0
+    for k, units in enumerate(_draws(p, lookups, warm + steps, seed)):
+        for u in units.tolist():
+            if u in ref:
+                ref[u] = min(ref[u] + 1, ref_max)
+                continue
+            misses += k >= warm
+            ref[u] = 0
+            ring.append(u)
+        while len(ref) > capacity:
+            u = ring.popleft()
+            if ref[u]:
+                ref[u] -= 1
+                ring.append(u)
+            else:
+                del ref[u]
+    return misses / steps
+
+
+def lfu_misses_per_step(p: np.ndarray, capacity: int, lookups: int, steps: int, warm: int,
+                        seed: int = 7) -> float:
+    """Mean misses a step of an LFU cache that counts every unit's references since the start,
+    resident or not (the most an online policy can learn of the law): a miss is always taken in, and
+    the resident units counted least leave, never one the step reads."""
+    count = np.zeros(len(p))
+    resident = np.zeros(len(p), dtype=bool)
+    held, misses = 0, 0
+    for k, units in enumerate(_draws(p, lookups, warm + steps, seed)):
+        count[units] += 1
+        new = units[~resident[units]]
+        misses += len(new) * (k >= warm)
+        resident[new] = True
+        held += len(new)
+        if held > capacity:
+            candidates = np.flatnonzero(resident)
+            candidates = candidates[~np.isin(candidates, units)]
+            out = candidates[np.argsort(count[candidates], kind="stable")[:held - capacity]]
+            resident[out] = False
+            held -= len(out)
     return misses / steps
 
 
@@ -263,11 +325,14 @@ def _metrics(runs: dict[str, list[dict[str, Any]]], ws: int, cpus: int, quick: b
         cap = int(share * ws) // UNIT
         distinct, a0 = a0_misses_per_step(p, cap, lookups)
         warm = 4 * cap // max(1, int(distinct)) + 20  # the cache filled and turned over 3 times
-        lru = lru_misses_per_step(p, cap, lookups, steps=60 if quick else 150, warm=warm)
+        sim_steps = 60 if quick else 150
+        lru = lru_misses_per_step(p, cap, lookups, steps=sim_steps, warm=warm)
+        gclock = gclock_misses_per_step(p, cap, lookups, steps=sim_steps, warm=warm)
+        lfu = lfu_misses_per_step(p, cap, lookups, steps=sim_steps, warm=warm)
         fetched = _med(reg, "fetched_per_step")
         plane_cpu = median_range([x["program_cpu_ms"] + x["donors_cpu_ms"] for x in plane])[0]
         m[f"local{tag}_distinct_units_per_step"] = distinct
-        m[f"local{tag}_misses_per_step"] = {"engine": fetched, "lru": lru, "a0": a0}
+        m[f"local{tag}_misses_per_step"] = {"engine": fetched, "lru": lru, "gclock": gclock, "lfu": lfu, "a0": a0}
         m[f"local{tag}_step_ms"] = _med(reg, "step_ms")
         m[f"local{tag}_cpu_ms"] = {"program": _med(reg, "program_cpu_ms"), "donors": _med(reg, "donors_cpu_ms"),
                                    "dataplane_same_traffic": plane_cpu}
@@ -275,7 +340,7 @@ def _metrics(runs: dict[str, list[dict[str, Any]]], ws: int, cpus: int, quick: b
         m[f"dlrm_local{tag}_vs_local"] = (compute_ms / m[f"local{tag}_step_ms"]
                                           if compute_ms and m[f"local{tag}_step_ms"] else None)
         bounds = {}
-        for name, misses in (("engine", fetched), ("lru", lru), ("a0", a0)):
+        for name, misses in (("engine", fetched), ("lru", lru), ("gclock", gclock), ("lfu", lfu), ("a0", a0)):
             if None in (compute_ms, compute_cpu, plane_cpu, fetched) or not fetched:
                 bounds[name] = None
                 continue
@@ -296,14 +361,14 @@ def _print(m: dict[str, Any]) -> None:
     """The table; a part whose runs all failed shows "-" (the notes and the JSON say why)."""
     print(f"all-local: {_f(m['local_step_ms'])} ms a step ({_f(m['local_cpu_ms'])} ms CPU); {m['cpus']} CPUs")
     print(f"{'share':>6} {'step ms':>8} {'prog CPU':>9} {'donors':>7} {'plane CPU':>10} "
-          f"{'misses engine/LRU/A0':>22} {'ratio':>6} {'bound engine/LRU/A0':>22}")
+          f"{'misses engine/LRU/GCLOCK/LFU/A0':>32} {'ratio':>6} {'bound engine/LRU/GCLOCK/LFU/A0':>32}")
     for share in SHARES:
         tag = str(int(share * 100))
         c, mi, b = m[f"local{tag}_cpu_ms"], m[f"local{tag}_misses_per_step"], m[f"bound_ratio_local{tag}"]
-        misses = "/".join(_f(mi[k], 0) for k in ("engine", "lru", "a0"))
-        bound = "/".join(_f(b[k]) for k in ("engine", "lru", "a0"))
+        misses = "/".join(_f(mi[k], 0) for k in ("engine", "lru", "gclock", "lfu", "a0"))
+        bound = "/".join(_f(b[k]) for k in ("engine", "lru", "gclock", "lfu", "a0"))
         print(f"{tag + '%':>6} {_f(m[f'local{tag}_step_ms']):>8} {_f(c['program']):>9} {_f(c['donors']):>7} "
-              f"{_f(c['dataplane_same_traffic']):>10} {misses:>22} {_f(m[f'dlrm_local{tag}_vs_local']):>6} {bound:>22}")
+              f"{_f(c['dataplane_same_traffic']):>10} {misses:>32} {_f(m[f'dlrm_local{tag}_vs_local']):>6} {bound:>32}")
     for share in SHARES:
         tag = str(int(share * 100))
         st = m.get(f"local{tag}_engine_ms_per_step") or {}

@@ -4,7 +4,8 @@ floor on a step's time (the measured parts run only in the benchmark)."""
 import numpy as np
 import pytest
 
-from bench.paging_bound import a0_misses_per_step, floor_step_ms, lru_misses_per_step, unit_probabilities
+from bench.paging_bound import (a0_misses_per_step, floor_step_ms, gclock_misses_per_step, lfu_misses_per_step,
+                                lru_misses_per_step, unit_probabilities)
 from bench.paging_work import zipf_rows
 
 
@@ -37,6 +38,23 @@ def test_lru_on_a_uniform_law_hits_its_share_and_a0_beats_it_on_a_skewed_one():
     skewed /= skewed.sum()
     _, a0 = a0_misses_per_step(skewed, cap, lookups)
     assert a0 < lru_misses_per_step(skewed, cap, lookups, steps=300, warm=60)
+
+
+def test_replacement_policies_rank_as_theory_says_on_a_skewed_law():
+    """On independent draws from a skewed law: A0 (knowing the law) <= LFU (learning it) <= GCLOCK
+    (counting recent references) <= LRU; on a uniform law every policy hits its share."""
+    n, cap, lookups = 2000, 500, 64
+    skewed = unit_probabilities(16 * n)[:n]
+    skewed /= skewed.sum()
+    _, a0 = a0_misses_per_step(skewed, cap, lookups)
+    lru = lru_misses_per_step(skewed, cap, lookups, steps=300, warm=60)
+    gclock = gclock_misses_per_step(skewed, cap, lookups, steps=300, warm=60)
+    lfu = lfu_misses_per_step(skewed, cap, lookups, steps=300, warm=60)
+    assert a0 <= lfu * 1.02 and lfu < gclock < lru
+    uniform = np.full(n, 1 / n)
+    distinct, _ = a0_misses_per_step(uniform, cap, lookups)
+    for sim in (gclock_misses_per_step, lfu_misses_per_step):
+        assert sim(uniform, cap, lookups, steps=300, warm=60) == pytest.approx(distinct * (1 - cap / n), rel=0.05)
 
 
 def test_a_step_is_bounded_by_its_compute_or_by_all_its_cpu_over_the_cpus():
