@@ -377,9 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - needs 
             partner = group[1 - i] if len(group) == 2 else ("", "")
             if len(group) == 1:
                 alone[(m, b)] = tput[i]
+            speed = tput[i] / alone[(m, b)] if alone.get((m, b)) else ""
             rows.append({**feats[(m, b)], "model": m, "batch_size": b, "partner": partner[0],
-                         "partner_batch_size": partner[1], "sm_percent": sm, "mem_percent": mem, "memory_used_bytes": used,
-                         "steps_per_s": tput[i], "speed_vs_alone": tput[i] / alone[(m, b)] if alone.get((m, b)) else ""})
+                         "partner_batch_size": partner[1], "sm_percent": sm, "mem_percent": mem,
+                         "memory_used_bytes": used, "steps_per_s": tput[i], "speed_vs_alone": speed})
         write_rows(a.out, rows)  # what a killed run measured is kept
         print(group, [round(t, 2) for t in tput], sm, mem, file=sys.stderr, flush=True)
     return 1 if failed else 0

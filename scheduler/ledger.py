@@ -157,7 +157,8 @@ class Ledger:
         return Context(now=self.now, records=self.records, nodes=self.nodes, predictors=self.predictors,
                        rng=self.rng, total_gpus=self.total_gpus, free_gpus=self.free_gpus,
                        pool=self.pool if self.pool.active else None, quota=self.lent_limits,
-                       share_clock=functools.partial(self.share_clock.at, self.now), running=self.running, waiting=self.waiting)
+                       share_clock=functools.partial(self.share_clock.at, self.now), running=self.running,
+                       waiting=self.waiting)
 
     # ------------------------------------------------------------ owners: fair share and quotas
 

@@ -34,7 +34,8 @@ def test_plan_has_singles_then_pairs():
     assert len(p) == 4 + 6 and all(len(g) == 2 for g in p[4:])
     same = gp.plan(["a", "b"], [16, 32], pairs="same")
     assert same[4:] == [(("a", 16), ("b", 16)), (("a", 32), ("b", 32))]
-    assert gp.plan(["a", "b"], [16], pairs="none") == gp.plan(["a", "b"], [16], pairs=False) == [(("a", 16),), (("b", 16),)]
+    singles = [(("a", 16),), (("b", 16),)]
+    assert gp.plan(["a", "b"], [16], pairs="none") == gp.plan(["a", "b"], [16], pairs=False) == singles
 
 
 def test_sampler_and_summary_with_fake_nvml():
