@@ -12,10 +12,24 @@ The targets of issue 23 are checked on every shape and on the shared traces alik
 * p99 JCT <= 1.1 x FIFO's;
 * worst slowdown <= 0.1 x FIFO's;
 * preemptions per job of the ``dlshare`` profile <= 1.0.
+
+Run alone, it judges a profile on many seeds of every shape (the held-out check: a knob set a priori
+should hold on seeds and shapes it was never looked at on), and optionally against another profile::
+
+    python -m bench.sched_shapes --seeds 1,2,3 [--profile P.toml] [--vs dlshare] [--workers 2]
+
+It prints, per seed, how many shapes meet each of the four targets, and with ``--vs`` the geometric
+mean over every (shape, seed) case of the profile's figures over the other's, with how many cases got
+better and worse.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 # Our duration-agnostic baselines (the issue's yardstick for the mean), the oracle, and the rest.
@@ -104,3 +118,103 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 f"{worst if worst is None else f'{worst:.3g}'} / {r['preemptions_per_job']:.2f}")
         out.append(row)
     return out
+
+
+TARGETS = ("mean", "p99", "worst slowdown", "preemptions")
+TARGET_POLICIES = ("fifo", "srtf", *AGNOSTIC[:3], "dlshare")  # what the four targets are computed from
+METRICS = ("avg_jct_h", "p99_jct_h", "worst_slowdown", "preemptions_per_job")
+
+
+def _case(shape: str, seed: int, policy: str, restart_s: float, profile: str) -> dict[str, Any]:
+    """One simulation: ``policy`` on ``shape``'s trace for ``seed`` (as :func:`run_shapes` runs it)."""
+    rows = run_shapes(False, seed, restart_s, policies=(policy,), shapes=(shape,), profile=profile)
+    return {**rows[0], "seed": seed}
+
+
+def run_cases(seeds: tuple[int, ...], restart_s: float, policies: tuple[str, ...] = SHAPE_POLICIES,
+              shapes: tuple[str, ...] | None = None, profile: str = "dlshare",
+              workers: int = 1) -> list[dict[str, Any]]:
+    """Every policy on every shape for every seed; rows carry their ``seed``.  ``profile`` is judged
+    as ``dlshare`` (its rows say so).  ``workers`` processes (each simulation is independent)."""
+    from bench.shapes import ALL_SHAPES
+
+    wanted = shapes or tuple(s.name for s in ALL_SHAPES)
+    jobs = [(sh, seed, pol, restart_s, profile) for seed in seeds for sh in wanted for pol in policies]
+    if workers <= 1:
+        return [_case(*j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_case, *zip(*jobs)))
+
+
+def met_per_seed(rows: list[dict[str, Any]], ours: str = "dlshare") -> dict[int, dict[str, tuple[int, int]]]:
+    """seed -> target -> (shapes where ``ours`` meets it, shapes judged), from :func:`checks`."""
+    out: dict[int, dict[str, tuple[int, int]]] = {}
+    for seed in sorted({r["seed"] for r in rows}):
+        counts = {t: [0, 0] for t in TARGETS}
+        for name, value, _, bound in checks([r for r in rows if r["seed"] == seed], ours):
+            target = next(t for t in TARGETS if f" {t} " in name)
+            if value is None or bound is None:
+                continue
+            counts[target][0] += value <= bound
+            counts[target][1] += 1
+        out[seed] = {t: (c[0], c[1]) for t, c in counts.items()}
+    return out
+
+
+def compare(rows: list[dict[str, Any]], other: list[dict[str, Any]],
+            ours: str = "dlshare") -> dict[str, dict[str, float]]:
+    """For each metric: the geometric mean over the (shape, seed) cases in both of ``ours``'s figure in
+    ``rows`` over its figure in ``other``, and how many cases got better (under 0.995) and worse
+    (over 1.005).  Cases where either figure is 0 or missing are left out."""
+    mine = {(r["trace"], r["seed"]): r for r in rows if r["policy"] == ours}
+    theirs = {(r["trace"], r["seed"]): r for r in other if r["policy"] == ours}
+    out = {}
+    for metric in METRICS:
+        ratios = [mine[k][metric] / theirs[k][metric] for k in mine.keys() & theirs.keys()
+                  if mine[k].get(metric) and theirs[k].get(metric)]
+        out[metric] = {"geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan"),
+                       "better": sum(x < 0.995 for x in ratios), "worse": sum(x > 1.005 for x in ratios),
+                       "cases": len(ratios)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scheduler.sim import RESTART_COST_S
+
+    ap = argparse.ArgumentParser(description="Issue 23's targets for a profile on many seeds of every shape.")
+    ap.add_argument("--seeds", default="0", help="comma-separated trace seeds (default 0; 1,2,3: held out)")
+    ap.add_argument("--profile", default="dlshare", help="the profile judged (a name or a TOML path)")
+    ap.add_argument("--vs", default="", help="another profile: ratios of the judged one's figures over it")
+    ap.add_argument("--shapes", default="", help="comma-separated shapes (default: all)")
+    ap.add_argument("--restart-cost", type=float, default=RESTART_COST_S, metavar="S")
+    ap.add_argument("--workers", type=int, default=1, help="simulations at once")
+    ap.add_argument("--json", default="", help="write every row here")
+    a = ap.parse_args(argv)
+    try:
+        seeds = tuple(int(x) for x in a.seeds.split(",") if x)
+    except ValueError:
+        ap.error(f"--seeds: comma-separated integers, not {a.seeds!r}")
+    shapes = tuple(x for x in a.shapes.split(",") if x) or None
+    rows = run_cases(seeds, a.restart_cost, policies=TARGET_POLICIES, shapes=shapes, profile=a.profile,
+                     workers=a.workers)
+    other = (run_cases(seeds, a.restart_cost, policies=("dlshare",), shapes=shapes, profile=a.vs,
+                       workers=a.workers) if a.vs else [])
+    total = {t: [0, 0] for t in TARGETS}
+    for seed, counts in met_per_seed(rows).items():
+        print(f"seed {seed}: " + ", ".join(f"{t} {m}/{n}" for t, (m, n) in counts.items()))
+        for t, (m, n) in counts.items():
+            total[t][0] += m
+            total[t][1] += n
+    print("all seeds: " + ", ".join(f"{t} {m}/{n}" for t, (m, n) in total.items()))
+    if other:
+        for metric, c in compare(rows, other).items():
+            print(f"{metric}: {a.profile} / {a.vs} geometric mean {c['geomean']:.3f} over {c['cases']} cases "
+                  f"({c['better']} better, {c['worse']} worse)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "vs_rows": other}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """bench/sched.py end to end on a small trace: the JSON shape the issue asks for, plots, targets."""
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,39 @@ def test_shape_targets_follow_the_issue_bounds():
     assert list(met.values()) == [True, True, True, False]  # mean, p99, worst slowdown; 1.2 preemptions a job
     table = sched_shapes.table(rows)
     assert table[0]["dlshare"] == "5.5 / 54 / 30 / 1.20"
+
+
+def test_shapes_on_many_seeds_count_targets_per_seed_and_compare_two_profiles():
+    from bench import sched_shapes
+
+    def rows(seed, ours):  # ours: (mean, p99, worst slowdown, preemptions) of dlshare
+        base = (("fifo", 10.0, 50.0, 400.0, 0.0), ("las", 8.0, 70.0, 9.0, 5.0), ("tiresias", 7.5, 60.0, 8.0, 2.0),
+                ("gittins", 7.0, 65.0, 7.0, 1.5), ("srtf", 4.0, 55.0, 2.0, 0.4), ("dlshare", *ours))
+        return [{"trace": "x", "cluster": "2x4", "seed": seed, "policy": p, "avg_jct_h": m, "p99_jct_h": p99,
+                 "worst_slowdown": w, "preemptions_per_job": pre} for p, m, p99, w, pre in base]
+
+    a = rows(0, (5.5, 54.0, 30.0, 1.2)) + rows(1, (6.0, 60.0, 50.0, 0.5))  # seed 1: mean, p99, worst missed
+    met = sched_shapes.met_per_seed(a)
+    assert met[0] == {"mean": (1, 1), "p99": (1, 1), "worst slowdown": (1, 1), "preemptions": (0, 1)}
+    assert met[1] == {"mean": (0, 1), "p99": (0, 1), "worst slowdown": (0, 1), "preemptions": (1, 1)}
+    b = rows(0, (11.0, 54.0, 30.0, 0.6)) + rows(1, (6.0, 60.0, 50.0, 0.5))
+    c = sched_shapes.compare(a, b)
+    assert c["avg_jct_h"]["geomean"] == pytest.approx(math.sqrt(0.5)) and c["avg_jct_h"]["better"] == 1
+    assert c["avg_jct_h"]["worse"] == 0 and c["preemptions_per_job"]["worse"] == 1
+    assert c["p99_jct_h"]["geomean"] == pytest.approx(1.0) and c["p99_jct_h"]["cases"] == 2
+
+
+def test_shapes_on_many_seeds_run_as_the_benchmark_runs_them():
+    """run_cases gives, seed by seed, the rows the benchmark's own shapes part gives, in processes too."""
+    from bench import sched_shapes
+
+    one = sched_shapes.run_cases((0, 1), 30.0, policies=("fifo", "srtf"), shapes=("gang-small",))
+    assert [(r["seed"], r["policy"]) for r in one] == [(0, "fifo"), (0, "srtf"), (1, "fifo"), (1, "srtf")]
+    same = sched_shapes.run_shapes(False, 0, 30.0, policies=("fifo", "srtf"), shapes=("gang-small",))
+    assert [r["avg_jct_h"] for r in one[:2]] == [r["avg_jct_h"] for r in same]
+    assert one[2]["avg_jct_h"] != one[0]["avg_jct_h"]  # another seed, another trace
+    two = sched_shapes.run_cases((0, 1), 30.0, policies=("fifo", "srtf"), shapes=("gang-small",), workers=2)
+    assert [r["avg_jct_h"] for r in two] == [r["avg_jct_h"] for r in one]
 
 
 def test_mixed_cluster_benchmark_runs_blind_and_typed_dlshare():
