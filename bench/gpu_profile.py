@@ -211,23 +211,35 @@ def _train(name: str, batch: int, seconds: float, q: Any, start: Any, device: st
 
 
 def run_group(group: tuple[tuple[str, int], ...], seconds: float, nvml: Any, device: str = "cuda",
-              period_s: float = 0.1) -> tuple[list[float], tuple[float, float, float]]:
+              period_s: float = 0.1, target: Callable[..., None] = _train,
+              ) -> tuple[list[float], tuple[float, float, float]]:
     """Train the group's jobs at once, one process each, timed over the same window; their steps/s and
-    the GPU's (SM %, memory %, memory used) in that window.  RuntimeError when a job fails."""
+    the GPU's (SM %, memory %, memory used) in that window.  RuntimeError when a job fails, or when its
+    process dies without a word (killed for memory, say): then at once, not at the deadline."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     start = ctx.Barrier(len(group))
-    procs = [ctx.Process(target=_train, args=(m, b, seconds, q, start, device)) for m, b in group]
+    procs = [ctx.Process(target=target, args=(m, b, seconds, q, start, device)) for m, b in group]
     got: dict[tuple[str, int], tuple[Any, float, float]] = {}
+    deadline = time.monotonic() + seconds + 900
     with NvmlSampler(nvml, period_s=period_s) as s:
         for p in procs:
             p.start()
         try:
-            for _ in procs:
-                m, b, rate, t0, t1 = q.get(timeout=seconds + 900)
-                got[(m, b)] = (rate, t0, t1)
-        except queue.Empty:
-            raise RuntimeError(f"{group}: no result within {seconds + 900:.0f} s") from None
+            while len(got) < len(procs):
+                try:
+                    m, b, rate, t0, t1 = q.get(timeout=1.0)
+                    got[(m, b)] = (rate, t0, t1)
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [(g, p.exitcode) for g, p in zip(group, procs) if g not in got and p.exitcode is not None]
+                if dead:
+                    start.abort()  # its partners stop waiting for it
+                    raise RuntimeError("; ".join(f"{g}: the process ended with {code} and no result"
+                                                 for g, code in dead))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{group}: no result within {seconds + 900:.0f} s")
         finally:
             for p in procs:
                 p.join(timeout=60)

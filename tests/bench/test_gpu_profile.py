@@ -1,6 +1,7 @@
 """bench/gpu_profile.py without a GPU: the plan, features, NVML sampling through a fake, CSV rows."""
 
 import csv
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -63,6 +64,20 @@ def test_a_pair_is_timed_together_and_a_failed_job_fails_its_group():
     assert 40 <= sm <= 42 and mem == 20 and used == 1 << 30
     with pytest.raises(RuntimeError, match="no_such_model"):
         gp.run_group((("mlp_recommender", 4), ("no_such_model", 4)), 0.5, FakeNvml(), device="cpu")
+
+
+def _dies(name, batch, seconds, q, start, device):
+    """A job whose process dies without a word (as one killed for memory does)."""
+    import os
+
+    os._exit(3)
+
+
+def test_a_job_whose_process_dies_fails_its_group_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended with 3 and no result"):
+        gp.run_group((("mlp_recommender", 4),), 0.5, FakeNvml(), device="cpu", target=_dies)
+    assert time.monotonic() - t0 < 600  # not the 900 s deadline
 
 
 class ConstantPredictor:
