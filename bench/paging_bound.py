@@ -75,17 +75,23 @@ def a0_misses_per_step(p: np.ndarray, capacity: int, lookups: int) -> tuple[floa
     return float(seen.sum()), float(seen[order[capacity:]].sum())
 
 
+def _draws(p: np.ndarray, lookups: int, steps: int, seed: int):
+    """Each step's distinct units, ``lookups`` independent draws from ``p`` a step."""
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    for _ in range(steps):
+        yield np.unique(np.searchsorted(cdf, rng.random(lookups), side="right"))
+
+
 def lru_misses_per_step(p: np.ndarray, capacity: int, lookups: int, steps: int, warm: int,
                         seed: int = 7) -> float:
     """Mean misses a step of an LRU cache of ``capacity`` units over ``warm + steps`` steps of draws
     from ``p`` (each step's distinct units referenced once, as the engine's prefetch does)."""
-    rng = np.random.default_rng(seed)
-    cdf = np.cumsum(p)
-    cdf /= cdf[-1]
     cache: OrderedDict[int, None] = OrderedDict()
     misses = 0
-    for k in range(warm + steps):
-        for u in np.unique(np.searchsorted(cdf, rng.random(lookups), side="right")).tolist():
+    for k, units in enumerate(_draws(p, lookups, warm + steps, seed)):
+        for u in units.tolist():
             if u in cache:
                 cache.move_to_end(u)
                 continue
@@ -94,15 +100,6 @@ def lru_misses_per_step(p: np.ndarray, capacity: int, lookups: int, steps: int, 
             if len(cache) > capacity:
                 cache.popitem(last=False)
     return misses / steps
-
-
-def _draws(p: np.ndarray, lookups: int, steps: int, seed: int):
-    """Each step's distinct units, ``lookups`` independent draws from ``p`` a step."""
-    rng = np.random.default_rng(seed)
-    cdf = np.cumsum(p)
-    cdf /= cdf[-1]
-    for _ in range(steps):
-        yield np.unique(np.searchsorted(cdf, rng.random(lookups), side="right"))
 
 
 def gclock_misses_per_step(p: np.ndarray, capacity: int, lookups: int, steps: int, warm: int,
