@@ -13,6 +13,14 @@ from nodesvc.bus.procs import wait_until
 from tests.aggregator.aggtest import addr, run_ranks
 
 
+def _closed_units(srv, job: str, n: int) -> list[dict]:
+    """The server's stage records of ``job`` once at least ``n`` are closed.  A unit's record closes
+    when the server's send of its result completes, which can come after the ranks have the result:
+    wait for the server's side rather than race it."""
+    wait_until(lambda: len(srv.stages.records(job)) >= n, timeout=30, what=f"the server to close {n} units of {job}")
+    return srv.stages.records(job)
+
+
 def test_chunks_take_about_8_ms_of_a_connections_share_of_the_link():
     # 500 Mbit/s, 4 servers and 4 ranks: each connection gets 15.6 MB/s, 8 ms of it is 125 kB
     c = chunk_for_link(500e6 / 8, 4, 4)
@@ -65,7 +73,8 @@ def test_a_rank_ahead_pushes_no_more_than_its_window_before_answers_come(agg_ser
         for c in clients:
             c.close()
     np.testing.assert_array_equal(xs[0], np.full_like(xs[0], 3.0))
-    units = sorted((u for u in srv.stages.records("win") if u["round"] == 1), key=lambda u: u["arrived"]["0"][0])
+    units = sorted((u for u in _closed_units(srv, "win", nchunks + 1) if u["round"] == 1),
+                   key=lambda u: u["arrived"]["0"][0])
     assert len(units) == nchunks
     for earlier, later in zip(units, units[window:]):
         assert later["arrived"]["0"][0] > earlier["sum"][1], (earlier, later)
@@ -109,7 +118,7 @@ def test_stage_records_follow_a_reduction_through_client_and_server(agg_servers)
         assert r["ready"] <= r["push_first"] <= r["push_first_done"] <= r["push_last"]
         assert r["push_first"] <= r["pull_first"] <= r["pull_last"] <= r["done"]
         assert list(r["servers"]) == [addr(srv)]
-    units = srv.stages.records("trace")
+    units = _closed_units(srv, "trace", 5)
     assert sorted(u["chunk"] for u in units) == list(range(5))
     for u in units:
         assert sorted(u["arrived"]) == ["0", "1"]
