@@ -144,6 +144,9 @@ class Gittins(_Preemptive):
     many pseudo-jobs and the active jobs as censored observations (Kaplan-Meier;
     :class:`~scheduler.plugins.durations.LearnedDurations`); ``per_type`` then refines it per type
     with ``prior_weight`` pseudo-jobs of the workload's distribution.
+    ``samples``: the run-time distribution given outright (seconds), in place of ``prior``: a
+    benchmark's reference (``gittins-known`` in bench/sched_shapes.py: the trace's own run times, the
+    most a duration-agnostic order could know of them), not something a live scheduler has.
     ``starve_factor``: Tiresias's starvation guard (0 = off).
     ``boost``: bound the tail with boosted arrival times
     (:mod:`scheduler.plugins.tail`): jobs run in order of arrival minus a head
@@ -161,7 +164,8 @@ class Gittins(_Preemptive):
     def __init__(self, prior: str = "philly", learn: bool = True, learn_weight: float = 50.0,
                  quantum_s: float = 360.0, starve_factor: float = 0.0, per_type: bool = False,
                  prior_weight: float = 20.0, boost: float = 0.0, prior_jobs: float = 0.0,
-                 share_bound: float = 0.0, preempt_margin: float = 0.0) -> None:
+                 share_bound: float = 0.0, preempt_margin: float = 0.0,
+                 samples: list[float] | None = None) -> None:
         super().__init__(quantum_s)
         if starve_factor < 0 or prior_weight <= 0 or learn_weight < 0 or boost < 0 or prior_jobs < 0 \
                 or share_bound < 0:
@@ -170,7 +174,13 @@ class Gittins(_Preemptive):
         if boost and share_bound:
             raise ValueError("boost and share_bound are two tail bounds: give one")
         self.starve_factor = float(starve_factor)
-        samples = _load_prior(prior)
+        if samples is not None:
+            given = np.asarray(samples, dtype=float)
+            if given.ndim != 1 or not given.size or not np.all(np.isfinite(given)) or np.any(given <= 0):
+                raise ValueError("samples: a non-empty list of positive, finite run times in seconds")
+            samples = given
+        else:
+            samples = _load_prior(prior)
         self.learned = LearnedDurations(samples, prior_jobs, prior_weight) if prior_jobs else None
         self.table = self.learned.table if self.learned is not None else GittinsTable(samples)
         self.boost = BoostedArrival(boost, float(np.mean(samples))) if boost else None

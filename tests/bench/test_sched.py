@@ -134,6 +134,35 @@ def test_shapes_on_many_seeds_count_targets_per_seed_and_compare_two_profiles():
     assert c["p99_jct_h"]["geomean"] == pytest.approx(1.0) and c["p99_jct_h"]["cases"] == 2
 
 
+def test_mean_misses_are_counted_against_the_known_distribution_reference():
+    from bench import sched_shapes
+
+    def rows(trace, ours, known):
+        base = (("fifo", 10.0), ("las", 8.0), ("tiresias", 7.5), ("gittins", 7.0), ("srtf", 4.0),
+                ("dlshare", ours), (sched_shapes.KNOWN, known))
+        return [{"trace": trace, "cluster": "2x4", "seed": 0, "policy": p, "avg_jct_h": m, "p99_jct_h": 50.0,
+                 "worst_slowdown": 9.0, "preemptions_per_job": 0.1} for p, m in base]
+
+    # bound 5.6 on each: "a" met; "b" missed by both; "c" missed by dlshare only
+    r = rows("a", 5.5, 5.0) + rows("b", 6.5, 6.0) + rows("c", 6.5, 5.0)
+    assert sched_shapes.out_of_reach(r) == {0: (2, 1)}
+    assert sched_shapes.bounds(r, "b")["best_agnostic"] == 7.0  # the reference is not a baseline
+
+
+def test_the_known_distribution_reference_is_gittins_told_the_traces_run_times():
+    from bench import sched_shapes
+    from bench.shapes import ALL_SHAPES, make_trace
+
+    shape = next(s for s in ALL_SHAPES if s.name == "gang-small")
+    trace = make_trace(shape, seed=1)
+    prof = sched_shapes.known_profile(trace)
+    assert prof.order.plugin == "gittins" and prof.order.args["learn"] is False
+    assert sorted(prof.order.args["samples"]) == sorted(j.duration_s for j in trace)
+    rows = sched_shapes.run_shapes(False, 0, 30.0, policies=("gittins", sched_shapes.KNOWN), shapes=("gang-small",))
+    assert [r["policy"] for r in rows] == ["gittins", sched_shapes.KNOWN]
+    assert rows[0]["avg_jct_h"] != rows[1]["avg_jct_h"]  # the Philly prior ranks these hours-long jobs otherwise
+
+
 def test_shapes_on_many_seeds_run_as_the_benchmark_runs_them():
     """run_cases gives, seed by seed, the rows the benchmark's own shapes part gives, in processes too."""
     from bench import sched_shapes

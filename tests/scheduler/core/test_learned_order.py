@@ -208,6 +208,23 @@ def test_preempt_margin_keeps_a_running_job_against_a_slightly_better_index():
     assert g.key(runner, ctx) < g.key(waiter, ctx)
 
 
+def test_gittins_told_a_distribution_ranks_by_it_and_refuses_a_bad_one():
+    """``samples`` (the benchmark's known-distribution reference) replaces the Philly prior: under run
+    times that all end at 100 s the job nearer its end ranks first; under a decreasing hazard (Pareto)
+    the fresh one does."""
+    ctx = _ctx(0.0, 0.0)
+    fresh, half = _rec("fresh"), _rec("half", service=50.0)
+    told = Gittins(learn=False, samples=[100.0] * 50)
+    assert told.key(half, ctx) < told.key(fresh, ctx)
+    heavy = Gittins(learn=False, samples=list(np.random.default_rng(1).pareto(1.0, 5000) * 10 + 1))
+    assert heavy.key(fresh, ctx) < heavy.key(half, ctx)
+    for bad in ([], [100.0, -1.0], [float("nan")], [[1.0, 2.0]]):
+        with pytest.raises(ValueError, match="samples"):
+            Gittins(samples=bad)
+    with pytest.raises(ProfileError, match="samples"):
+        _prof(samples=[0.0])
+
+
 def _prof(**order):
     return parse_profile({"name": "t", "order": {"plugin": "gittins", "args": {"learn": False, **order}},
                           "score": [{"plugin": "consolidate"}]})
