@@ -42,6 +42,13 @@ static int in_stream(const dls_trend *t, int64_t unit) {
 int dls_trend_follows(const dls_trend *t, int64_t unit) { return t->stride != 0 && in_stream(t, unit); }
 
 uint32_t dls_trend_fault(dls_trend *t, int64_t unit, uint32_t max_depth, int64_t *first, int64_t *stride) {
+    if (t->stride != 0 && !in_stream(t, unit)) {
+        /* The reader left its stream.  The faults remembered from inside it fell where the prefetch runs
+         * ended (every 8 units for 16 KiB units in 128 KiB runs), a spacing the vote would take for the
+         * reader's stride: start over, as at the first fault. */
+        t->n = 0;
+        t->pos = 0;
+    }
     t->hist[t->pos] = unit;
     t->pos = (t->pos + 1) % DLS_TREND_HIST;
     if (t->n < DLS_TREND_HIST) t->n++;

@@ -9,8 +9,9 @@
  * eighth of the maximum depth at first.  Units
  * are only seen when they fault, so once a stream is running a fault inside
  * or just past the window it asked for means "keep going": the depth doubles
- * (up to the caller's maximum).  Any other fault falls back to the vote, and
- * no majority ends the stream. */
+ * (up to the caller's maximum).  Any other fault ends the stream and falls back
+ * to the vote over the faults from that one on (inside a stream, faults land
+ * where the prefetch runs end, which says nothing of the reader's stride). */
 #include <stdint.h>
 
 #define DLS_TREND_HIST 16      /* faults remembered */

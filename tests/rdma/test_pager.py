@@ -71,6 +71,21 @@ def test_trend_follows_strides_and_descending_scans_and_ignores_random_faults():
     assert lib.dls_trend_majority(t, 4) == 0
 
 
+def test_trend_forgets_a_left_streams_faults_when_it_looks_for_the_next():
+    """Inside a running stream the faults land where its prefetch runs end (every 8 units for 16 KiB
+    units and 128 KiB runs), a spacing that says nothing of how the program reads.  A reader that
+    jumps elsewhere and reads on in order must get a stream of stride 1, not one of stride 8 that
+    prefetches every eighth unit while it faults on each of the others (found in the paging bench's
+    stream at 16 KiB units: a whole 4 MiB chunk fetched on demand, unit by unit)."""
+    old = [1000 + 8 * k for k in range(12)]  # a stream's faults, 8 units apart, depth 64
+    asked = trend_run([1000, 1001, 1002] + old[1:] + [5000, 5001, 5002, 5003], max_depth=64)
+    assert asked[2] == list(range(1003, 1011))  # the first stream, stride 1
+    jump = asked[-4:]
+    assert jump[:2] == [[], []]
+    assert jump[2][:2] == [5003, 5004]  # stride 1, found at the third fault as a fresh detector finds it
+    assert all(b - a == 1 for run in jump for a, b in zip(run, run[1:]))
+
+
 # --- faults, eviction, write-back -----------------------------------------------------------------
 
 @pytest.mark.parametrize("policy,unit", [("clock", 64 << 10), ("fifo", 16 << 10), ("random", 4 << 10)])
