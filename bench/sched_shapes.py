@@ -35,9 +35,11 @@ from typing import Any
 # Our duration-agnostic baselines (the issue's yardstick for the mean), the oracle, and the rest.
 AGNOSTIC = ("las", "tiresias", "gittins", "fifo")
 # A reference, not a baseline (not in AGNOSTIC): 2D-Gittins told the trace's own run-time distribution
-# (never a job's own run time), the most a duration-agnostic order can know.  Gittins's index is the
-# optimal non-anticipating order for the mean on one server (M/G/1); where even this one misses the
-# mean target, the target is out of reach of the order alone (issue 23 asks misses to be explained).
+# (never a job's own run time).  Where run times do not depend on the job's type (the synthetic shapes)
+# that is the most a duration-agnostic order can know, and Gittins's index is the optimal
+# non-anticipating order for the mean on one server (M/G/1): where even this one misses the mean
+# target, the target is out of reach of the order alone (issue 23 asks misses to be explained).  On
+# traces whose job types predict run times (the shared ones) a per-type order can do better.
 KNOWN = "gittins-known"
 SHAPE_POLICIES = ("fifo", "spread", "srtf", "las", "tiresias", "gittins", KNOWN, "gandiva", "horus", "iadeep",
                   "synergy", "dlshare")
