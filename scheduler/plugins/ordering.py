@@ -145,8 +145,8 @@ class Gittins(_Preemptive):
     :class:`~scheduler.plugins.durations.LearnedDurations`); ``per_type`` then refines it per type
     with ``prior_weight`` pseudo-jobs of the workload's distribution.
     ``samples``: the run-time distribution given outright (seconds), in place of ``prior``: a
-    benchmark's reference (``gittins-known`` in bench/sched_shapes.py: the trace's own run times, the
-    most a duration-agnostic order could know of them), not something a live scheduler has.
+    benchmark's reference (``gittins-known`` in bench/sched_shapes.py: the trace's own run times), not
+    something a live scheduler has.
     ``starve_factor``: Tiresias's starvation guard (0 = off).
     ``boost``: bound the tail with boosted arrival times
     (:mod:`scheduler.plugins.tail`): jobs run in order of arrival minus a head
