@@ -221,7 +221,8 @@ def run(args) -> dict[str, Any]:
         return None
 
     fifo = get("vc_0e4a51", "fifo", "avg_jct_h")
-    baselines = [r["avg_jct_h"] for r in runs if r["trace"] == "vc_0e4a51" and r["policy"] not in ("dlshare", *REFERENCES)]
+    baselines = [r["avg_jct_h"] for r in runs
+                 if r["trace"] == "vc_0e4a51" and r["policy"] not in ("dlshare", *REFERENCES)]
     best_baseline = min(baselines) if baselines else None
     dl = get("vc_0e4a51", "dlshare", "avg_jct_h")
     metrics = {
@@ -258,8 +259,8 @@ def run(args) -> dict[str, Any]:
         ("dlshare GPU utilisation vc_0e4a51", get("vc_0e4a51", "dlshare", "gpu_util"), ">=", PEER_GPU_UTIL),
         ("dlshare avg JCT static_100job (h)", get("static_100job", "dlshare", "avg_jct_h"), "<=", SRTF_TUNE_H),
         ("dlshare avg JCT vc_103959 vs best baseline", get("vc_103959", "dlshare", "avg_jct_h"), "<=",
-         min([r["avg_jct_h"] for r in runs if r["trace"] == "vc_103959" and r["policy"] not in ("dlshare", *REFERENCES)],
-             default=None)),
+         min([r["avg_jct_h"] for r in runs
+              if r["trace"] == "vc_103959" and r["policy"] not in ("dlshare", *REFERENCES)], default=None)),
         ("dlshare p99 JCT vc_103959 vs FIFO p99 (h)", get("vc_103959", "dlshare", "p99_jct_h"), "<=",
          get("vc_103959", "fifo", "p99_jct_h")),
         ("interference_mape_cv (Lucid, grouped by pair)", cv["gbrt_mape"], "<=", 0.05),
