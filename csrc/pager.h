@@ -120,6 +120,8 @@ typedef struct dls_pager_stats {
     uint64_t engine_errors;      /* system calls on the mapping that failed (each one a DLS_EV_ENGINE_ERROR event) */
     uint64_t evicted_moved;      /* dirty units moved out of the mapping (UFFDIO_MOVE) for their write-back */
     uint64_t move_evict;         /* 1: dirty victims leave by UFFDIO_MOVE (else write-protected in place) */
+    uint64_t writeback_lock_wait_ns; /* write-backs waiting for an extent's io lock (held by a rebuild step
+                                      * or another write-back of the extent) */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

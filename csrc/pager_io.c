@@ -160,6 +160,15 @@ static void write_groups(dls_pager *p, pg_io *io, const uint64_t *units, wb_grou
     }
 }
 
+/* A write-back's hold of an extent's io lock; the time it waited for it (behind a rebuild step or
+ * another write-back of the extent) is the writeback_lock_wait_ns stat. */
+static void pg_io_lock(dls_pager *p, pg_extent *e) {
+    if (pthread_mutex_trylock(&e->io) == 0) return;
+    uint64_t t0 = pg_now_ns();
+    pthread_mutex_lock(&e->io);
+    PG_ADD(p, writeback_lock_wait_ns, pg_now_ns() - t0);
+}
+
 void pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from, uint8_t *ok) {
     if (n > io->max_units) { /* the io's arrays hold one run's worth */
         pg_write_back(p, io, units, io->max_units, from, ok);
@@ -179,7 +188,7 @@ void pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, u
             w->first = i;
             while (i < n && units[i] < end) i++;
             w->n = i - w->first;
-            pthread_mutex_lock(&w->e->io);
+            pg_io_lock(p, w->e);
             for (uint32_t k = w->first; k < i; k++) {
                 /* write-protected by the caller, or moved out of the mapping (`from`): these bytes cannot change */
                 if (!from) memcpy(io->bounce + (size_t)k * p->unit, pg_addr(p, units[k]), p->unit);
