@@ -487,7 +487,7 @@ def test_a_write_back_waits_for_the_rebuild_step_of_its_extent_and_the_wait_is_c
     ``writeback_lock_wait_ns`` stat.  Here the new copy holds its reply to the first step's write for
     0.5 s, and a flush made meanwhile waits for it; the new copy still gets every unit and the write."""
     slab = 2 << 20  # two rebuild steps of 16 units of 64 KiB
-    # room for all of it: no evictor write-backs, only the flushes below
+    # room for all of it: nothing needs evicting
     region, io = local_cluster.region(slab, local_bytes=2 * slab, unit=UNIT, slab=slab)
     a = region.array(np.uint32)
     a[:] = np.arange(len(a), dtype=np.uint32)
