@@ -80,7 +80,8 @@ test: deps
 # (ASan's quarantine keeps freed memory on purpose).
 SANITIZE_TESTS ?= tests/test_c_layout.py tests/rdma/test_wire.py tests/rdma/test_crc32c.py \
 	tests/rdma/test_native_mem.py tests/rdma/test_tcp_server.py tests/rdma/test_buffer.py \
-	tests/rdma/test_pager.py tests/rdma/test_pager_errors.py tests/adversarial/test_slab_server.py \
+	tests/rdma/test_pager.py tests/rdma/test_pager_rebuild.py tests/rdma/test_pager_errors.py \
+	tests/adversarial/test_slab_server.py \
 	tests/aggregator/test_agg_kernel.py tests/aggregator/test_agg_sockio.py
 sanitize: | $(VENV)/.installed
 	rm -rf build/sanitize

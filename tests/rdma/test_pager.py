@@ -1,16 +1,14 @@
 """The region engine (csrc/pager*.c) over C slab servers in this process: faults, eviction, write-back,
-races, failover, lost units, rebuild copies, close.  The same against donor processes is test_region.py."""
+races, failover, lost units, close (rebuilds: test_pager_rebuild.py).  The same against donor processes is test_region.py."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +16,6 @@ import pytest
 from nodesvc.bus.procs import wait_until
 from rdma import wire
 from rdma.native import ffi, lib
-from rdma.replica import REBUILDING, Replica
 from tests.rdma.donors import ROOT
 from tests.rdma.regions import SLAB
 
@@ -397,125 +394,6 @@ def test_read_raises_and_touch_is_sigbus_when_every_copy_is_gone():
     assert "state absent" in lines, out.stdout + out.stderr
     assert any(line.startswith("read raised DataLostError") for line in lines), out.stdout + out.stderr
     assert lines[-1] == "touching" and out.returncode == -signal.SIGBUS, (out.returncode, out.stdout, out.stderr)
-
-
-def test_a_rebuilt_copy_gets_every_unit_and_the_writes_made_while_it_fills(local_cluster):
-    region, io = local_cluster.region(SLAB, local_bytes=6 * UNIT, replicas=2)
-    a = region.array(np.uint32)
-    a[:] = np.arange(len(a), dtype=np.uint32)
-    ext = region.buffer.extents[0]
-    # as RemoteMemory._repair does: the new copy joins as REBUILDING (writes reach it), then fills
-    rebuilding = local_cluster.slab(2, initial=REBUILDING)
-    with ext.lock:
-        ext.replicas.append(rebuilding)
-        region.buffer.replicas_changed(ext)
-    stop = threading.Event()
-
-    def writer() -> None:
-        k = 0
-        while not stop.is_set():
-            a[(k * 4099) % len(a)] += 1  # dirty units keep being written back while the copy fills
-            k += 1
-
-    t = threading.Thread(target=writer)
-    t.start()
-    copied = region.buffer.rebuild_into(ext, rebuilding, None)
-    stop.set()
-    t.join()
-    assert copied is not None
-    region.flush()
-    want = np.array(a)
-    got = local_cluster.read_copy(rebuilding, SLAB).view(np.uint32)
-    assert np.array_equal(got, want)
-    assert not io.failed
-
-
-class SlowBulkReplies:
-    """A TCP relay in front of a slab server that holds the server's reply to a bulk request (over 512 KiB
-    sent on the connection since its last reply) ``hold_s`` before passing it on; other replies pass at
-    once.  ``holding`` is set while a reply is held."""
-
-    BULK = 512 << 10
-
-    def __init__(self, addr: str, hold_s: float) -> None:
-        host, _, port = addr.rpartition(":")
-        self.target = (host, int(port))
-        self.hold_s = hold_s
-        self.holding = threading.Event()
-        self.lsock = socket.create_server(("127.0.0.1", 0))
-        self.addr = f"127.0.0.1:{self.lsock.getsockname()[1]}"
-        self.socks: list[socket.socket] = [self.lsock]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            s = socket.create_connection(self.target)
-            self.socks += [c, s]
-            sent = [0]  # bytes of requests on this connection since its last reply
-            threading.Thread(target=self._pipe, args=(c, s, sent, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(s, c, sent, True), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, sent: list[int], replies: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if not replies:
-                    sent[0] += len(data)
-                elif sent[0] > self.BULK:
-                    self.holding.set()
-                    time.sleep(self.hold_s)
-                    self.holding.clear()
-                if replies:
-                    sent[0] = 0
-                dst.sendall(data)
-        except OSError:
-            pass  # a side closed: the relay of this connection ends with it (the test checks the bytes)
-        for x in (src, dst):
-            x.close()
-
-    def close(self) -> None:
-        for x in self.socks:
-            x.close()
-
-
-def test_a_write_back_waits_for_the_rebuild_step_of_its_extent_and_the_wait_is_counted(local_cluster):
-    """No write-back of an extent lands between a rebuild step's read and its write (the step holds the
-    extent's write-back lock across both), and the time write-backs spend waiting for that lock is the
-    ``writeback_lock_wait_ns`` stat.  Here the new copy holds its reply to the first step's write for
-    0.5 s, and a flush made meanwhile waits for it; the new copy still gets every unit and the write."""
-    slab = 2 << 20  # two rebuild steps of 16 units of 64 KiB
-    # room for all of it: nothing needs evicting
-    region, io = local_cluster.region(slab, local_bytes=2 * slab, unit=UNIT, slab=slab)
-    a = region.array(np.uint32)
-    a[:] = np.arange(len(a), dtype=np.uint32)
-    region.flush()  # every unit written to both copies: the rebuild copies all of them
-    ext = region.buffer.extents[0]
-    new = local_cluster.slab(2, slab, initial=REBUILDING)
-    relay = SlowBulkReplies(new.addr, 0.5)
-    rebuilding = Replica(new.node, relay.addr, new.slab, new.token, new.slab_bytes, REBUILDING)
-    with ext.lock:
-        ext.replicas.append(rebuilding)
-        region.buffer.replicas_changed(ext)
-    done: list[object] = []
-    t = threading.Thread(target=lambda: done.append(region.buffer.rebuild_into(ext, rebuilding, None)))
-    try:
-        t.start()
-        assert relay.holding.wait(30), "the rebuild's first step never reached the new copy"
-        a[5] += 1
-        waited = region.stats()["writeback_lock_wait_ns"]
-        region.flush()  # unit 5 is dirty; the first step's write is held at the new copy
-        waited = region.stats()["writeback_lock_wait_ns"] - waited
-        assert waited >= 0.2e9, waited  # it waited for most of the 0.5 s hold
-        t.join(60)
-        assert done and done[0] is not None
-        assert np.array_equal(local_cluster.read_copy(new, slab).view(np.uint32), np.array(a))
-        assert not io.failed
-    finally:
-        t.join(60)
-        relay.close()
 
 
 # --- fork and close ----------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""The region engine's rebuild of a lost copy (csrc/pager_io.c, pg_copy_extent) over C slab servers in this
+process: every unit reaches the new copy, writes made meanwhile too, and a write-back of the extent waits
+for the step being copied."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from rdma.replica import REBUILDING, Replica
+from tests.rdma.relay import HoldFirstBulkReply
+from tests.rdma.regions import SLAB
+
+UNIT = 64 << 10
+
+
+def test_a_rebuilt_copy_gets_every_unit_and_the_writes_made_while_it_fills(local_cluster):
+    region, io = local_cluster.region(SLAB, local_bytes=6 * UNIT, replicas=2)
+    a = region.array(np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32)
+    ext = region.buffer.extents[0]
+    # as RemoteMemory._repair does: the new copy joins as REBUILDING (writes reach it), then fills
+    rebuilding = local_cluster.slab(2, initial=REBUILDING)
+    with ext.lock:
+        ext.replicas.append(rebuilding)
+        region.buffer.replicas_changed(ext)
+    stop = threading.Event()
+
+    def writer() -> None:
+        k = 0
+        while not stop.is_set():
+            a[(k * 4099) % len(a)] += 1  # dirty units keep being written back while the copy fills
+            k += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    copied = region.buffer.rebuild_into(ext, rebuilding, None)
+    stop.set()
+    t.join()
+    assert copied is not None
+    region.flush()
+    want = np.array(a)
+    got = local_cluster.read_copy(rebuilding, SLAB).view(np.uint32)
+    assert np.array_equal(got, want)
+    assert not io.failed
+
+
+def test_a_write_back_waits_for_the_rebuild_step_of_its_extent_and_the_wait_is_counted(local_cluster):
+    """No write-back of an extent lands between a rebuild step's read and its write (the step holds the
+    extent's write-back lock across both), and the time write-backs spend waiting for that lock is the
+    ``writeback_lock_wait_ns`` stat.  Here the new copy holds its reply to the first step's write for
+    2 s, and a flush made meanwhile ends only after the reply is passed on; the new copy still gets
+    every unit and the write."""
+    slab = 2 << 20  # two rebuild steps of 16 units of 64 KiB
+    region, io = local_cluster.region(slab, local_bytes=2 * slab, unit=UNIT, slab=slab)  # nothing to evict
+    a = region.array(np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32)
+    region.flush()  # every unit written to both copies: the rebuild copies all of them
+    ext = region.buffer.extents[0]
+    new = local_cluster.slab(2, slab, initial=REBUILDING)
+    relay = HoldFirstBulkReply(new.addr, 2.0)
+    rebuilding = Replica(new.node, relay.addr, new.slab, new.token, new.slab_bytes, REBUILDING)
+    with ext.lock:
+        ext.replicas.append(rebuilding)
+        region.buffer.replicas_changed(ext)
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(region.buffer.rebuild_into(ext, rebuilding, None)))
+    try:
+        t.start()
+        assert relay.holding.wait(30), "the rebuild's first step never reached the new copy"
+        a[5] += 1
+        waited = region.stats()["writeback_lock_wait_ns"]
+        region.flush()  # unit 5 is dirty; the first step's write is held at the new copy
+        flushed_at = time.monotonic()
+        assert relay.released_at is not None and flushed_at >= relay.released_at, \
+            "the flush ended while the rebuild step's write was still held"
+        assert region.stats()["writeback_lock_wait_ns"] > waited
+        t.join(60)
+        assert done and done[0] is not None
+        assert np.array_equal(local_cluster.read_copy(new, slab).view(np.uint32), np.array(a))
+        assert not io.failed
+    finally:
+        t.join(60)
+        relay.close()
