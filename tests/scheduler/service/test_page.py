@@ -55,9 +55,17 @@ async def test_a_waiting_job_says_why_everywhere_and_the_page_shows_the_cluster_
     try:
         c = sched.client()
         await asyncio.wait_for(agg.connected.wait(), 10)
-        await agg.publish(messages.topic("agg", "agg-1", "telemetry"), messages.encode(
-            {"server": "agg-1", "address": "127.0.0.1:7700", "pool": {"size": 3, "demand_cores": 1.5},
-             "jobs": {"ddp-a": {}, "ddp-b": {}}, "bytes_in_per_s": 2048.0}))
+        telemetry = messages.encode({"server": "agg-1", "address": "127.0.0.1:7700",
+                                     "pool": {"size": 3, "demand_cores": 1.5},
+                                     "jobs": {"ddp-a": {}, "ddp-b": {}}, "bytes_in_per_s": 2048.0})
+
+        # Sent every half second until seen, as a real server's periodic telemetry is: the scheduler's
+        # HTTP side may answer before its MQTT subscription is in place, and one early message is lost.
+        deadline = asyncio.get_running_loop().time() + 30
+        while c.cluster()["aggregation"]["servers"] != 1:
+            assert asyncio.get_running_loop().time() < deadline, "the scheduler never saw the agg telemetry"
+            await agg.publish(messages.topic("agg", "agg-1", "telemetry"), telemetry)
+            await asyncio.sleep(0.5)
         await until(lambda: sum(n["status"] == "online" for n in c.cluster()["nodes"]) == 2, what="nodes online")
         spec = {"model": "resnet50", "cpus": 1.0, "memory_bytes": 1 << 30, "command": ["python", "train.py"]}
         c.submit({**spec, "id": "big4", "name": "resnet <demo>", "gpus": 4})
