@@ -15,7 +15,8 @@ resident) and ends with ``{"event": "result", ...}``.  ``kill`` also says ``runn
 Workloads:
 - ``dlrm``: a DLRM-style training loop: one embedding table the size of the working set (dim 64,
   fp32), 8 lookups a sample drawn from Zipf(1.05) over hashed row ids, sparse SGD, dense bottom and
-  top MLPs; samples/s.
+  top MLPs; samples/s.  With ``--kill-mid-run`` it says ``running`` a third of the way in (the bench
+  kills a donor then) and reports ``rebuild_s``, the seconds until the region was healthy again.
 - ``scan``: shuffle-and-scan: every 4 MiB chunk of a float32 array the size of the working set, in a
   new random order each pass, summed; GB/s.
 - ``stream``: region only: the scan's pattern on a region with almost nothing resident (every 4 MiB
@@ -75,7 +76,8 @@ class Place:
         if args.mode == "region":
             from rdma import RemoteMemory
 
-            self.mem = RemoteMemory(args.broker, replicas=2, discover_timeout_s=30)
+            self.mem = RemoteMemory(args.broker, replicas=2, discover_timeout_s=30,
+                                    rebuild_bytes_per_s=args.rebuild_bytes_per_s)
             deadline = time.monotonic() + 30
             while len(self.mem.donors()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -165,6 +167,7 @@ def dlrm(args, place: Place) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     t_start, timed, t_warm = None, 0, time.perf_counter()
+    rebuild: dict = {}  # a kill run's: how long until the region was healthy again
     step_ends: list[float] = []  # each timed step's end, from the start of the timed part
     for k, (dense, idx, y) in enumerate(batches):
         if t_start is None and (k == args.warmup or time.perf_counter() - t_warm > args.max_seconds / 2):
@@ -174,6 +177,7 @@ def dlrm(args, place: Place) -> dict:
             say(event="phase", name="timed")  # the bench samples the donors' CPU at each phase
         if k == kill_at:
             say(event="running")  # the bench kills a donor now; the run goes on without waiting
+            rebuild = _time_rebuild(place.region)
         if args.mode == "region" and args.lookahead and k + 1 < len(batches):
             prefetch_lookups(model.emb, batches[k + 1][1])  # the next batch's rows, during this step
         opt.zero_grad()
@@ -189,11 +193,37 @@ def dlrm(args, place: Place) -> dict:
     timed_cpu = cpu_s() - cpu0
     say(event="phase", name="end")
     st = place.stats()
+    if "thread" in rebuild:
+        rebuild["thread"].join(60)
     return {"samples_per_s": timed * args.batch / dt, "step_ms": 1000 * dt / timed, "steps_timed": timed,
+            "rebuild_s": rebuild.get("s"),
             "timed_program_cpu_s": timed_cpu, "timed_s": dt,
             "step_ms_each": [round(1000 * (b - a), 2) for a, b in zip([0.0] + step_ends, step_ends)],
             "init_s": init_s, "loss": float(loss.detach()), "rows": rows,
             "timed_stats": {k: st[k] - st0.get(k, 0) for k in st}}
+
+
+def _time_rebuild(region) -> dict:
+    """From the kill until the region is healthy again (its loss seen, its copies rebuilt): the
+    seconds, in ``out["s"]``, measured on a thread beside the run (None if it took over 60 s)."""
+    out: dict = {}
+    t0 = time.perf_counter()
+
+    def watch() -> None:
+        deadline = t0 + 60
+        while region.healthy():  # the loss is not seen yet
+            if time.perf_counter() > deadline:
+                return
+            time.sleep(0.01)
+        while not region.healthy():
+            if time.perf_counter() > deadline:
+                return
+            time.sleep(0.01)
+        out["s"] = round(time.perf_counter() - t0, 3)
+
+    out["thread"] = threading.Thread(target=watch, daemon=True)
+    out["thread"].start()
+    return out
 
 
 def scan(args, place: Place) -> dict:
@@ -365,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=60.0, help="end the timed part after this (3 steps at least)")
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--kill-mid-run", action="store_true", help="dlrm: say 'running' a third of the way in")
+    p.add_argument("--rebuild-bytes-per-s", type=int, default=0, help="region: RemoteMemory's cap on rebuilds")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
                    help="dlrm on a region: do not ask for the next batch's rows during a step")
     args = p.parse_args(argv)

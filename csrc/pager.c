@@ -394,9 +394,10 @@ int64_t dls_pager_flush(dls_pager *p) {
     return pg_flush(p);
 }
 
-int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token) {
+int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token,
+                          uint64_t bytes_per_s) {
     if (p->closing) return DLS_E_CLOSED;
-    return pg_copy_extent(p, idx, ep, slab, token);
+    return pg_copy_extent(p, idx, ep, slab, token, bytes_per_s);
 }
 
 int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms) {

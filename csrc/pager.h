@@ -157,8 +157,11 @@ int64_t dls_pager_prefetch(dls_pager *p, const uint64_t *units, uint64_t n, int 
 int64_t dls_pager_flush(dls_pager *p);
 /* Copy every unit of extent idx that holds data from a readable copy into the copy (ep, slab,
  * token), which must already be in the extent's map (as REBUILDING: writes reach it meanwhile).
+ * bytes_per_s > 0: at most that many bytes a second, paced after each step (outside the write-back
+ * lock); 0: as fast as the copies answer.
  * 0, -errno, or the status a donor answered (wire.h). */
-int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
+int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token,
+                          uint64_t bytes_per_s);
 /* 0 and an event, -EAGAIN after timeout_ms, -ESHUTDOWN once the pager is closed and no event is left. */
 int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms);
 void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st);

@@ -233,7 +233,8 @@ int pg_fetch(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n);
  * copy is in flight at once (one round trip for the lot, not one per extent).  ok[i]: 1 when a
  * durable (live or evicting) copy took unit i. */
 void pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, uint8_t *from, uint8_t *ok);
-int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token);
+int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token,
+                   uint64_t bytes_per_s);
 
 /* pager_fault.c */
 /* A fault thread's own epoll set (the userfaultfd with EPOLLEXCLUSIVE, and the wake-up descriptor)

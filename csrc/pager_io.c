@@ -202,7 +202,20 @@ void pg_write_back(dls_pager *p, pg_io *io, const uint64_t *units, uint32_t n, u
     }
 }
 
-int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token) {
+/* A paced rebuild waits after each step until what it copied so far is due at bytes_per_s (the last
+ * step too: rebuilds of one extent after another keep to the cap), in slices of at most 20 ms so
+ * that a close is not held up. */
+static void pace(dls_pager *p, uint64_t t0, uint64_t copied, uint64_t bytes_per_s) {
+    uint64_t due = t0 + (uint64_t)((double)copied * 1e9 / (double)bytes_per_s);
+    for (uint64_t now = pg_now_ns(); now < due && !p->closing; now = pg_now_ns()) {
+        uint64_t left = due - now < 20000000ull ? due - now : 20000000ull;
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)left};
+        nanosleep(&ts, NULL);
+    }
+}
+
+int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token,
+                   uint64_t bytes_per_s) {
     if (idx >= p->next) return DLS_E_ARG;
     pg_extent *e = &p->ext[idx];
     pg_io *io = pg_io_new(p);
@@ -210,7 +223,7 @@ int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const 
     pg_copy target = {.ep = ep, .slab = slab, .role = DLS_COPY_REBUILDING};
     memcpy(target.token, token, 16);
     int rc = DLS_OK;
-    uint64_t end = e->first_unit + e->nunits;
+    uint64_t end = e->first_unit + e->nunits, t0 = pg_now_ns(), copied = 0;
     for (uint64_t u = e->first_unit; u < end && rc == DLS_OK;) {
         if (p->closing) {
             rc = DLS_E_CLOSED;
@@ -243,6 +256,8 @@ int pg_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const 
         }
         pthread_mutex_unlock(&e->io);
         u = v;
+        copied += (uint64_t)n * p->unit;
+        if (bytes_per_s && n && rc == DLS_OK) pace(p, t0, copied, bytes_per_s);
     }
     pg_io_free(io);
     return rc;

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -30,6 +31,17 @@ log = logging.getLogger("dlshare.rdma")
 MAX_SEG = wire.MAX_SEG_BYTES
 PARALLEL_MIN = 1 << 20  # below this a batch is not worth handing to other threads
 REBUILD_CHUNK = 4 << 20  # bytes per rebuild step: long enough to stream, short enough not to stall writers
+
+
+def _pace(due: float, stop: Callable[[], bool]) -> bool:
+    """A paced rebuild waits after each chunk until ``due`` (time.monotonic; the last chunk too, so
+    rebuilds of one extent after another keep to the cap), in slices so that ``stop`` is seen.
+    False when ``stop`` said so."""
+    while (left := due - time.monotonic()) > 0:
+        if stop():
+            return False
+        time.sleep(min(left, 0.05))
+    return not stop()
 
 
 class DataLostError(RemoteMemoryError):
@@ -196,15 +208,18 @@ class RemoteBuffer:
         buffer reads ``ext.replicas`` on every call and has nothing to do; a region's engine
         keeps its own copy map and follows (rdma.region)."""
 
-    def rebuild_into(self, ext: Extent, new: Replica, write_copy: Callable[..., None]) -> int | None:
+    def rebuild_into(self, ext: Extent, new: Replica, write_copy: Callable[..., None],
+                     bytes_per_s: float = 0) -> int | None:
         """Fill ``new`` (already in ``ext.replicas``, REBUILDING: writes reach it) with the extent's
         data from a live copy, a chunk at a time under ``ext.lock`` so no write lands between a
-        chunk's read and its write.  ``write_copy(rep, offs, lens, src)`` writes one copy.  Returns
-        the bytes copied, or None when it failed (the caller drops ``new``)."""
+        chunk's read and its write.  ``write_copy(rep, offs, lens, src)`` writes one copy.
+        ``bytes_per_s`` > 0 paces it (after each chunk, outside the lock).  Returns the bytes
+        copied, or None when it failed (the caller drops ``new``)."""
         P = self.page
         chunk_pages = REBUILD_CHUNK // P
         tmp = np.empty(chunk_pages * P, dtype=np.uint8)
         copied = 0
+        t0 = time.monotonic()
         for p in range(0, ext.npages, chunk_pages):
             n = min(chunk_pages, ext.npages - p)
             pages = np.arange(ext.first_page + p, ext.first_page + p + n, dtype=np.int64)
@@ -221,6 +236,9 @@ class RemoteBuffer:
                     log.warning("rebuild target %s failed: %s", new.node, exc)
                     return None
             copied += n * P
+            if bytes_per_s > 0 and not _pace(t0 + copied / bytes_per_s,
+                                             lambda: self.freed or new.state is not REBUILDING):
+                return None
         return copied
 
     def read_extent_locked(self, ext: Extent, pages: np.ndarray, dst: np.ndarray) -> None:

@@ -33,6 +33,7 @@ ENV_BUDGET = "DLSHARE_REMOTE_MEMORY_BYTES"
 ENV_LOCAL_LIMIT = "DLSHARE_MEMORY_BYTES"
 ENV_REGION_LOCAL = "DLSHARE_REGION_LOCAL_BYTES"
 ENV_REPLICAS = "DLSHARE_REMOTE_REPLICAS"
+ENV_REBUILD_RATE = "DLSHARE_REBUILD_BYTES_PER_S"
 ENV_CACHE_SECRET = "DLSHARE_CACHE_SECRET"
 DEFAULT_LOCAL = 256 << 20  # resident share when nothing says otherwise
 
@@ -55,7 +56,9 @@ def budget_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
 
     ``region_bytes``: the largest region the budget allows (``budget // replicas``, down to a
     whole unit); ``local_bytes``: the resident share (``$DLSHARE_REGION_LOCAL_BYTES``, else a
-    quarter of ``$DLSHARE_MEMORY_BYTES``, else 256 MiB, never more than the region)."""
+    quarter of ``$DLSHARE_MEMORY_BYTES``, else 256 MiB, never more than the region);
+    ``rebuild_bytes_per_s``: the cap on a rebuild's copying (``$DLSHARE_REBUILD_BYTES_PER_S``, else
+    0: none; see :class:`~rdma.remote.RemoteMemory`)."""
     env = dict(os.environ) if env is None else env
     broker = env.get(ENV_BROKER)
     budget = _env_int(ENV_BUDGET, env)
@@ -73,7 +76,7 @@ def budget_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
         limit = _env_int(ENV_LOCAL_LIMIT, env)
         local = limit // 4 if limit else DEFAULT_LOCAL
     return {"broker": broker, "budget_bytes": budget, "replicas": replicas, "region_bytes": region,
-            "local_bytes": min(local, region)}
+            "local_bytes": min(local, region), "rebuild_bytes_per_s": _env_int(ENV_REBUILD_RATE, env) or 0}
 
 
 def region_from_env(nbytes: int | None = None, local_bytes: int | None = None, *, discover_timeout_s: float = 15.0,
@@ -90,7 +93,8 @@ def region_from_env(nbytes: int | None = None, local_bytes: int | None = None, *
     local = grant["local_bytes"] if local_bytes is None else int(local_bytes)
     unit = int(map_options.pop("unit", DEFAULT_UNIT))
     local = max(local, 4 * unit)
-    mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s)
+    mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s,
+                       rebuild_bytes_per_s=grant["rebuild_bytes_per_s"])
     try:
         region = mem.map(size, local_bytes=local, unit=unit, **map_options)
     except BaseException:
@@ -109,7 +113,8 @@ def spill_cache_from_env(capacity_bytes: int | None = None, *, arena_bytes: int 
     local = grant["local_bytes"] if capacity_bytes is None else int(capacity_bytes)
     if local < 0:
         raise ValueError(f"capacity_bytes must not be negative, got {local}")
-    mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s)
+    mem = RemoteMemory(grant["broker"], replicas=grant["replicas"], discover_timeout_s=discover_timeout_s,
+                       rebuild_bytes_per_s=grant["rebuild_bytes_per_s"])
     return SpillCache(local, remote=mem, arena_bytes=min(arena_bytes, grant["region_bytes"]),
                       remote_capacity_bytes=grant["region_bytes"], owns_remote=True)
 

@@ -83,10 +83,10 @@ class RegionBuffer(RemoteBuffer):
             with ext.lock:
                 self.engine.sync(ext)
 
-    def rebuild_into(self, ext: Extent, new: Replica, write_copy) -> int | None:
+    def rebuild_into(self, ext: Extent, new: Replica, write_copy, bytes_per_s: float = 0) -> int | None:
         if self.engine is None:
             return None
-        return self.engine.copy_extent(ext, new)
+        return self.engine.copy_extent(ext, new, bytes_per_s)
 
     def free(self) -> None:
         if self.engine is not None:

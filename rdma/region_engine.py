@@ -203,14 +203,14 @@ class Engine:
             raise OSError(-rc, "region flush")
         return rc
 
-    def copy_extent(self, ext: Extent, new: Replica) -> int | None:
+    def copy_extent(self, ext: Extent, new: Replica, bytes_per_s: float = 0) -> int | None:
         ep = self.endpoint(new.addr)
         try:
             p = self._enter()
         except ValueError:
             return None
         try:
-            rc = lib.dls_pager_copy_extent(p, ext.index, ep, new.slab, new.token)
+            rc = lib.dls_pager_copy_extent(p, ext.index, ep, new.slab, new.token, int(bytes_per_s))
         finally:
             self._leave()
         if rc:

@@ -52,6 +52,9 @@ class RemoteMemory:
     how long one data-plane call may wait before its donor counts as lost.
     ``lease_s``: donors take this consumer's slabs back if it stops renewing for
     that long (it renews every third of it), so a consumer that dies leaks nothing.
+    ``rebuild_bytes_per_s``: the most a rebuild copies a second (0: as fast as the copies
+    answer).  A cap leaves more of this node's CPU and network to the job while a lost copy
+    is rebuilt, and keeps the extent on fewer copies for longer.
 
     ``stats`` counts reads served by another copy after one failed (``failover_reads``),
     copies lost and rebuilt, evictions, bytes copied by rebuilds, donors reported
@@ -61,9 +64,12 @@ class RemoteMemory:
 
     def __init__(self, broker: str, replicas: int = 2, consumer_id: str | None = None, checksums: bool = True,
                  page_size: int = 4096, io_timeout_s: float = 5.0, discover_timeout_s: float = 15.0,
-                 seed: int | None = None, lease_s: float = 30.0) -> None:
+                 seed: int | None = None, lease_s: float = 30.0, rebuild_bytes_per_s: float = 0) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
+        if not rebuild_bytes_per_s >= 0:  # NaN too
+            raise ValueError(f"rebuild_bytes_per_s must be 0 (no cap) or positive, got {rebuild_bytes_per_s!r}")
+        self.rebuild_bytes_per_s = float(rebuild_bytes_per_s)
         self.replicas = replicas
         self.checksums = checksums
         self.page_size = page_size
@@ -405,7 +411,7 @@ class RemoteMemory:
             with ext.lock:
                 ext.replicas.append(new)  # from now on writes reach it too
                 self._changed(buf, ext)
-            copied = buf.rebuild_into(ext, new, self.dataplane.write)
+            copied = buf.rebuild_into(ext, new, self.dataplane.write, self.rebuild_bytes_per_s)
             if copied is None:
                 with ext.lock:
                     if new in ext.replicas:

@@ -84,3 +84,53 @@ def test_a_write_back_waits_for_the_rebuild_step_of_its_extent_and_the_wait_is_c
     finally:
         t.join(60)
         relay.close()
+
+
+def _joined_copy(local_cluster, slab: int):
+    """A region of one extent whose every unit holds data on both copies, and a third copy joined as
+    REBUILDING (as RemoteMemory._repair does before it fills it)."""
+    region, io = local_cluster.region(slab, local_bytes=2 * slab, unit=UNIT, slab=slab)
+    a = region.array(np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32)
+    region.flush()
+    ext = region.buffer.extents[0]
+    new = local_cluster.slab(2, slab, initial=REBUILDING)
+    with ext.lock:
+        ext.replicas.append(new)
+        region.buffer.replicas_changed(ext)
+    return region, io, a, ext, new
+
+
+def test_a_paced_rebuild_copies_no_faster_than_its_cap_and_copies_everything(local_cluster):
+    """``bytes_per_s`` (RemoteMemory's ``rebuild_bytes_per_s``): after each 1 MiB step the rebuild
+    waits until the bytes copied so far are due at the cap, so 4 MiB at 2 MiB/s take at least 2 s."""
+    slab = 4 << 20
+    region, io, a, ext, new = _joined_copy(local_cluster, slab)
+    t0 = time.monotonic()
+    copied = region.buffer.rebuild_into(ext, new, None, bytes_per_s=2 << 20)
+    took = time.monotonic() - t0
+    assert copied == slab
+    assert took >= 1.95, f"4 MiB at 2 MiB/s copied in {took:.2f} s"
+    assert np.array_equal(local_cluster.read_copy(new, slab).view(np.uint32), np.array(a))
+    assert not io.failed
+
+
+def test_a_paced_rebuild_stops_when_its_region_closes(local_cluster):
+    """A close does not wait out the pacing: 8 MiB at 512 KiB/s would take 14 s; the rebuild fails
+    (the caller drops the new copy) soon after the close instead."""
+    slab = 8 << 20
+    region, io, a, ext, new = _joined_copy(local_cluster, slab)
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(region.buffer.rebuild_into(ext, new, None, bytes_per_s=512 << 10)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while region.stats()["bytes_written"] < slab * 2 + (1 << 20):  # both copies' flush, then the first step
+            assert time.monotonic() < deadline, "the paced rebuild never made its first step"
+            time.sleep(0.02)
+        region.close()
+        t.join(5)
+        assert not t.is_alive(), "the paced rebuild outlived its region's close by 5 s"
+        assert done == [None]
+    finally:
+        t.join(60)

@@ -31,6 +31,10 @@ def test_the_budget_is_read_from_the_environment():
     g = budget_from_env({**env, "DLSHARE_MEMORY_BYTES": str(64 * MIB), "DLSHARE_REMOTE_REPLICAS": "1"})
     assert g["region_bytes"] == 64 * MIB and g["local_bytes"] == 16 * MIB  # a quarter of the job's limit
     assert budget_from_env({**env, "DLSHARE_REGION_LOCAL_BYTES": str(3 * MIB)})["local_bytes"] == 3 * MIB
+    assert g["rebuild_bytes_per_s"] == 0  # no cap unless asked
+    assert budget_from_env({**env, "DLSHARE_REBUILD_BYTES_PER_S": str(100 * MIB)})["rebuild_bytes_per_s"] == 100 * MIB
+    with pytest.raises(ValueError, match="DLSHARE_REBUILD_BYTES_PER_S.*whole number"):
+        budget_from_env({**env, "DLSHARE_REBUILD_BYTES_PER_S": "fast"})
     with pytest.raises(LookupError, match="DLSHARE_REMOTE_MEMORY_BYTES.*remote_memory_bytes"):
         budget_from_env({"DLSHARE_BROKER": "mqtt://b:1883"})
     with pytest.raises(LookupError, match="DLSHARE_BROKER"):

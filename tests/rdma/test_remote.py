@@ -15,6 +15,7 @@ import pytest
 from nodesvc.bus import messages
 from nodesvc.bus.procs import wait_until
 from nodesvc.bus.rpc import CommandError
+from rdma.remote import RemoteMemory
 from rdma.replica import LIVE
 from tests.rdma.donors import ROOT, SLAB
 
@@ -176,6 +177,39 @@ def test_kill9_donor_under_load_loses_nothing_and_rebuilds(mosquitto, donor_fact
             got = np.empty(hi - lo, np.uint8)
             mem.dataplane.endpoint(rep).read(rep.slab, rep.token, [0], [hi - lo], got)
             assert np.array_equal(got, load.model[lo:hi]), f"copy on {rep.node} differs"
+
+
+def test_a_capped_rebuild_keeps_to_its_rate_and_loses_nothing(mosquitto, donor_factory, consumer_factory):
+    """``rebuild_bytes_per_s``: the copies a killed donor held are rebuilt no faster than the cap (here
+    1 MiB/s, so ``held`` 1 MiB extents take at least ``held`` seconds from the loss to a healthy
+    buffer), and every copy ends right."""
+    procs = {p.node: p for p in donor_factory(mosquitto.url, 4)}
+    mem = consumer_factory(mosquitto.url, 4, replicas=2, seed=5, io_timeout_s=3, rebuild_bytes_per_s=1 << 20)
+    buf = mem.alloc(6 * SLAB)
+    data = np.random.default_rng(1).integers(0, 256, len(buf), dtype=np.uint8)
+    buf.write(0, data)
+    victim = buf.extents[0].replicas[0].node
+    held = sum(1 for e in buf.extents for r in e.replicas if r.node == victim)
+    procs[victim].kill9()
+    assert np.array_equal(buf.read(0, len(buf)), data)  # served by the other copies; finds the loss
+    wait_until(lambda: mem.stats["replicas_lost"] >= 1, 30, "the loss to be seen")
+    lost_at = time.monotonic()
+    assert mem.wait_healthy(buf, 60), dump(buf.placement())
+    took = time.monotonic() - lost_at
+    assert took >= 0.95 * held * SLAB / (1 << 20), f"{held} MiB rebuilt in {took:.2f} s at a 1 MiB/s cap"
+    assert mem.stats["replicas_rebuilt"] >= held and victim not in _nodes_of(buf)
+    for e in buf.extents:
+        lo, hi = e.first_page * PAGE, (e.first_page + e.npages) * PAGE
+        for rep in e.replicas:
+            got = np.empty(hi - lo, np.uint8)
+            mem.dataplane.endpoint(rep).read(rep.slab, rep.token, [0], [hi - lo], got)
+            assert np.array_equal(got, data[lo:hi]), f"copy on {rep.node} differs"
+
+
+def test_a_rebuild_cap_must_be_a_rate():
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="rebuild_bytes_per_s"):
+            RemoteMemory("mqtt://127.0.0.1:1", rebuild_bytes_per_s=bad)
 
 
 def test_reclaim_under_load_returns_memory_and_loses_nothing(mosquitto, donor_factory, consumer_factory,
