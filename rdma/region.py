@@ -146,8 +146,8 @@ class RemoteRegion:
         self.policy = policy
         self._buf = buf
         self._engine = Engine(self.nbytes, self.unit, max(self.local_bytes, 4 * self.unit), policy,
-                               len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms,
-                               fault_threads, spin_us, move_evict)
+                              len(buf.extents), fetch_workers, evict_threads, prefetch_bytes, io_timeout_ms,
+                              fault_threads, spin_us, move_evict)
         try:
             for ext in buf.extents:
                 with ext.lock:

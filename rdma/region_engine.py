@@ -210,7 +210,8 @@ class Engine:
         except ValueError:
             return None
         try:
-            rc = lib.dls_pager_copy_extent(p, ext.index, ep, new.slab, new.token, int(bytes_per_s))
+            rate = max(1, int(bytes_per_s)) if bytes_per_s > 0 else 0  # 0: no cap
+            rc = lib.dls_pager_copy_extent(p, ext.index, ep, new.slab, new.token, rate)
         finally:
             self._leave()
         if rc:

@@ -22,6 +22,7 @@ import weakref
 from typing import Any
 
 from nodesvc.bus.rpc import CommandError
+from rdma import wire
 from rdma.buffer import RemoteBuffer
 from rdma.control import ControlPlane
 from rdma.dataplane import DataPlane
@@ -32,6 +33,11 @@ from rdma.region import DEFAULT_POLICY, DEFAULT_UNIT, RegionBuffer, RemoteRegion
 from rdma.replica import EVICTING, LIVE, LOST, REBUILDING, Extent, Replica, ReplicaState
 
 log = logging.getLogger("dlshare.rdma")
+
+# The failures of a copy that may mean its donor is gone (the connection failed, timed out, or was
+# closed): the donor is pinged, and counted dead if it does not answer.  Any other status (a bad
+# token, a checksum mismatch) comes from a donor that answered: that slab is given back.
+_DONOR_MAY_BE_GONE = (wire.E_IO, wire.E_TIMEOUT, wire.E_CLOSED)
 
 
 def _replica(node: str, res: dict, slab: dict, initial: ReplicaState = LIVE) -> Replica:
@@ -67,7 +73,7 @@ class RemoteMemory:
                  seed: int | None = None, lease_s: float = 30.0, rebuild_bytes_per_s: float = 0) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
-        if not rebuild_bytes_per_s >= 0:  # NaN too
+        if not 0 <= rebuild_bytes_per_s < float("inf"):  # NaN too
             raise ValueError(f"rebuild_bytes_per_s must be 0 (no cap) or positive, got {rebuild_bytes_per_s!r}")
         self.rebuild_bytes_per_s = float(rebuild_bytes_per_s)
         self.replicas = replicas
@@ -288,8 +294,8 @@ class RemoteMemory:
         self._changed(buf, ext)
         log.warning("lost copy of extent %d on %s (slab %d): %s", ext.index, rep.node, rep.slab, exc)
         code = getattr(exc, "code", None)
-        if code in (-2, -3, -6) or isinstance(exc, ConnectionError):
-            self._suspect(rep.node)
+        if code in _DONOR_MAY_BE_GONE or isinstance(exc, ConnectionError):
+            self._suspect(rep.node)  # before the repair is queued: it must not place the new copy there
         elif rep.node not in self._dead_nodes:
             self._unmap(rep, wait=False)  # the donor is alive: give the bad slab back
         self._repairs.put((buf, ext))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +17,8 @@ import pytest
 from nodesvc.bus import messages
 from nodesvc.bus.procs import wait_until
 from nodesvc.bus.rpc import CommandError
+from rdma import wire
+from rdma.errors import RemoteMemoryError
 from rdma.remote import RemoteMemory
 from rdma.replica import LIVE
 from tests.rdma.donors import ROOT, SLAB
@@ -179,6 +183,35 @@ def test_kill9_donor_under_load_loses_nothing_and_rebuilds(mosquitto, donor_fact
             assert np.array_equal(got, load.model[lo:hi]), f"copy on {rep.node} differs"
 
 
+def test_a_copy_that_failed_on_io_suspects_its_donor_before_the_rebuild_is_placed(mosquitto, donor_factory,
+                                                                                     consumer_factory):
+    """An I/O error or a timeout (the negative errnos the data plane and the region engine report) may
+    mean the donor is gone: it is pinged, and one that does not answer is counted dead before the
+    repair is queued, so the new copy is never placed on it (a map there would wait out its 10 s
+    timeout).  The donor here is stopped (SIGSTOP): still online on the bus, silent on its data
+    plane.  A status a live donor answered (a bad token) only gives that slab back."""
+    procs = {p.node: p for p in donor_factory(mosquitto.url, 4)}
+    mem = consumer_factory(mosquitto.url, 4, replicas=2, seed=9, io_timeout_s=3)
+    buf = mem.alloc(4 * SLAB)
+    data = np.random.default_rng(2).integers(0, 256, len(buf), dtype=np.uint8)
+    buf.write(0, data)
+    ext, silent = buf.extents[0], buf.extents[0].replicas[0]
+    # a copy of another extent, on another donor, whose extent keeps a copy off the silent donor
+    other, alive = next((e, r) for e in buf.extents[1:] for r in e.replicas
+                        if silent.node not in {x.node for x in e.replicas})
+    buf.io.copy_failed(buf, other, alive, RemoteMemoryError(wire.E_TOKEN, "a bad token, as a live donor answers"))
+    assert alive.node not in mem._dead_nodes
+    os.kill(procs[silent.node].pid, signal.SIGSTOP)
+    try:
+        buf.io.copy_failed(buf, ext, silent, RemoteMemoryError(wire.E_IO, "a connection reset, as a kill gives"))
+        assert silent.node in mem._dead_nodes  # counted dead before copy_failed returned
+        assert mem.wait_healthy(buf, 60), dump(buf.placement())
+        assert silent.node not in _nodes_of(buf)
+        assert np.array_equal(buf.read(0, len(buf)), data)
+    finally:
+        os.kill(procs[silent.node].pid, signal.SIGCONT)
+
+
 def test_a_capped_rebuild_keeps_to_its_rate_and_loses_nothing(mosquitto, donor_factory, consumer_factory):
     """``rebuild_bytes_per_s``: the copies a killed donor held are rebuilt no faster than the cap (here
     1 MiB/s, so ``held`` 1 MiB extents take at least ``held`` seconds from the loss to a healthy
@@ -207,7 +240,7 @@ def test_a_capped_rebuild_keeps_to_its_rate_and_loses_nothing(mosquitto, donor_f
 
 
 def test_a_rebuild_cap_must_be_a_rate():
-    for bad in (-1, float("nan")):
+    for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="rebuild_bytes_per_s"):
             RemoteMemory("mqtt://127.0.0.1:1", rebuild_bytes_per_s=bad)
 
