@@ -477,6 +477,8 @@ def _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, poli
     ranges["donor_kill_slowdown"] = [1 / x if x else None for x in _per_round(runs, "dlrm_region50_kill",
                                                                                 "dlrm_region50")]
     m["donor_kill_slowdown"] = median_range(ranges["donor_kill_slowdown"])[0]
+    # the other side of that figure: how long the region stayed short of a copy (kill to healthy)
+    m["donor_kill_rebuild_s"] = median_range([r.get("rebuild_s") for r in runs.get("dlrm_region50_kill", [])])[0]
     for k, rs in runs.items():
         v = median_range([_value(r) for r in rs])
         if v[0] is not None:
@@ -541,7 +543,7 @@ def _print(result: dict[str, Any]) -> None:
                                                    "raw_socket_rtt_p99_us", "fault_4k_vs_rtt",
                                                    "disk_read_4k_p50_us", "disk_read_4k_p99_us",
                                                    "swap50_pswpin_pages", "donor_kill_lost_bytes",
-                                                   "donor_kill_slowdown")]
+                                                   "donor_kill_slowdown", "donor_kill_rebuild_s")]
     print(report.markdown_table(lat, ["measure", "value"]))
     rng = [{"ratio": k, "per round": ", ".join("-" if v is None else f"{v:.3g}" for v in vals)}
            for k, vals in result.get("ranges", {}).items()]
