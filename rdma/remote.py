@@ -294,10 +294,11 @@ class RemoteMemory:
         self._changed(buf, ext)
         log.warning("lost copy of extent %d on %s (slab %d): %s", ext.index, rep.node, rep.slab, exc)
         code = getattr(exc, "code", None)
-        if code in _DONOR_MAY_BE_GONE or isinstance(exc, ConnectionError):
-            self._suspect(rep.node)  # before the repair is queued: it must not place the new copy there
-        elif rep.node not in self._dead_nodes:
-            self._unmap(rep, wait=False)  # the donor is alive: give the bad slab back
+        if rep.node not in self._dead_nodes:  # a donor known gone is not pinged again for each copy
+            if code in _DONOR_MAY_BE_GONE or isinstance(exc, ConnectionError):
+                self._suspect(rep.node)  # before the repair is queued: it must not place the new copy there
+            else:
+                self._unmap(rep, wait=False)  # the donor answered: give the bad slab back
         self._repairs.put((buf, ext))
 
     def _data_plane_alive(self, node: str) -> bool:
