@@ -144,4 +144,5 @@ def sample_cache_from_env(slots: int, name: str | None = None, *, secret: str | 
         except LookupError:
             pass  # nobody fills it yet: this job does
     return SampleCache(slots, local, grant["budget_bytes"], broker=grant["broker"], name=name, secret=secret,
-                       replicas=grant["replicas"], when_full=when_full, discover_timeout_s=discover_timeout_s)
+                       replicas=grant["replicas"], when_full=when_full, discover_timeout_s=discover_timeout_s,
+                       rebuild_bytes_per_s=grant["rebuild_bytes_per_s"])

@@ -60,12 +60,13 @@ class SampleCache:
     ``remote_bytes``: donor memory, **every copy counted** (the job's remote budget), so the remote
     tier holds ``remote_bytes / replicas``; needs ``broker``.  ``name`` and ``secret``: share
     the cache with other jobs (see :meth:`attach`).  ``when_full``: "keep" or "evict".
+    ``rebuild_bytes_per_s``: the cap on rebuilding a lost copy (:class:`~rdma.remote.RemoteMemory`).
     """
 
     def __init__(self, slots: int, local_bytes: int, remote_bytes: int = 0, *, broker: str | None = None,
                  name: str | None = None, secret: str | None = None, replicas: int = 2, when_full: str = "keep",
                  local_segment_bytes: int = 64 << 20, spare_segments: int = 2, consumer_id: str | None = None,
-                 discover_timeout_s: float = 15.0, io_timeout_s: float = 5.0) -> None:
+                 discover_timeout_s: float = 15.0, io_timeout_s: float = 5.0, rebuild_bytes_per_s: float = 0) -> None:
         if not isinstance(slots, int) or slots <= 0:
             raise ValueError(f"slots must be a positive whole number (the dataset's length), got {slots!r}")
         if local_bytes < 0 or remote_bytes < 0:
@@ -96,7 +97,8 @@ class SampleCache:
             seg_bytes, rsegs = 0, 0
             if remote_bytes:
                 self.mem = RemoteMemory(broker, replicas=replicas, consumer_id=consumer_id, checksums=False,
-                                        discover_timeout_s=discover_timeout_s, io_timeout_s=io_timeout_s)
+                                        discover_timeout_s=discover_timeout_s, io_timeout_s=io_timeout_s,
+                                        rebuild_bytes_per_s=rebuild_bytes_per_s)
                 self.keeper = OwnerKeeper(self.mem, name, secret, spare_segments)
                 seg_bytes, rsegs = self.keeper.plan(slots, remote_bytes)
             self.state = SharedState.create(slots, local_bytes, local_segment_bytes, rsegs, seg_bytes,
