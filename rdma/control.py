@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from nodesvc.bus import messages
@@ -157,9 +158,24 @@ class ControlPlane:
         leaf = messages.MEMORY_LEAF if op in messages.MEMORY_OPS else "cmd"
         return await self.rpc.call(self.bus.publish, node, op, args, timeout=timeout, leaf=leaf)
 
-    def call(self, node: str, op: str, args: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        """Send a command and wait for its result; raises a :class:`~nodesvc.bus.rpc.CommandError`."""
-        return asyncio.run_coroutine_threadsafe(self._call(node, op, args, timeout), self._loop).result(timeout + 5)
+    def call(self, node: str, op: str, args: dict[str, Any], timeout: float = 10.0,
+             give_up: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Send a command and wait for its result; raises a :class:`~nodesvc.bus.rpc.CommandError`.
+        ``give_up``: checked every 50 ms while waiting; once true the call stops waiting and raises
+        ConnectionError (a node counted dead meanwhile will not answer)."""
+        fut = asyncio.run_coroutine_threadsafe(self._call(node, op, args, timeout), self._loop)
+        if give_up is None:
+            return fut.result(timeout + 5)
+        deadline = time.monotonic() + timeout + 5
+        while not fut.done():
+            if give_up():
+                fut.cancel()
+                raise ConnectionError(f"{op} to {node}: gave up waiting (the node is counted dead)")
+            if time.monotonic() > deadline:
+                fut.cancel()
+                raise TimeoutError(f"{op} to {node}: no reply within {timeout:g}s")
+            wait([fut], timeout=0.05)
+        return fut.result()
 
     def call_many(self, calls: list[tuple[str, str, dict[str, Any]]], timeout: float = 10.0) -> list[Any]:
         """Send several commands at once; each result is the reply's result or the CommandError it raised."""

@@ -236,8 +236,9 @@ class RemoteMemory:
             except NoDonorError as exc:
                 raise MemoryError(f"cannot place a slab: {exc}") from None
             try:
+                # a donor counted dead meanwhile (its Last Will, another copy's failure) will not answer
                 res = self.control.call(node, "map", {"consumer": self.consumer_id, "lease_s": self.lease_s},
-                                        timeout=10)
+                                        timeout=10, give_up=lambda: node in self._dead_nodes)
             except (CommandError, TimeoutError, ConnectionError) as exc:
                 log.info("map on %s refused: %s", node, exc)
                 failed.add(node)

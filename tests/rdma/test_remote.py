@@ -316,6 +316,35 @@ def test_donor_survives_bad_commands(mosquitto, donor_factory, control_factory):
     assert proc.proc.poll() is None
 
 
+def test_a_call_to_a_node_counted_dead_meanwhile_stops_waiting(mosquitto, donor_factory, control_factory):
+    """``give_up``: a map the repair sends to a donor that is counted dead while it waits (its Last
+    Will, another copy's failure) stops waiting then, instead of at its timeout.  The donor here is
+    stopped, so without ``give_up`` the call would wait its whole 60 s."""
+    (proc,) = donor_factory(mosquitto.url, 1)
+    ctl = control_factory(mosquitto.url)
+    wait_until(lambda: "donor0" in ctl.donors(), 20, "the donor")
+    assert ctl.call("donor0", "ping", {}, timeout=10, give_up=lambda: False) is not None  # answers when alive
+    dead, outcome = threading.Event(), []
+
+    def call() -> None:
+        try:
+            outcome.append(ctl.call("donor0", "ping", {}, timeout=60, give_up=dead.is_set))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+
+    os.kill(proc.pid, signal.SIGSTOP)
+    t = threading.Thread(target=call)
+    try:
+        t.start()
+        dead.set()
+        t.join(30)
+        assert not t.is_alive(), "the call kept waiting for a node counted dead"
+        assert len(outcome) == 1 and isinstance(outcome[0], ConnectionError), outcome
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        t.join(90)
+
+
 def test_standalone_donor_shell_serves_consumers(amqtt_broker, donor_factory, consumer_factory):
     donor_factory(amqtt_broker.url, 2, shell="donor")
     mem = consumer_factory(amqtt_broker.url, 2, replicas=2, lease_s=1.0)
