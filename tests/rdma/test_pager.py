@@ -16,6 +16,7 @@ import pytest
 from nodesvc.bus.procs import wait_until
 from rdma import wire
 from rdma.native import ffi, lib
+from rdma.region_engine import _STATS, UNIT_STATES
 from tests.rdma.donors import ROOT
 from tests.rdma.regions import SLAB
 
@@ -478,3 +479,12 @@ def test_bad_geometry_is_refused_with_a_reason(local_cluster):
     region.flush()
     region.prefetch(SLAB // 2, SLAB // 2)
     assert np.array_equal(a, np.arange(len(a), dtype=np.uint16))
+
+
+def test_the_engine_s_python_names_follow_the_c_header():
+    """Unit states are named by index and stats copied by field name: both must follow csrc/pager.h."""
+    for i, name in enumerate(UNIT_STATES):
+        assert getattr(lib, "DLS_UNIT_" + name.upper()) == i
+    assert len(UNIT_STATES) == len([k for k in dir(lib) if k.startswith("DLS_UNIT_")])
+    assert list(_STATS) == [f for f, _ in ffi.typeof("dls_pager_stats").fields], \
+        "a stat of dls_pager_stats is missing from region_engine._STATS (or in another order)"

@@ -136,3 +136,18 @@ def test_crc_shift_is_appending_zero_bytes(data, nzeros):
     raw = lib.dls_crc32c(0, data, len(data)) ^ 0xFFFFFFFF
     longer = data + bytes(nzeros)
     assert lib.dls_crc32c_shift(raw, nzeros) == lib.dls_crc32c(0, longer, len(longer)) ^ 0xFFFFFFFF
+
+
+def test_every_python_constant_is_the_c_one_by_name():
+    """rdma/wire.py spells out csrc/wire.h's numbers for the pure-Python side; each must be the C value of
+    the same name (a renumbered C code that Python kept testing by its old number once hid a dead donor)."""
+    names = {"OP_READ": "DLS_OP_READ", "OP_WRITE": "DLS_OP_WRITE", "OP_PING": "DLS_OP_PING", "F_CRC": "DLS_F_CRC",
+             "OK": "DLS_OK", "NEED_MORE": "DLS_NEED_MORE", "TOKEN_LEN": "DLS_TOKEN_LEN", "MAX_SEGS": "DLS_MAX_SEGS",
+             "MAX_SEG_BYTES": "DLS_MAX_SEG_BYTES", "MAX_PAYLOAD": "DLS_MAX_PAYLOAD"}
+    names |= {k: "DLS_" + k for k in dir(wire) if k.startswith("E_")}
+    for py, c in names.items():
+        assert getattr(wire, py) == getattr(lib, c), f"wire.{py} = {getattr(wire, py)}, {c} = {getattr(lib, c)}"
+    assert (wire.REQ_HDR.size, wire.RESP_HDR.size, wire.SEG.size) == \
+        (lib.DLS_REQ_HDR_LEN, lib.DLS_RESP_HDR_LEN, lib.DLS_SEG_LEN)
+    c_errors = {k for k in dir(lib) if k.startswith("DLS_E_")}
+    assert c_errors == {"DLS_" + k for k in dir(wire) if k.startswith("E_")}, "a C status code has no Python name"
