@@ -245,8 +245,65 @@ int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64
     }
     memcpy(e->copies, fresh, ncopies * sizeof fresh[0]);
     e->ncopies = ncopies;
+    pg_count_durable_locked(e);
     pthread_mutex_unlock(&e->map);
     return DLS_OK;
+}
+
+/* One pass of dls_pager_salvage_extent over extent idx: units that are not resident but had data are
+ * lost (claimed first, as a fetch worker claims them, so that no fault fetches one meanwhile).  Returns
+ * how many units are still on their way: a fetch of data (it will fail: no durable copy) or a drop. */
+static uint64_t lose_absent(dls_pager *p, uint32_t idx) {
+    pg_extent *e = &p->ext[idx];
+    uint64_t moving = 0;
+    for (uint64_t u = e->first_unit; u < e->first_unit + e->nunits; u++) {
+        pg_lock(p, u);
+        uint8_t s = p->state[u], f = p->flags[u];
+        int lose = s == U_ABSENT && (f & UF_HAS_DATA);
+        if (lose) {
+            p->state[u] = U_FETCHING;
+            p->flags[u] |= UF_CLAIMED;
+        } else if ((s == U_FETCHING && (f & UF_HAS_DATA)) || s == U_EVICTING) {
+            moving++;
+        }
+        pg_unlock(p, u);
+        if (lose) pg_lose(p, idx, u, 1, DLS_E_IO);
+    }
+    return moving;
+}
+
+int64_t dls_pager_salvage_extent(dls_pager *p, uint32_t idx, int timeout_ms) {
+    if (p->closing) return DLS_E_CLOSED;
+    if (idx >= p->next || timeout_ms < 0) return DLS_E_ARG;
+    pg_extent *e = &p->ext[idx];
+    uint64_t deadline = pg_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    for (;;) {
+        /* while no copy is durable a clean unit is never dropped and a dirty one never leaves (its
+         * write-back fails): once nothing is on its way, no unit with data can become absent */
+        if (__atomic_load_n(&e->durable, __ATOMIC_ACQUIRE)) return -EBUSY;
+        if (!lose_absent(p, idx)) break;
+        if (p->closing) return DLS_E_CLOSED;
+        if (pg_now_ns() >= deadline) return -EAGAIN;
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    int64_t kept = 0;
+    for (uint64_t u = e->first_unit; u < e->first_unit + e->nunits; u++) {
+        pg_lock(p, u);
+        uint8_t s = p->state[u];
+        if ((s == U_CLEAN && (p->flags[u] & UF_HAS_DATA)) || s == U_DIRTY || s == U_WRITEBACK) {
+            if (s == U_CLEAN) {
+                p->state[u] = U_DIRTY;
+                pg_make_writable(p, u); /* under its lock, like every unprotect */
+            }
+            p->flags[u] &= (uint8_t)~UF_HAS_DATA;
+            kept++;
+        } else if (s == U_LOST) {
+            p->flags[u] &= (uint8_t)~UF_HAS_DATA; /* poisoned for good: no rebuild reads it */
+        }
+        pg_unlock(p, u);
+    }
+    return kept;
 }
 
 int dls_pager_extent_copies(dls_pager *p, uint32_t idx, int32_t *eps, uint32_t *slabs, uint8_t *roles,

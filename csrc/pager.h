@@ -162,6 +162,14 @@ int64_t dls_pager_flush(dls_pager *p);
  * 0, -errno, or the status a donor answered (wire.h). */
 int dls_pager_copy_extent(dls_pager *p, uint32_t idx, int32_t ep, uint32_t slab, const uint8_t *token,
                           uint64_t bytes_per_s);
+/* Extent idx has no durable copy left (every copy failed or went): what is left of its data is what is
+ * resident.  Before an empty new copy joins it (dls_pager_set_extent), units that were not resident are
+ * lost now (poisoned, DLS_EV_UNITS_LOST), since a fault must not read the new copy's bytes for them; and
+ * every resident unit becomes dirty with no data on any copy, so that its write-back fills the new copy
+ * and no read or rebuild asks a copy for it before then.  Waits up to timeout_ms for units on their way
+ * (a fetch failing, a drop) to settle.  Returns the resident units kept; -EBUSY while the extent has a
+ * durable copy; -EAGAIN when units stayed on their way; DLS_E_ARG, or DLS_E_CLOSED once closing. */
+int64_t dls_pager_salvage_extent(dls_pager *p, uint32_t idx, int timeout_ms);
 /* 0 and an event, -EAGAIN after timeout_ms, -ESHUTDOWN once the pager is closed and no event is left. */
 int dls_pager_next_event(dls_pager *p, dls_pager_event *ev, int timeout_ms);
 void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st);

@@ -55,6 +55,13 @@ void pg_fail(dls_pager *p, int call, int err, uint64_t u, uint64_t n) {
     pg_event(p, &ev);
 }
 
+void pg_count_durable_locked(pg_extent *e) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < e->ncopies; i++)
+        n += !e->copies[i].failed && (e->copies[i].role == DLS_COPY_LIVE || e->copies[i].role == DLS_COPY_EVICTING);
+    __atomic_store_n(&e->durable, n, __ATOMIC_RELEASE);
+}
+
 void pg_copy_failed(dls_pager *p, uint32_t idx, const pg_copy *c, int code) {
     pg_extent *e = &p->ext[idx];
     int first = 0;
@@ -66,6 +73,7 @@ void pg_copy_failed(dls_pager *p, uint32_t idx, const pg_copy *c, int code) {
             x->failed = 1;
         }
     }
+    pg_count_durable_locked(e);
     pthread_mutex_unlock(&e->map);
     if (!first) return;
     PG_ADD(p, copy_failures, 1);

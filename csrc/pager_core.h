@@ -10,8 +10,10 @@
  *   WRITEBACK ---sent----------> EVICTING (evictor) or CLEAN (flush); DIRTY again when a write
  *                                 waits, or when no durable copy took it
  *   CLEAN  ---evictor----------> EVICTING ---MADV_DONTNEED---> ABSENT, or FETCHING at once when a
- *                                 fault arrived meanwhile
+ *                                 fault arrived meanwhile (only while its extent has a durable copy)
  *   FETCHING ---every copy gone--> LOST (poisoned: touching it is SIGBUS)
+ *   salvage of an extent with no durable copy (dls_pager_salvage_extent): ABSENT with data -> LOST,
+ *                                 CLEAN with data -> DIRTY, and no resident unit has data on a copy
  *
  * A fault that finds its unit in transit (FETCHING, WRITEBACK, EVICTING) sets UF_WAIT; whoever
  * settles the unit resolves it (the install wakes the range; a write-back that finds a writer
@@ -79,6 +81,8 @@ typedef struct pg_extent {
     pthread_mutex_t map; /* guards ncopies/copies */
     uint32_t ncopies;
     pg_copy copies[DLS_PAGER_MAX_COPIES];
+    uint32_t durable; /* copies a unit can be read back from (LIVE or EVICTING, not failed); written under
+                       * map, read without it: an evictor drops a clean unit only while this is not 0 */
     int defined;
 } pg_extent;
 
@@ -191,6 +195,8 @@ static inline uint8_t *pg_addr(dls_pager *p, uint64_t u) { return p->base + u * 
 pg_extent *pg_extent_of(dls_pager *p, uint64_t u, uint32_t *idx);
 /* The extent's copies at this moment. */
 uint32_t pg_copies(pg_extent *e, pg_copy *out);
+/* Under e->map, after its copies changed: count the durable ones again. */
+void pg_count_durable_locked(pg_extent *e);
 /* A copy failed: mark it (if it is still in the map) and tell Python, once. */
 void pg_copy_failed(dls_pager *p, uint32_t idx, const pg_copy *c, int code);
 void pg_event(dls_pager *p, const dls_pager_event *ev);

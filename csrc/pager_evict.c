@@ -46,6 +46,13 @@ static uint64_t next_rand(dls_pager *p) { /* xorshift64: the victim choice of RA
     return p->rng = x;
 }
 
+/* A clean unit is dropped only while its extent has a copy to read it back from.  When every copy
+ * is gone its resident bytes are the last of its data: it stays, as a dirty unit that no copy took
+ * does, and touching it never faults. */
+static int droppable(dls_pager *p, uint64_t u) {
+    return __atomic_load_n(&pg_extent_of(p, u, NULL)->durable, __ATOMIC_ACQUIRE) != 0;
+}
+
 /* Up to max victims, moved to EVICTING (clean) or WRITEBACK (dirty) under their locks. */
 static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) {
     uint32_t n = 0;
@@ -56,8 +63,8 @@ static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) 
         pg_lock(p, u);
         uint8_t s = p->state[u];
         int keep = 0;
-        if (s == U_WRITEBACK) {
-            keep = 1; /* a flush is writing it back: still resident, evictable later */
+        if (s == U_WRITEBACK || (s == U_CLEAN && !droppable(p, u))) {
+            keep = 1; /* a flush is writing it back, or it is its data's last copy: still resident */
         } else if (s != U_CLEAN && s != U_DIRTY) {
             p->flags[u] &= (uint8_t)~(UF_INRING | UF_STREAM);
         } else {
@@ -83,8 +90,8 @@ static uint32_t pick(dls_pager *p, uint64_t *out, uint8_t *dirty, uint32_t max) 
         pg_lock(p, u);
         uint8_t s = p->state[u];
         int back = 0;
-        if (s == U_WRITEBACK) {
-            back = 1; /* a flush is writing it back: still resident */
+        if (s == U_WRITEBACK || (s == U_CLEAN && !droppable(p, u))) {
+            back = 1; /* a flush is writing it back, or it is its data's last copy: still resident */
         } else if (s != U_CLEAN && s != U_DIRTY) {
             p->flags[u] &= (uint8_t)~UF_INRING;
         } else if (p->cfg.policy == DLS_PAGER_CLOCK && p->ref[u]) {

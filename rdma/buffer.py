@@ -241,6 +241,12 @@ class RemoteBuffer:
                 return None
         return copied
 
+    def salvage(self, ext: Extent, timeout_s: float) -> int | None:
+        """``ext`` lost every copy: ready it for an empty new copy and return the units kept, or None
+        when nothing is left to keep.  A plain buffer keeps nothing locally: None (its pages stay
+        lost, each read of them raises DataLostError); a region keeps what is resident."""
+        return None
+
     def read_extent_locked(self, ext: Extent, pages: np.ndarray, dst: np.ndarray) -> None:
         """Pages of ``ext`` (sorted indices) from a live copy into dst, failing over and checking
         checksums as any read does.  For the repairer, which holds ``ext.lock``."""

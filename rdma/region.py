@@ -88,6 +88,11 @@ class RegionBuffer(RemoteBuffer):
             return None
         return self.engine.copy_extent(ext, new, bytes_per_s)
 
+    def salvage(self, ext: Extent, timeout_s: float) -> int | None:
+        if self.engine is None:
+            return None
+        return self.engine.salvage_extent(ext, max(0, int(timeout_s * 1000)))
+
     def free(self) -> None:
         if self.engine is not None:
             self.engine.close()

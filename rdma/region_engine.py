@@ -219,6 +219,23 @@ class Engine:
             return None
         return ext.npages * 4096
 
+    def salvage_extent(self, ext: Extent, timeout_ms: int) -> int | None:
+        """Ready ``ext``, whose every copy is gone, for an empty new copy: the units it had on no copy
+        are lost now, the resident ones wait dirty for their write-back (csrc/pager.h).  The resident
+        units kept, or None once closed; TimeoutError while units are on their way or a copy is still
+        durable (try again later)."""
+        try:
+            p = self._enter()
+        except ValueError:
+            return None
+        try:
+            rc = int(lib.dls_pager_salvage_extent(p, ext.index, timeout_ms))
+        finally:
+            self._leave()
+        if rc in (-errno.EAGAIN, -errno.EBUSY):
+            raise TimeoutError("units still on their way" if rc == -errno.EAGAIN else "a copy is still durable")
+        return None if rc < 0 else rc
+
     def next_event(self, ev, timeout_ms: int) -> int:
         """1 and an event in ``ev``, 0 after ``timeout_ms``, -1 once closed with no event left."""
         try:

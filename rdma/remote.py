@@ -85,7 +85,8 @@ class RemoteMemory:
         self.consumer_id = consumer_id or os.environ.get("DLSHARE_NODE_ID") or f"mem-{uuid.uuid4().hex[:12]}"
         self.rng = random.Random(seed)
         self.stats: dict[str, int] = {"failover_reads": 0, "replicas_lost": 0, "replicas_rebuilt": 0,
-                                      "evictions": 0, "bytes_copied": 0, "offline_kept": 0, "leases_renewed": 0}
+                                      "evictions": 0, "bytes_copied": 0, "offline_kept": 0, "leases_renewed": 0,
+                                      "extents_salvaged": 0}
         self._dead_nodes: set[str] = set()
         self._buffers: "weakref.WeakSet[RemoteBuffer]" = weakref.WeakSet()
         self._repairs: "queue.Queue[tuple[RemoteBuffer, Extent] | None]" = queue.Queue()
@@ -407,10 +408,12 @@ class RemoteMemory:
                     ext.replicas = [r for r in ext.replicas if r.state is not LOST]
                     self._changed(buf, ext)
                     return True
-                if not live and not evicting:
-                    log.error("extent %d of a buffer has no copy left: its data is lost", ext.index)
-                    return True
+                lost_all = not live and not evicting
                 exclude = {r.node for r in ext.replicas} | self._dead_nodes
+            if lost_all:
+                if not self._salvage(buf, ext, exclude):
+                    return buf.freed or not self._salvageable(buf)
+                continue  # the salvaged copy is live: rebuild the others from it
             try:
                 new = self._map_slab(exclude, ext.npages * buf.page, initial=REBUILDING)
             except MemoryError as exc:
@@ -434,6 +437,38 @@ class RemoteMemory:
                     self.stats["replicas_rebuilt"] += 1
                     log.info("extent %d rebuilt on %s (slab %d)", ext.index, new.node, new.slab)
                 self._changed(buf, ext)
+        return True
+
+    @staticmethod
+    def _salvageable(buf: RemoteBuffer) -> bool:
+        return type(buf).salvage is not RemoteBuffer.salvage
+
+    def _salvage(self, buf: RemoteBuffer, ext: Extent, exclude: set[str]) -> bool:
+        """Every copy of ``ext`` is gone.  A region still holds its resident units: they go to a new,
+        empty copy (their write-backs fill it) and the units that were only on the lost copies stay
+        lost.  True once the new copy is live; False to try again later, or for a buffer that keeps
+        nothing locally (its data is lost: logged)."""
+        if not self._salvageable(buf):
+            log.error("extent %d of a buffer has no copy left: its data is lost", ext.index)
+            return False
+        try:
+            kept = buf.salvage(ext, 2 * self.io_timeout_ms / 1000)
+        except TimeoutError as exc:
+            log.warning("extent %d lost every copy; salvaging what is resident: %s (again later)", ext.index, exc)
+            return False
+        if kept is None:  # closed meanwhile
+            return False
+        try:
+            new = self._map_slab(exclude, ext.npages * buf.page, initial=LIVE)
+        except MemoryError as exc:
+            log.warning("extent %d lost every copy; cannot place a copy for what is resident yet: %s", ext.index, exc)
+            return False
+        with ext.lock:
+            ext.replicas.append(new)  # empty but live: the kept units reach it by their write-backs
+            self._changed(buf, ext)
+        self.stats["extents_salvaged"] += 1
+        log.error("extent %d lost every copy: %d resident units kept on a new copy on %s; the rest is lost",
+                  ext.index, kept, new.node)
         return True
 
     def _renew_loop(self) -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from nodesvc.bus.procs import wait_until
 from rdma import wire
+from rdma.errors import RemoteMemoryError
+from rdma.replica import REBUILDING
 from rdma.native import ffi, lib
 from rdma.region_engine import _STATS, UNIT_STATES
 from tests.rdma.donors import ROOT
@@ -396,6 +398,89 @@ def test_read_raises_and_touch_is_sigbus_when_every_copy_is_gone():
     assert any(line.startswith("read raised DataLostError") for line in lines), out.stdout + out.stderr
     assert lines[-1] == "touching" and out.returncode == -signal.SIGBUS, (out.returncode, out.stdout, out.stderr)
 
+
+def test_a_clean_unit_whose_every_copy_is_gone_stays_resident_and_intact(local_cluster):
+    """Once every copy of an extent has failed, its resident units hold the last of its data: the
+    evictor must keep the clean ones (dropping one would turn readable bytes into a lost unit), as it
+    keeps dirty ones that no copy took.  Here both servers stop, a failed flush makes the engine see
+    it, and then more units than the budget are written: nothing can be evicted, a fault goes over
+    budget, and the six clean units are still resident, with their bytes."""
+    slab = 2 * SLAB  # one extent of 32 units
+    region, io = local_cluster.region(slab, local_bytes=16 * UNIT, unit=UNIT, slab=slab)
+    a = region.array(np.uint8)
+    clean = [3, 0, 5, 1, 4, 2]  # no two equal steps: no stream is detected, nothing is fetched ahead
+    for u in clean:
+        a[u * UNIT:(u + 1) * UNIT] = u + 1
+    region.flush()
+    assert [region.unit_state(u) for u in range(6)] == ["clean"] * 6
+    local_cluster.stop(0)
+    local_cluster.stop(1)
+    a[6 * UNIT] = 7  # dirty: its write-back tells the engine that both copies are gone
+    with pytest.raises(RemoteMemoryError):
+        region.flush()
+    wait_until(lambda: len(io.failed) == 2, 10, "both copies reported failed")
+    for u in (20, 8, 27, 11, 30, 14, 23, 9, 25, 17):  # 17 units against a budget of 16 (never written: no fetch)
+        a[u * UNIT] = 9
+    assert region.stats()["over_budget"] >= 1  # the evictor was asked for room and found none
+    assert [region.unit_state(u) for u in range(6)] == ["clean"] * 6  # only then is reading them safe
+    for u in range(6):
+        assert int(a[u * UNIT:(u + 1) * UNIT].min()) == int(a[u * UNIT:(u + 1) * UNIT].max()) == u + 1
+
+
+def test_an_extent_that_lost_every_copy_keeps_its_resident_units_on_a_new_copy(local_cluster):
+    """Salvage (RemoteMemory's repair when no copy is left): the units that were only on the lost
+    copies are lost at once, before the new copy can be read, and every resident unit with data goes
+    dirty, so that its write-back fills the new copy; after a flush and an eviction they read back
+    right from it, and a rebuild from it to a further copy copies only what it holds."""
+    slab = 2 * SLAB  # one extent of 32 units
+    region, io = local_cluster.region(slab, local_bytes=16 * UNIT, unit=UNIT, slab=slab)
+    a = region.array(np.uint8)
+    for u in [3, 0, 5, 1, 4, 2, 9, 7]:  # no stream: nothing is fetched ahead
+        a[u * UNIT:(u + 1) * UNIT] = u + 1
+    region.flush()
+    written = [0, 1, 2, 3, 4, 5, 7, 9]
+    region.prefetch(16 * UNIT, 8 * UNIT)  # never-written units: installed as zeros, and the oldest leave
+    states = lambda: [region.unit_state(u) for u in range(32)]  # noqa: E731
+    wait_until(lambda: "absent" in [states()[u] for u in written]
+               and not {"evicting", "writeback", "fetching"} & set(states()), 10, "the evictor to settle")
+    resident = [u for u in written if region.unit_state(u) == "clean"]
+    gone = [u for u in written if region.unit_state(u) == "absent"]
+    assert gone and resident, (resident, gone)
+    ext = region.buffer.extents[0]
+    with pytest.raises(TimeoutError):  # both copies are still durable
+        region.buffer.salvage(ext, 1.0)
+    local_cluster.stop(0)
+    local_cluster.stop(1)
+    a[resident[0] * UNIT] += 100  # a dirty unit: its write-back fails on both copies
+    with pytest.raises(RemoteMemoryError):
+        region.flush()
+    wait_until(lambda: len(io.failed) == 2, 10, "both copies reported failed")
+    kept = region.buffer.salvage(ext, 10.0)
+    assert kept == len(resident)
+    assert [region.unit_state(u) for u in gone] == ["lost"] * len(gone)
+    assert all(region.unit_state(u) == "dirty" for u in resident)
+    new = local_cluster.slab(2, slab)
+    with ext.lock:
+        ext.replicas.append(new)
+        region.buffer.replicas_changed(ext)
+    region.flush()  # the kept units reach the new copy
+    want = {u: np.array(a[u * UNIT:(u + 1) * UNIT]) for u in resident}
+    on_new = local_cluster.read_copy(new, slab)
+    for u, b in want.items():
+        assert np.array_equal(on_new[u * UNIT:(u + 1) * UNIT], b)
+    region.prefetch(10 * UNIT, 6 * UNIT)  # they leave memory, and come back from the new copy
+    region.prefetch(24 * UNIT, 8 * UNIT)
+    wait_until(lambda: any(region.unit_state(u) == "absent" for u in resident), 10, "a kept unit evicted")
+    fails = region.stats()["copy_failures"]
+    for u, b in want.items():
+        assert np.array_equal(np.array(a[u * UNIT:(u + 1) * UNIT]), b)
+    assert region.stats()["copy_failures"] == fails  # every fetched unit matched its checksum
+    third = local_cluster.slab(2, slab, initial=REBUILDING)
+    with ext.lock:
+        ext.replicas.append(third)
+        region.buffer.replicas_changed(ext)
+    assert region.buffer.rebuild_into(ext, third, None) is not None  # nothing lost is asked for
+    assert region.stats()["copy_failures"] == fails
 
 # --- fork and close ----------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from nodesvc.bus.procs import wait_until
+from rdma.errors import RemoteMemoryError
 from tests.rdma.donors import ROOT, SLAB
 
 UNIT = 64 << 10
@@ -169,6 +170,50 @@ def test_every_copy_lost_raises_for_python_and_is_sigbus_for_a_touch(mosquitto, 
     assert any(x.startswith("read raised DataLostError") for x in lines), (lines, err)
     assert lines[-1] == "touching" and child.returncode == -signal.SIGBUS, (child.returncode, lines, err)
 
+
+def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, donor_factory, consumer_factory):
+    """Both donors of extent 0 are stopped, then killed.  RemoteMemory salvages the extent: the units
+    that were resident (one of them written since) go to a new copy on a surviving donor and are
+    rebuilt to two copies; the units that were only on the dead donors are lost, never zeros."""
+    procs = {p.node: p for p in donor_factory(mosquitto.url, 4)}
+    mem = consumer_factory(mosquitto.url, 4, replicas=2, seed=4, io_timeout_s=3)
+    region = mem.map(4 * SLAB, local_bytes=16 * UNIT, unit=UNIT)
+    a = region.array(np.uint32)
+    per = UNIT // 4
+    want = np.arange(len(a), dtype=np.uint32) + 0x5A5A0000  # never zeros
+    a[:] = want
+    region.flush()
+    region.prefetch(2 * SLAB, 2 * SLAB)  # the second half in: the first is written back and evicted
+    for u in (0, 9):  # back in memory, clean (with what the engine fetched beside them)
+        assert np.array_equal(a[u * per:(u + 1) * per], want[u * per:(u + 1) * per])
+    units = SLAB // UNIT  # of extent 0
+    kept = [u for u in range(units) if region.unit_state(u) == "clean"]
+    gone = [u for u in range(units) if region.unit_state(u) == "absent"]
+    assert {0, 9} <= set(kept) and gone and len(kept) + len(gone) == units, (kept, gone)
+    victims = sorted({r.node for r in region.buffer.extents[0].replicas})
+    for node in victims:  # nobody serves, so nothing is rebuilt from a survivor...
+        os.kill(procs[node].pid, signal.SIGSTOP)
+    for node in victims:  # ...then they die
+        procs[node].kill9()
+    a[0] += 7  # written after the loss: only this process has it
+    want[0] += 7
+    with pytest.raises(RemoteMemoryError):  # nothing durable takes it: this is how the loss is seen
+        region.flush()
+    wait_until(lambda: mem.stats["extents_salvaged"] >= 1, 60, "extent 0 salvaged")
+    assert mem.wait_healthy(region.buffer, 60), region.placement()
+    region.flush()
+    assert [region.unit_state(u) for u in gone] == ["lost"] * len(gone)  # only the dead donors had them
+    assert region.stats()["units_lost"] >= len(gone)
+    assert not set(victims) & nodes_of(region)
+    region.prefetch(2 * SLAB, 2 * SLAB)  # the kept units leave memory and come back from the new copies
+    wait_until(lambda: all(region.unit_state(u) == "absent" for u in kept), 10, "the kept units evicted")
+    for u in kept:
+        assert np.array_equal(a[u * per:(u + 1) * per], want[u * per:(u + 1) * per]), f"unit {u}"
+    for rep in region.buffer.extents[0].replicas:  # and both copies hold them
+        for u in kept:
+            got = np.empty(UNIT, np.uint8)
+            mem.dataplane.endpoint(rep).read(rep.slab, rep.token, [u * UNIT], [UNIT], got)
+            assert np.array_equal(got.view(np.uint32), want[u * per:(u + 1) * per]), f"unit {u} on {rep.node}"
 
 def test_a_donor_killed_mid_run_loses_nothing(mosquitto, donor_factory, consumer_factory):
     procs = {p.node: p for p in donor_factory(mosquitto.url, 3)}
