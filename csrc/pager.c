@@ -251,12 +251,13 @@ int dls_pager_set_extent(dls_pager *p, uint32_t idx, uint64_t first_unit, uint64
 }
 
 /* One pass of dls_pager_salvage_extent over extent idx: units that are not resident but had data are
- * lost (claimed first, as a fetch worker claims them, so that no fault fetches one meanwhile).  Returns
- * how many units are still on their way: a fetch of data (it will fail: no durable copy) or a drop. */
+ * lost (claimed first, as a fetch worker claims them, so that no fault fetches one meanwhile; poisoned
+ * a run of adjacent units at a time).  Returns how many units are still on their way: a fetch of data
+ * (it will fail: no durable copy) or a drop. */
 static uint64_t lose_absent(dls_pager *p, uint32_t idx) {
     pg_extent *e = &p->ext[idx];
-    uint64_t moving = 0;
-    for (uint64_t u = e->first_unit; u < e->first_unit + e->nunits; u++) {
+    uint64_t moving = 0, run = 0, end = e->first_unit + e->nunits;
+    for (uint64_t u = e->first_unit; u < end; u++) {
         pg_lock(p, u);
         uint8_t s = p->state[u], f = p->flags[u];
         int lose = s == U_ABSENT && (f & UF_HAS_DATA);
@@ -267,7 +268,12 @@ static uint64_t lose_absent(dls_pager *p, uint32_t idx) {
             moving++;
         }
         pg_unlock(p, u);
-        if (lose) pg_lose(p, idx, u, 1, DLS_E_IO);
+        if (lose) run++;
+        if (run && (!lose || u + 1 == end)) { /* the run of claimed units ends here */
+            uint64_t first = (lose ? u + 1 : u) - run;
+            pg_lose(p, idx, first, run, DLS_E_IO);
+            run = 0;
+        }
     }
     return moving;
 }

@@ -243,8 +243,9 @@ class RemoteBuffer:
 
     def salvage(self, ext: Extent, timeout_s: float) -> int | None:
         """``ext`` lost every copy: ready it for an empty new copy and return the units kept, or None
-        when nothing is left to keep.  A plain buffer keeps nothing locally: None (its pages stay
-        lost, each read of them raises DataLostError); a region keeps what is resident."""
+        when there is nothing to keep.  A plain buffer keeps nothing locally: None (its pages stay
+        lost, each read of them raises DataLostError).  A region keeps what is resident, and raises
+        TimeoutError while it cannot yet (units still on their way: try again later)."""
         return None
 
     def read_extent_locked(self, ext: Extent, pages: np.ndarray, dst: np.ndarray) -> None:

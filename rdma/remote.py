@@ -464,8 +464,11 @@ class RemoteMemory:
             log.warning("extent %d lost every copy; cannot place a copy for what is resident yet: %s", ext.index, exc)
             return False
         with ext.lock:
-            ext.replicas.append(new)  # empty but live: the kept units reach it by their write-backs
+            stale = [r for r in ext.replicas if r.move(LOST) is not None]  # copies never filled: nothing to read
+            ext.replicas = [new]  # empty but live: the kept units reach it by their write-backs
             self._changed(buf, ext)
+        for r in stale:
+            self._unmap(r, wait=False)
         self.stats["extents_salvaged"] += 1
         log.error("extent %d lost every copy: %d resident units kept on a new copy on %s; the rest is lost",
                   ext.index, kept, new.node)

@@ -166,7 +166,9 @@ def test_every_copy_lost_raises_for_python_and_is_sigbus_for_a_touch(mosquitto, 
             child.kill()
             child.wait()
     lines += out.splitlines()
-    assert "state absent" in lines and "state before read absent" in lines, lines
+    # lost already when the donors' Last Wills arrived first: RemoteMemory salvaged the extent (its
+    # resident units onto the third donor), and a unit that was only on the dead donors is poisoned then
+    assert "state absent" in lines and ("state before read absent" in lines or "state before read lost" in lines), lines
     assert any(x.startswith("read raised DataLostError") for x in lines), (lines, err)
     assert lines[-1] == "touching" and child.returncode == -signal.SIGBUS, (child.returncode, lines, err)
 
@@ -205,8 +207,12 @@ def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, don
     assert [region.unit_state(u) for u in gone] == ["lost"] * len(gone)  # only the dead donors had them
     assert region.stats()["units_lost"] >= len(gone)
     assert not set(victims) & nodes_of(region)
-    region.prefetch(2 * SLAB, 2 * SLAB)  # the kept units leave memory and come back from the new copies
-    wait_until(lambda: all(region.unit_state(u) == "absent" for u in kept), 10, "the kept units evicted")
+
+    def kept_evicted() -> bool:  # the second half through memory again, until the kept units have left
+        region.prefetch(2 * SLAB, 2 * SLAB)  # (CLOCK gives a unit written or refetched another turn)
+        return all(region.unit_state(u) == "absent" for u in kept)
+
+    wait_until(kept_evicted, 60, "the kept units evicted")  # they come back from the new copies
     for u in kept:
         assert np.array_equal(a[u * per:(u + 1) * per], want[u * per:(u + 1) * per]), f"unit {u}"
     for rep in region.buffer.extents[0].replicas:  # and both copies hold them
