@@ -97,6 +97,11 @@ class RemoteMemory:
                                     on_event=self._donor_event, on_online=self._online_state)
         self.control.wait_donors(replicas, discover_timeout_s)
         self._closed = False
+        self.repair_retry_s = (0.5, 8.0)  # a failed repair's first retry, and the longest wait between two
+        self._repair_lock = threading.Lock()
+        self._repair_queued: set[tuple[int, int]] = set()  # (buffer, extent) in the queue
+        self._repair_waiting: set[tuple[int, int]] = set()  # with a retry timer pending
+        self._repair_tries: dict[tuple[int, int], int] = {}  # failed attempts in a row
         self._repair_thread = threading.Thread(target=self._repair_loop, name="rdma-repair", daemon=True)
         self._repair_thread.start()
         self.lease_s = lease_s
@@ -301,7 +306,7 @@ class RemoteMemory:
                 self._suspect(rep.node)  # before the repair is queued: it must not place the new copy there
             else:
                 self._unmap(rep, wait=False)  # the donor answered: give the bad slab back
-        self._repairs.put((buf, ext))
+        self._queue_repair(buf, ext)
 
     def _data_plane_alive(self, node: str) -> bool:
         view = self.control.donors().get(node)
@@ -350,7 +355,7 @@ class RemoteMemory:
                         hit = True
                 if hit:
                     self._changed(buf, ext)
-                    self._repairs.put((buf, ext))
+                    self._queue_repair(buf, ext)
 
     def _donor_event(self, node: str, body: dict[str, Any]) -> None:
         event, slab = body.get("event"), body.get("slab")
@@ -373,26 +378,61 @@ class RemoteMemory:
                 else:
                     return
                 self._changed(buf, ext)
-                self._repairs.put((buf, ext))
+                self._queue_repair(buf, ext)
                 return
 
     # --- rebuild ---------------------------------------------------------------------------
 
+    def _queue_repair(self, buf: RemoteBuffer, ext: Extent) -> None:
+        """Ask the repairer to look at ``ext``, once: an extent already queued is not queued again."""
+        key = (id(buf), ext.index)
+        with self._repair_lock:
+            if key in self._repair_queued:
+                return
+            self._repair_queued.add(key)
+        self._repairs.put((buf, ext))
+
+    def _retry_repair(self, buf: RemoteBuffer, ext: Extent) -> None:
+        key = (id(buf), ext.index)
+        with self._repair_lock:
+            self._repair_waiting.discard(key)
+        self._queue_repair(buf, ext)
+
     def _repair_loop(self) -> None:
+        """One repair at a time.  One that cannot finish (no donor to place on, units on their way) is
+        tried again after ``repair_retry_s[0]`` s, twice as long each time up to ``repair_retry_s[1]``,
+        with one retry pending per extent however many failures asked for it: an outage costs a few
+        attempts and log lines a minute, not two a second for every extent."""
         while True:
             item = self._repairs.get()
             if item is None:
                 return
             buf, ext = item
+            key = (id(buf), ext.index)
+            with self._repair_lock:
+                self._repair_queued.discard(key)
             if buf.freed:
+                with self._repair_lock:
+                    self._repair_tries.pop(key, None)
                 continue
             try:
                 done = self._repair(buf, ext)
             except Exception:  # the repairer must survive anything one extent throws
                 log.exception("repair of extent %d failed", ext.index)
                 done = False
-            if not done and not self._closed:
-                threading.Timer(0.5, self._repairs.put, args=((buf, ext),)).start()
+            with self._repair_lock:
+                if done:
+                    self._repair_tries.pop(key, None)
+                    continue
+                if self._closed or key in self._repair_waiting:
+                    continue
+                tries = self._repair_tries[key] = self._repair_tries.get(key, 0) + 1
+                self._repair_waiting.add(key)
+            first, most = self.repair_retry_s
+            delay = min(most, first * 2 ** min(tries - 1, 30))  # (an outage of hours: no float overflow)
+            timer = threading.Timer(delay, self._retry_repair, args=(buf, ext))
+            timer.daemon = True
+            timer.start()
 
     def _repair(self, buf: RemoteBuffer, ext: Extent) -> bool:
         """Bring ext back to ``replicas`` live copies; True when done (or nothing to do)."""

@@ -239,6 +239,42 @@ def test_a_capped_rebuild_keeps_to_its_rate_and_loses_nothing(mosquitto, donor_f
             assert np.array_equal(got, data[lo:hi]), f"copy on {rep.node} differs"
 
 
+
+def test_a_repair_that_cannot_finish_is_retried_once_per_extent_and_less_often(mosquitto, donor_factory,
+                                                                              consumer_factory):
+    """A repair that fails (here every attempt) is tried again after ``repair_retry_s[0]``, then twice
+    as long each time up to ``repair_retry_s[1]``; failures reported meanwhile for the same extent are
+    folded into one pending attempt, so there is only ever one chain of retries (two chains would put
+    some attempts closer together than the back-off allows)."""
+    donor_factory(mosquitto.url, 2)
+    mem = consumer_factory(mosquitto.url, 2, replicas=2, seed=1)
+    buf = mem.alloc(SLAB)
+    ext = buf.extents[0]
+    mem.repair_retry_s = (0.1, 0.4)
+    calls: list[float] = []
+    release = threading.Event()
+
+    def failing_repair(b, e) -> bool:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            release.wait(30)  # the repairer is busy: what comes meanwhile queues
+        return False
+
+    mem._repair = failing_repair
+    mem._queue_repair(buf, ext)
+    wait_until(lambda: calls, 10, "the first attempt")
+    for _ in range(5):  # five more failures of the same extent while the first attempt runs: one queued
+        mem._queue_repair(buf, ext)
+    release.set()
+    wait_until(lambda: len(calls) >= 6, 30, "six attempts")
+    gaps = [b - a for a, b in zip(calls[2:], calls[3:])]  # from the third: the timer's chain alone
+    for got, least in zip(gaps, (0.2, 0.4, 0.4)):
+        assert got >= 0.9 * least, f"attempts {[round(c - calls[0], 3) for c in calls]}"
+    mem._repair = lambda b, e: calls.append(time.monotonic()) or True  # the next attempt ends the chain
+    n = len(calls)
+    wait_until(lambda: not mem._repair_waiting and not mem._repair_tries, 10, "the retries to stop")
+    assert len(calls) == n + 1  # and nothing is left to try again
+
 def test_a_rebuild_cap_must_be_a_rate():
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="rebuild_bytes_per_s"):
