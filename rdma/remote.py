@@ -454,10 +454,8 @@ class RemoteMemory:
                 if not self._salvage(buf, ext, exclude):
                     return buf.freed or not self._salvageable(buf)
                 continue  # the salvaged copy is live: rebuild the others from it
-            try:
-                new = self._map_slab(exclude, ext.npages * buf.page, initial=REBUILDING)
-            except MemoryError as exc:
-                log.warning("cannot rebuild extent %d yet: %s", ext.index, exc)
+            new = self._place_copy(buf, ext, exclude, REBUILDING, "cannot rebuild extent %d yet")
+            if new is None:
                 return False
             with ext.lock:
                 ext.replicas.append(new)  # from now on writes reach it too
@@ -479,6 +477,16 @@ class RemoteMemory:
                 self._changed(buf, ext)
         return True
 
+    def _place_copy(self, buf: RemoteBuffer, ext: Extent, exclude: set[str], initial: ReplicaState,
+                    why: str) -> Replica | None:
+        """A new slab for a copy of ``ext``, off the ``exclude`` nodes; None (logged: ``why`` % index, and
+        the reason) when no donor can take it now."""
+        try:
+            return self._map_slab(exclude, ext.npages * buf.page, initial=initial)
+        except MemoryError as exc:
+            log.warning(why + ": %s", ext.index, exc)
+            return None
+
     @staticmethod
     def _salvageable(buf: RemoteBuffer) -> bool:
         return type(buf).salvage is not RemoteBuffer.salvage
@@ -498,10 +506,9 @@ class RemoteMemory:
             return False
         if kept is None:  # closed meanwhile
             return False
-        try:
-            new = self._map_slab(exclude, ext.npages * buf.page, initial=LIVE)
-        except MemoryError as exc:
-            log.warning("extent %d lost every copy; cannot place a copy for what is resident yet: %s", ext.index, exc)
+        new = self._place_copy(buf, ext, exclude, LIVE,
+                               "extent %d lost every copy; cannot place one for what is resident yet")
+        if new is None:
             return False
         with ext.lock:
             stale = [r for r in ext.replicas if r.move(LOST) is not None]  # copies never filled: nothing to read
