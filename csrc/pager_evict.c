@@ -46,11 +46,12 @@ static uint64_t next_rand(dls_pager *p) { /* xorshift64: the victim choice of RA
     return p->rng = x;
 }
 
-/* A clean unit is dropped only while its extent has a copy to read it back from.  When every copy
- * is gone its resident bytes are the last of its data: it stays, as a dirty unit that no copy took
- * does, and touching it never faults. */
+/* A clean unit is dropped only while its extent has a copy to read it back from (or when it holds
+ * no data: it comes back as zeros).  When every copy is gone its resident bytes are the last of its
+ * data: it stays, as a dirty unit that no copy took does, and touching it never faults.  Under the
+ * unit's lock. */
 static int droppable(dls_pager *p, uint64_t u) {
-    return __atomic_load_n(&pg_extent_of(p, u, NULL)->durable, __ATOMIC_ACQUIRE) != 0;
+    return !(p->flags[u] & UF_HAS_DATA) || __atomic_load_n(&pg_extent_of(p, u, NULL)->durable, __ATOMIC_ACQUIRE) != 0;
 }
 
 /* Up to max victims, moved to EVICTING (clean) or WRITEBACK (dirty) under their locks. */

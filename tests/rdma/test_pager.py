@@ -403,8 +403,9 @@ def test_a_clean_unit_whose_every_copy_is_gone_stays_resident_and_intact(local_c
     """Once every copy of an extent has failed, its resident units hold the last of its data: the
     evictor must keep the clean ones (dropping one would turn readable bytes into a lost unit), as it
     keeps dirty ones that no copy took.  Here both servers stop, a failed flush makes the engine see
-    it, and then more units than the budget are written: nothing can be evicted, a fault goes over
-    budget, and the six clean units are still resident, with their bytes."""
+    it, and then more units than the budget are written: only two clean units that hold no data (they
+    come back as zeros) can be evicted, a fault goes over budget, and the six clean units are still
+    resident, with their bytes."""
     slab = 2 * SLAB  # one extent of 32 units
     region, io = local_cluster.region(slab, local_bytes=16 * UNIT, unit=UNIT, slab=slab)
     a = region.array(np.uint8)
@@ -419,10 +420,13 @@ def test_a_clean_unit_whose_every_copy_is_gone_stays_resident_and_intact(local_c
     with pytest.raises(RemoteMemoryError):
         region.flush()
     wait_until(lambda: len(io.failed) == 2, 10, "both copies reported failed")
-    for u in (20, 8, 27, 11, 30, 14, 23, 9, 25, 17):  # 17 units against a budget of 16 (never written: no fetch)
+    assert int(a[12 * UNIT]) == int(a[15 * UNIT]) == 0  # never written: clean zeros, no data to lose
+    for u in (20, 8, 27, 11, 30, 14, 23, 9, 25, 17):  # 19 units against a budget of 16 (never written: no fetch)
         a[u * UNIT] = 9
-    assert region.stats()["over_budget"] >= 1  # the evictor was asked for room and found none
+    assert region.stats()["over_budget"] >= 1  # the evictor was asked for room and found too little
     assert [region.unit_state(u) for u in range(6)] == ["clean"] * 6  # only then is reading them safe
+    wait_until(lambda: region.unit_state(12) == region.unit_state(15) == "absent", 10,
+               "the zero units dropped (a touch gives zeros again)")
     for u in range(6):
         assert int(a[u * UNIT:(u + 1) * UNIT].min()) == int(a[u * UNIT:(u + 1) * UNIT].max()) == u + 1
 
