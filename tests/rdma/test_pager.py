@@ -16,9 +16,9 @@ import pytest
 from nodesvc.bus.procs import wait_until
 from rdma import wire
 from rdma.errors import RemoteMemoryError
-from rdma.replica import REBUILDING
 from rdma.native import ffi, lib
 from rdma.region_engine import _STATS, UNIT_STATES
+from rdma.replica import REBUILDING
 from tests.rdma.donors import ROOT
 from tests.rdma.regions import SLAB
 
@@ -444,9 +444,12 @@ def test_an_extent_that_lost_every_copy_keeps_its_resident_units_on_a_new_copy(l
     region.flush()
     written = [0, 1, 2, 3, 4, 5, 7, 9]
     region.prefetch(16 * UNIT, 8 * UNIT)  # never-written units: installed as zeros, and the oldest leave
-    states = lambda: [region.unit_state(u) for u in range(32)]  # noqa: E731
-    wait_until(lambda: "absent" in [states()[u] for u in written]
-               and not {"evicting", "writeback", "fetching"} & set(states()), 10, "the evictor to settle")
+
+    def settled() -> bool:  # some written unit evicted, and nothing on its way
+        states = [region.unit_state(u) for u in range(32)]
+        return "absent" in [states[u] for u in written] and not {"evicting", "writeback", "fetching"} & set(states)
+
+    wait_until(settled, 10, "the evictor to settle")
     resident = [u for u in written if region.unit_state(u) == "clean"]
     gone = [u for u in written if region.unit_state(u) == "absent"]
     assert gone and resident, (resident, gone)
@@ -485,6 +488,7 @@ def test_an_extent_that_lost_every_copy_keeps_its_resident_units_on_a_new_copy(l
         region.buffer.replicas_changed(ext)
     assert region.buffer.rebuild_into(ext, third, None) is not None  # nothing lost is asked for
     assert region.stats()["copy_failures"] == fails
+
 
 # --- fork and close ----------------------------------------------------------------------------------
 

@@ -189,6 +189,13 @@ def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, don
     for u in (0, 9):  # back in memory, clean (with what the engine fetched beside them)
         assert np.array_equal(a[u * per:(u + 1) * per], want[u * per:(u + 1) * per])
     units = SLAB // UNIT  # of extent 0
+
+    def states() -> list[str]:
+        return [region.unit_state(u) for u in range(4 * SLAB // UNIT)]
+
+    # the evictor done: two looks alike, nothing on its way (no fault comes until the salvage)
+    wait_until(lambda: (s := states()) == states() and not {"evicting", "writeback", "fetching"} & set(s), 10,
+               "the evictor to settle")
     kept = [u for u in range(units) if region.unit_state(u) == "clean"]
     gone = [u for u in range(units) if region.unit_state(u) == "absent"]
     assert {0, 9} <= set(kept) and gone and len(kept) + len(gone) == units, (kept, gone)
@@ -220,6 +227,7 @@ def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, don
             got = np.empty(UNIT, np.uint8)
             mem.dataplane.endpoint(rep).read(rep.slab, rep.token, [u * UNIT], [UNIT], got)
             assert np.array_equal(got.view(np.uint32), want[u * per:(u + 1) * per]), f"unit {u} on {rep.node}"
+
 
 def test_a_donor_killed_mid_run_loses_nothing(mosquitto, donor_factory, consumer_factory):
     procs = {p.node: p for p in donor_factory(mosquitto.url, 3)}
