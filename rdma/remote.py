@@ -65,7 +65,8 @@ class RemoteMemory:
     ``stats`` counts reads served by another copy after one failed (``failover_reads``),
     copies lost and rebuilt, evictions, bytes copied by rebuilds, donors reported
     offline on the bus whose slab server still answered (``offline_kept``: their
-    copies are kept), and successful lease renewals (``leases_renewed``).
+    copies are kept), successful lease renewals (``leases_renewed``), and extents of regions
+    that lost every copy and were given a new one for what was resident (``extents_salvaged``).
     """
 
     def __init__(self, broker: str, replicas: int = 2, consumer_id: str | None = None, checksums: bool = True,
