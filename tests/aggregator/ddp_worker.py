@@ -1,6 +1,9 @@
-"""One rank of the DDP equality test: train the same tiny model with plain DDP and with the hook.
+"""One rank of the DDP equality tests: train the same tiny model with plain DDP, with the hook, and
+with the hook and each wire compression asked for (``--compressed fp16=HOST:PORT``: its own server, so
+that each server's byte count is one run's).
 
-Run by test_agg_ddp.py as a real process: ``python ddp_worker.py --rank R --world W ...``.
+Run by test_agg_ddp.py as a real process: ``python ddp_worker.py --rank R --world W ...``.  One process
+trains every variant: a rank's start (torch's import, the process group) is most of a short run's time.
 """
 
 from __future__ import annotations
@@ -65,15 +68,23 @@ def main() -> int:
     ap.add_argument("--job", default="ddp")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--compress", choices=["fp16", "bf16"], default=None)
+    ap.add_argument("--compressed", action="append", default=[], metavar="WIRE=HOST:PORT",
+                    help="also train with the hook and this wire compression (fp16, bf16) on this server")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
     plain = train(a.rank, a.steps, None)
     with TracingClient(a.agg.split(","), a.job, a.rank, a.world, timeout_s=30) as client:
-        hooked = train(a.rank, a.steps, client, a.compress)
+        hooked = train(a.rank, a.steps, client)
         seen = client.seen
-    torch.save({"plain": plain, "hook": hooked, "seen": seen}, a.out)
+    compressed = {}
+    for item in a.compressed:
+        wire, server = item.split("=", 1)
+        if wire not in ("fp16", "bf16"):
+            ap.error(f"--compressed {item}: the wire is fp16 or bf16")
+        with TracingClient([server], f"{a.job}-{wire}", a.rank, a.world, timeout_s=30) as client:
+            compressed[wire] = {"hook": train(a.rank, a.steps, client, wire), "seen": client.seen}
+    torch.save({"plain": plain, "hook": hooked, "seen": seen, "compressed": compressed}, a.out)
     dist.destroy_process_group()
     return 0
 

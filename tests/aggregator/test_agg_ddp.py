@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from aggregator import AggregationServer, ServerSettings
 from nodesvc.bus.procs import free_port
 from tests.aggregator.aggtest import addr
 
@@ -17,6 +18,7 @@ ROOT = HERE.parents[1]
 
 
 def _run_ddp(world: int, servers: list[str], tmp_path: Path, steps: int = 6, extra: tuple = ()) -> list[dict]:
+    """``world`` ranks of ddp_worker.py; each one's results (plain, hooked, compressed runs)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
     for rank in range(world):
@@ -48,9 +50,22 @@ def _check_relayout(res: dict) -> None:
     assert sum(n for _, n in rounds[0]) == sum(n for _, n in rounds[1])
 
 
-def test_ddp_two_ranks_bit_identical_to_plain_ddp(agg_servers, tmp_path):
-    (srv,) = agg_servers(1, max_cores=2)
-    results = _run_ddp(2, [addr(srv)], tmp_path)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two ranks, started once for the module: plain DDP, the hook on one server, and the hook with each
+    wire compression on a server of its own.  Yields (the ranks' results, {run: its server})."""
+    made = {run: AggregationServer(ServerSettings(server_id=f"ddp2-{run}", round_timeout_s=5.0, max_cores=2)).start()
+            for run in ("hook", "fp16", "bf16")}
+    try:
+        extra = [arg for wire in ("fp16", "bf16") for arg in ("--compressed", f"{wire}={addr(made[wire])}")]
+        yield _run_ddp(2, [addr(made["hook"])], tmp_path_factory.mktemp("ddp2"), extra=tuple(extra)), made
+    finally:
+        for srv in made.values():
+            srv.stop()
+
+
+def test_ddp_two_ranks_bit_identical_to_plain_ddp(two_ranks):
+    results, _ = two_ranks
     for res in results:
         _check_relayout(res)
         for p, q in zip(res["plain"], res["hook"]):
@@ -84,17 +99,16 @@ def test_ddp_four_ranks_within_1e6_relative_on_two_servers(agg_servers, tmp_path
 
 
 @pytest.mark.parametrize("wire", ["fp16", "bf16"])
-def test_ddp_with_wire_compression_sends_half_the_bytes_and_stays_close(agg_servers, tmp_path, wire):
-    (srv,) = agg_servers(1, max_cores=2)
-    results = _run_ddp(2, [addr(srv)], tmp_path, extra=("--compress", wire))
-    sent = sum(numel for res in results for _, _, numel in res["seen"])
-    assert srv.bytes_in == 2 * sent  # 16-bit elements on the wire, not 32
+def test_ddp_with_wire_compression_sends_half_the_bytes_and_stays_close(two_ranks, wire):
+    results, servers = two_ranks
+    runs = [res["compressed"][wire] for res in results]
+    sent = sum(numel for run in runs for _, _, numel in run["seen"])
+    assert sent > 0 and servers[wire].bytes_in == 2 * sent  # 16-bit elements on the wire, not 32
     tol = {"fp16": 2e-3, "bf16": 2e-2}[wire]  # the wire rounding of each step's mean gradient
-    for res in results:
-        diffs = [(p - q).abs().max().item() for p, q in zip(res["plain"], res["hook"])]
+    for res, run in zip(results, runs):
+        diffs = [(p - q).abs().max().item() for p, q in zip(res["plain"], run["hook"])]
         assert 0 < max(diffs) < tol, diffs  # it did round, and only a little
-    for p, q in zip(results[0]["hook"], results[1]["hook"]):
-        assert torch.equal(p, q)  # both ranks got the same rounded means
+    assert all(torch.equal(p, q) for p, q in zip(runs[0]["hook"], runs[1]["hook"]))  # the same rounded means
 
 
 def _initial() -> list[torch.Tensor]:

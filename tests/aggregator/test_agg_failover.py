@@ -111,23 +111,21 @@ def test_a_round_fails_cleanly_when_no_server_is_left_to_retry_on(tmp_path):
         only.stop()
 
 
-def _run_ddp(tmp: Path, addrs: list[str], tag: str, kill_pid: int = 0, kill_step: int = -1,
-             on_start=None, pause_s: float = 0.25) -> list[dict]:
+def _run_ddp(tmp: Path, addrs: list[str], kill_pid: int, kill_step: int, on_start) -> list[dict]:
+    """Four ranks, each training the reference job and then the faulty one (failover_worker.py)."""
     world, steps = 4, 16
     init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
     for rank in range(world):
-        out = tmp / f"{tag}{rank}.pt"
+        out = tmp / f"rank{rank}.pt"
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "failover_worker.py"), "--rank", str(rank), "--world", str(world),
              "--init", init, "--agg", ",".join(addrs), "--steps", str(steps), "--out", str(out),
-             "--job", f"ddp-{tag}", "--kill-pid", str(kill_pid), "--kill-step", str(kill_step),
-             "--pause", str(pause_s)],
+             "--job", "ddp", "--kill-pid", str(kill_pid), "--kill-step", str(kill_step)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
-        if on_start:
-            on_start()
+        on_start()
         for p in procs:
             p.wait(timeout=180)
     finally:
@@ -143,20 +141,21 @@ def _run_ddp(tmp: Path, addrs: list[str], tag: str, kill_pid: int = 0, kill_step
 @pytest.mark.slow
 def test_ddp_with_a_server_killed_mid_training_ends_bit_identical_to_a_run_without_the_fault(servers, tmp_path):
     addrs = [s.addr for s in servers]
-    clean = _run_ddp(tmp_path, addrs, "clean", pause_s=0)  # the reference: nothing to span
     victim = max(servers, key=lambda s: s.addr)  # the worker's victim: the last of the sorted list
     restarted = threading.Event()
 
     def restart_after_death() -> None:
         def watch() -> None:
-            victim.proc.wait(timeout=170)  # rank 0 kills it with SIGKILL mid-step
+            victim.proc.wait(timeout=170)  # rank 0 kills it with SIGKILL mid-step of the faulty run
             time.sleep(0.5)
             victim.start()
             restarted.set()
         threading.Thread(target=watch, daemon=True).start()
 
-    faulty = _run_ddp(tmp_path, addrs, "fault", kill_pid=victim.pid, kill_step=4, on_start=restart_after_death)
+    runs = _run_ddp(tmp_path, addrs, kill_pid=victim.pid, kill_step=4, on_start=restart_after_death)
+    clean, faulty = [r["clean"] for r in runs], [r["fault"] for r in runs]
     assert restarted.is_set()
+    assert not any(r["killed"] or r["retries"] for r in clean)  # the reference ran with every server up
     assert faulty[0]["killed"] and all(r["retries"] > 0 for r in faulty)
     for a, b in zip(clean, faulty):
         assert a["steps"] == b["steps"] == 16
