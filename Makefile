@@ -13,7 +13,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # a real Prometheus scraping a live stack (tests/deploy/test_prometheus.py).
 APT_PKGS := mosquitto mosquitto-clients redis-server iproute2 procps util-linux slurm-wlm munge prometheus openssl
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 .PHONY: all demo test test-stress sanitize lint deps sysdeps ext bench bench-quick clean k8s-testbed
 

@@ -5,7 +5,7 @@ one pytest process left a 2-core machine about 60% idle.  This runs it in two pa
 
     python -m tests.suite [--workers N] [pytest args...]
 
-1. every test not marked ``alone``, on N pytest-xdist workers (default 2), each test file on one
+1. every test not marked ``alone``, on N pytest-xdist workers (default 3), each test file on one
    worker (``--dist loadfile``: a file's module fixtures start once), each worker in a network
    namespace and cgroups of its own (tests/isolate.py);
 2. the tests marked ``alone`` (tests/conftest.py, ``ALONE``, with the reason for each), one at a
@@ -42,7 +42,7 @@ def _run(argv: list[str], what: str) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--workers", type=int, default=2,
+    ap.add_argument("--workers", type=int, default=3,
                     help="pytest-xdist workers for the first pass (1: one process, no second pass)")
     ap.add_argument("-m", dest="marks", default=None, help="pytest's -m, applied to both passes")
     a, rest = ap.parse_known_args(argv)
