@@ -84,6 +84,10 @@ class ReplicaIO(Protocol):
 class RemoteBuffer:
     """``nbytes`` of remote memory.  Thread-safe; see RemoteMemory.alloc."""
 
+    # Whether :meth:`salvage` can keep anything of an extent that lost every copy (a region keeps
+    # its resident units); RemoteMemory's repair salvages only such buffers.
+    keeps_resident = False
+
     def __init__(self, io: ReplicaIO, nbytes: int, page_size: int, extents: list[Extent],
                  checksums: bool) -> None:
         self.io = io

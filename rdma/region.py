@@ -67,6 +67,8 @@ class RegionBuffer(RemoteBuffer):
     too (:meth:`replicas_changed`), a rebuild copies in C under the engine's write-back lock
     (:meth:`rebuild_into`), and byte-level reads and writes go through the mapping, not here."""
 
+    keeps_resident = True
+
     def __init__(self, io: ReplicaIO, nbytes: int, page_size: int, extents: list[Extent], unit: int) -> None:
         if unit < 4096 or unit % 4096 or unit > lib.DLS_PAGER_MAX_UNIT:
             raise ValueError(f"unit must be a multiple of 4096 bytes, at most 1 MiB, got {unit}")

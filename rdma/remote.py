@@ -453,7 +453,7 @@ class RemoteMemory:
                 exclude = {r.node for r in ext.replicas} | self._dead_nodes
             if lost_all:
                 if not self._salvage(buf, ext, exclude):
-                    return buf.freed or not self._salvageable(buf)
+                    return buf.freed or not buf.keeps_resident
                 continue  # the salvaged copy is live: rebuild the others from it
             new = self._place_copy(buf, ext, exclude, REBUILDING, "cannot rebuild extent %d yet")
             if new is None:
@@ -488,16 +488,12 @@ class RemoteMemory:
             log.warning(why + ": %s", ext.index, exc)
             return None
 
-    @staticmethod
-    def _salvageable(buf: RemoteBuffer) -> bool:
-        return type(buf).salvage is not RemoteBuffer.salvage
-
     def _salvage(self, buf: RemoteBuffer, ext: Extent, exclude: set[str]) -> bool:
         """Every copy of ``ext`` is gone.  A region still holds its resident units: they go to a new,
         empty copy (their write-backs fill it) and the units that were only on the lost copies stay
         lost.  True once the new copy is live; False to try again later, or for a buffer that keeps
         nothing locally (its data is lost: logged)."""
-        if not self._salvageable(buf):
+        if not buf.keeps_resident:
             log.error("extent %d of a buffer has no copy left: its data is lost", ext.index)
             return False
         try:
