@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import socket
 import subprocess
@@ -90,11 +91,14 @@ def wait_until(pred: Callable[[], T], timeout: float = 20.0, what: str = "condit
 
 async def until(pred: Callable[[], T], timeout: float = 20.0, what: str = "condition",
                 interval: float = 0.05) -> T:
-    """:func:`wait_until` for a coroutine: polls ``pred`` between awaits, without blocking the loop."""
+    """:func:`wait_until` for a coroutine: polls ``pred`` between awaits, without blocking the loop.
+    ``pred`` may return an awaitable (a coroutine that runs a blocking check in a thread, say)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         v = pred()
+        if inspect.isawaitable(v):
+            v = await v
         if v:
             return v
         if loop.time() >= deadline:

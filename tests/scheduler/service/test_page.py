@@ -31,15 +31,17 @@ FAST = {"DLSHARE_SCHED_HISTORY_STEP_S": "0.25", "DLSHARE_SCHED_REASONS_S": "0.2"
         "DLSHARE_SCHED_REASON_EVENT_GAP_S": "0.5"}
 
 
-def cli(sched: SchedProc, *args: str) -> subprocess.CompletedProcess:
+async def cli(sched: SchedProc, *args: str) -> subprocess.CompletedProcess:
+    """`dlshare job ARGS`, run in a thread: the fake nodes' telemetry and MQTT keep-alives share this
+    event loop, and a loaded machine once kept it blocked long enough for the broker to drop them."""
     env = {**os.environ, "DLSHARE_SCHED_URL": sched.url, "DLSHARE_SCHED_TOKEN": TOKEN, "COLUMNS": "80"}
     env.pop("DLSHARE_LOG_LEVEL", None)
-    return subprocess.run([sys.executable, "-m", "nodesvc.cli", "job", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "nodesvc.cli", "job", *args], cwd=ROOT,
+                                   env=env, capture_output=True, text=True, timeout=60)
 
 
-def cli_says(sched: SchedProc, text: str, *args: str) -> str:
-    r = cli(sched, *args)
+async def cli_says(sched: SchedProc, text: str, *args: str) -> str:
+    r = await cli(sched, *args)
     return r.stdout if r.returncode == 0 and text in r.stdout else ""
 
 
@@ -84,7 +86,7 @@ async def test_a_waiting_job_says_why_everywhere_and_the_page_shows_the_cluster_
         assert c.get("big4")["waiting"] is None  # a running job waits for nothing
 
         # --- the CLI: 80 columns, no library logs, the reason; show is for people ---------------
-        r = cli(sched, "list")
+        r = await cli(sched, "list")
         assert r.returncode == 0 and r.stderr == "", r.stderr  # no httpx INFO lines
         lines = r.stdout.splitlines()
         assert lines[0].split() == ["JOB", "STATE", "GPUS", "NODE", "AGE", "REASON"]
@@ -93,14 +95,14 @@ async def test_a_waiting_job_says_why_everywhere_and_the_page_shows_the_cluster_
         assert row.split()[:3] == ["gang8", "queued", "8"] and "Resources: needs 8 GPUs on 2 nodes" in row
         assert next(x for x in lines if x.startswith("big4")).split()[:4] == ["big4", "running", "4", "page-1"] \
             or next(x for x in lines if x.startswith("big4")).split()[:4] == ["big4", "running", "4", "page-2"]
-        loud = cli(sched, "--log-level", "info", "list")  # asked for: the library's request lines
+        loud = await cli(sched, "--log-level", "info", "list")  # asked for: the library's request lines
         assert "HTTP Request: GET" in loud.stderr and "gang8" in loud.stdout
-        show = cli(sched, "show", "gang")  # a unique prefix names the job
+        show = await cli(sched, "show", "gang")  # a unique prefix names the job
         assert show.returncode == 0, show.stderr
         assert f"Reason:          Resources: {first}" in show.stdout and "Position:        1 of 1" in show.stdout
         assert "Estimated start: in " in show.stdout and "Events:" in show.stdout
-        assert json.loads(cli(sched, "list", "-o", "json").stdout)[2]["waiting"]["code"] == "Resources"
-        assert "1/1" in cli(sched, "list", "-o", "wide").stdout
+        assert json.loads((await cli(sched, "list", "-o", "json")).stdout)[2]["waiting"]["code"] == "Resources"
+        assert "1/1" in (await cli(sched, "list", "-o", "wide")).stdout
 
         # --- the page in Chromium: the login form, the cookie, the charts ---------------------
         browser = await Chromium(tmp_path).start()
@@ -152,7 +154,7 @@ async def test_a_waiting_job_says_why_everywhere_and_the_page_shows_the_cluster_
         waits = [e["data"]["reason"] for e in events if e["kind"] == "waiting"]
         assert waits == [first, second], events
         assert "placed" in [e["kind"] for e in events]
-        r = cli(sched, "events", "gang8")
+        r = await cli(sched, "events", "gang8")
         assert "waiting" in r.stdout and "Resources: needs 8 GPUs on 2 nodes; 4 free" in r.stdout
 
         # --- a fresh browser tab without the cookie gets the form; logging out forgets it ------
