@@ -158,3 +158,17 @@ def test_a_cgroup_v2_host_runs_the_suite_in_one_process(tmp_path, monkeypatch):
     (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
     monkeypatch.setattr(isolate, "CGROUP_ROOT", tmp_path)
     assert "cgroup v2" in (isolate.available() or "")
+
+
+def test_pass_one_ignores_the_alone_files_and_pass_two_names_them_unless_the_args_name_a_path():
+    from tests.suite import pass_args
+
+    alone = ["tests/test_stress.py", "tests/rdma/test_remote.py"]
+    first, second = pass_args(["-q", "-k", "fast", "--durations=0"], alone)
+    assert first == ["-q", "-k", "fast", "--durations=0", "--ignore=tests/rdma/test_remote.py",
+                     "--ignore=tests/test_stress.py"]
+    assert second == ["-q", "-k", "fast", "--durations=0", "tests/rdma/test_remote.py", "tests/test_stress.py"]
+    # a path (or a node id) named by the caller: pass 2 keeps the caller's selection
+    for named in ("tests/rdma", "tests/rdma/test_remote.py::test_standalone_donor_shell_serves_consumers"):
+        first, second = pass_args(["-q", named], alone)
+        assert second == ["-q", named] and first[:2] == ["-q", named]
