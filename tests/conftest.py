@@ -172,9 +172,9 @@ def local_users():
     users.remove_all()
 
 
-# `make test` runs the suite on two workers (tests/suite.py: pytest-xdist, each test file on one worker,
-# each worker in its own network namespace and cgroups, tests/isolate.py), then the files below alone,
-# one test at a time as before.  A file belongs here when it cannot share the machine with another
+# `make test` runs the suite on several workers (tests/suite.py: pytest-xdist, three by default, each
+# test file on one worker, each worker in its own network namespace and cgroups, tests/isolate.py), then
+# the files below alone, one test at a time as before.  A file belongs here when it cannot share the machine with another
 # worker's tests; the reason is beside it.
 ALONE = {
     # They keep a core busy on purpose: another worker's deadlines would pay for it.
