@@ -219,7 +219,11 @@ def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, don
         region.prefetch(2 * SLAB, 2 * SLAB)  # (CLOCK gives a unit written or refetched another turn)
         return all(region.unit_state(u) == "absent" for u in kept)
 
-    wait_until(kept_evicted, 60, "the kept units evicted")  # they come back from the new copies
+    try:
+        wait_until(kept_evicted, 60, "the kept units evicted")  # they come back from the new copies
+    except TimeoutError as exc:  # which unit stayed, in which state, and what the engine saw
+        raise AssertionError(f"{exc}: {[(u, region.unit_state(u)) for u in kept]}, {region.stats()}, "
+                             f"{region.placement()}") from exc
     for u in kept:
         assert np.array_equal(a[u * per:(u + 1) * per], want[u * per:(u + 1) * per]), f"unit {u}"
     for rep in region.buffer.extents[0].replicas:  # and both copies hold them
