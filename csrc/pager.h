@@ -122,6 +122,8 @@ typedef struct dls_pager_stats {
     uint64_t move_evict;         /* 1: dirty victims leave by UFFDIO_MOVE (else write-protected in place) */
     uint64_t writeback_lock_wait_ns; /* write-backs waiting for an extent's io lock (held by a rebuild step
                                       * or another write-back of the extent) */
+    uint64_t evictors_idle;      /* 1: every evictor waits for the resident count to pass its high mark
+                                  * (none is picking or dropping units), read with the resident count */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

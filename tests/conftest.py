@@ -186,10 +186,6 @@ ALONE = {
     "tests/adversarial/test_api.py": "a slow client cut off within 6 s",
     "tests/rdma/test_tcp_server.py": "a stalled frame closed within 3 s, a trickled one within 2 s",
     "tests/rdma/test_remote.py": "a reclaim within 5 s, with acks due within its 5 s deadline",
-    # Its salvage test takes which units are resident once the evictor looks settled; on a loaded
-    # machine the evictor can still be mid-cycle then (its state is not exposed yet), and a unit it
-    # drops after that look is lost with its donors, not kept (bench/RESULTS.md, "Test suite").
-    "tests/rdma/test_region.py": "the evictor settled before the salvage test's look at what is resident",
     # Named network namespaces live in /run/netns, whichever namespace a worker runs in, and a stack
     # that starts clears the stale ones it finds.
     "tests/nodesvc/test_netns.py": "named network namespaces",

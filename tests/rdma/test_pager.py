@@ -108,6 +108,10 @@ def test_data_survives_eviction_under_every_policy(local_cluster, policy, unit):
     np.add.at(data, idx, np.uint64(1))  # (a Python 1 would go through float64)
     assert np.array_equal(a, data)
     assert region.stats()["faults_wp"] > 0
+    # the evictors go back to sleep only once the resident count is under their high mark
+    wait_until(lambda: region.stats()["evictors_idle"], 30, "the evictors to go idle")
+    st = region.stats()
+    assert st["resident_units"] <= st["local_units"] - max(1, st["local_units"] // 32), st
     region.flush()
     # every copy holds the data now, straight from the servers
     for ext in region.buffer.extents:

@@ -193,9 +193,13 @@ def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, don
     def states() -> list[str]:
         return [region.unit_state(u) for u in range(4 * SLAB // UNIT)]
 
-    # the evictor done: two looks alike, nothing on its way (no fault comes until the salvage)
-    wait_until(lambda: (s := states()) == states() and not {"evicting", "writeback", "fetching"} & set(s), 10,
-               "the evictor to settle")
+    def settled() -> bool:  # every evictor asleep before and after two looks alike, nothing on its way:
+        idle = region.stats()["evictors_idle"]  # with no fault until the salvage, nothing wakes them
+        s = states()
+        return bool(idle) and s == states() and not {"evicting", "writeback", "fetching"} & set(s) \
+            and bool(region.stats()["evictors_idle"])
+
+    wait_until(settled, 10, "the evictor to settle")
     kept = [u for u in range(units) if region.unit_state(u) == "clean"]
     gone = [u for u in range(units) if region.unit_state(u) == "absent"]
     assert {0, 9} <= set(kept) and gone and len(kept) + len(gone) == units, (kept, gone)
