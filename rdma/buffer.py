@@ -101,6 +101,9 @@ class RemoteBuffer:
         zero_crc = crc32c(bytes(page_size))  # fresh slabs are zero-filled mmaps
         self.page_crc = np.full(self.npages, zero_crc, dtype=np.uint32) if checksums else None
         self.freed = False
+        # Called with the extent whenever its copies change, before a copy that left is given back
+        # to its donor (a sample cache republishes its copy table from it).  It must not block.
+        self.on_replicas_changed: Callable[[Extent], None] | None = None
 
     # --- public API ----------------------------------------------------------------------
 
@@ -209,8 +212,10 @@ class RemoteBuffer:
 
     def replicas_changed(self, ext: Extent) -> None:
         """The copies of ``ext`` changed (one added, lost, or moved to another state).  A plain
-        buffer reads ``ext.replicas`` on every call and has nothing to do; a region's engine
-        keeps its own copy map and follows (rdma.region)."""
+        buffer reads ``ext.replicas`` on every call and only tells ``on_replicas_changed``; a
+        region's engine keeps its own copy map and follows (rdma.region)."""
+        if self.on_replicas_changed is not None:
+            self.on_replicas_changed(ext)
 
     def rebuild_into(self, ext: Extent, new: Replica, write_copy: Callable[..., None],
                      bytes_per_s: float = 0) -> int | None:

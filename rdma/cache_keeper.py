@@ -58,6 +58,7 @@ class OwnerKeeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sync_lock = threading.Lock()
+        self._table_lock = threading.Lock()
         self._sig: Any = None
         self._published: Any = None
         self._version = 0
@@ -139,16 +140,30 @@ class OwnerKeeper:
                 buf.free()
                 log.warning("cache: donors with slabs smaller than %d bytes; no segment mapped", seg_bytes)
                 break
+            buf.on_replicas_changed = self._copies_changed
             self.segbufs[seg] = buf
             with st.lock():
                 st.rstate[seg] = SPARE
                 st.rfill[seg] = 0
             spare += 1
             changed = True
-        sig = {seg: _copy_refs(b.extents[0]) for seg, b in self.segbufs.items()}
-        if changed or sig != self._sig:
-            self._sig = sig
-            st.write_table({"segments": {str(k): copy_list(v) for k, v in sig.items()}, "index": [], "page": 4096})
+        self._write_table(changed)
+
+    def _write_table(self, force: bool = False) -> None:
+        """The copies of every segment into the shared table, when they changed (or ``force``)."""
+        with self._table_lock:
+            sig = {seg: _copy_refs(b.extents[0]) for seg, b in list(self.segbufs.items())}
+            if force or sig != self._sig:
+                self._sig = sig
+                self.state.write_table({"segments": {str(k): copy_list(v) for k, v in sig.items()}, "index": [],
+                                        "page": 4096})
+
+    def _copies_changed(self, ext) -> None:
+        """RemoteMemory moved a segment's copies (a rebuild, a reclaim), before it gives an old one
+        back: the table follows now, not at the next tick, so a reader that finds the old copy gone
+        finds the new one listed (a reclaim costs no sample computed again)."""
+        if not self._stop.is_set() and self.state is not None:
+            self._write_table()
 
     # --- a named cache: index on donors, manifest, readers ---------------------------------------------
 

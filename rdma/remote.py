@@ -365,20 +365,22 @@ class RemoteMemory:
                 rep = next((r for r in list(ext.replicas) if r.node == node and r.slab == slab), None)
                 if rep is None:
                     continue
+                give_back = False
                 if event == "evict":
                     self.stats["evictions"] += 1
                     others = [r for r in list(ext.replicas) if r is not rep and r.state is LIVE]
                     if others or rep.state is REBUILDING:
                         # another copy holds the data: hand this one back now, rebuild in the background
-                        if rep.move(LOST) is not None:
-                            self._unmap(rep, wait=False)
+                        give_back = rep.move(LOST) is not None
                     else:
                         rep.move(EVICTING, only_from=LIVE)  # the sole copy: move it first, then hand it back
                 elif event == "revoked":
                     rep.move(LOST)
                 else:
                     return
-                self._changed(buf, ext)
+                self._changed(buf, ext)  # (before the slab goes: whoever follows the copies stops using it)
+                if give_back:
+                    self._unmap(rep, wait=False)
                 self._queue_repair(buf, ext)
                 return
 
@@ -443,11 +445,13 @@ class RemoteMemory:
                 live = [r for r in ext.replicas if r.state is LIVE]
                 evicting = [r for r in ext.replicas if r.state is EVICTING]
                 if len(live) >= self.replicas:
-                    for r in evicting:
-                        if r.move(LOST) is not None:
-                            self._unmap(r, wait=False)
+                    released = [r for r in evicting if r.move(LOST) is not None]
                     ext.replicas = [r for r in ext.replicas if r.state is not LOST]
+                    # the new copies are followed (a cache's table lists them) before the old slabs go, so
+                    # a reader that finds an old one gone finds the table changed too
                     self._changed(buf, ext)
+                    for r in released:
+                        self._unmap(r, wait=False)
                     return True
                 lost_all = not live and not evicting
                 exclude = {r.node for r in ext.replicas} | self._dead_nodes

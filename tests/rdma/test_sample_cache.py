@@ -211,12 +211,24 @@ def test_one_line_from_the_node_daemons_budget(mosquitto, donor_factory, monkeyp
             assert second.stats()["hits_remote"] == 30 and second.computed == 0
 
 
-def test_a_donor_reclaiming_mid_epoch_loses_nothing(mosquitto, donor_factory, control_factory):
+def test_a_donor_reclaiming_mid_epoch_loses_nothing(mosquitto, donor_factory, control_factory, monkeypatch):
     donors = donor_factory(mosquitto.url, 2, deadline_s=10.0)
     ctl = control_factory(mosquitto.url)
     data = Pipeline(100)
     with SampleCache(len(data), local_bytes=0, remote_bytes=8 * SLAB, broker=mosquitto.url, replicas=1,
                      discover_timeout_s=20) as cache:
+        # A copy is given back to its donor only once the readers' table no longer lists it: a reader
+        # that finds it gone finds the table changed, and reads the new copy (the keeper's tick alone
+        # could come late on a loaded machine, and the read would be a miss).
+        given_back, still_listed = [], []
+        unmap = cache.keeper.mem._unmap
+
+        def checked_unmap(rep, wait=True):
+            listed = {(c[0], c[1]) for cs in cache.state.read_table()[1].get("segments", {}).values() for c in cs}
+            (still_listed if (rep.addr, rep.slab) in listed else given_back).append((rep.node, rep.slab))
+            return unmap(rep, wait)
+
+        monkeypatch.setattr(cache.keeper.mem, "_unmap", checked_unmap)
         ds = CachedDataset(data, cache)
         epoch(ds, 2)
         misses = cache.stats()["misses"]
@@ -237,6 +249,7 @@ def test_a_donor_reclaiming_mid_epoch_loses_nothing(mosquitto, donor_factory, co
         st = cache.stats()
         assert st["misses"] == misses and st["lost"] == 0 and st["corrupt"] == 0, st  # nothing computed again
         assert not any(r.node == victim for b in cache.keeper.segbufs.values() for r in b.extents[0].replicas)
+        assert not still_listed and any(node == victim for node, _ in given_back), (still_listed, given_back)
 
 
 def test_lost_generations_are_told_from_recycled_ones():
