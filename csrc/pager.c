@@ -495,7 +495,9 @@ void dls_pager_get_stats(dls_pager *p, dls_pager_stats *st) {
     for (size_t i = 0; i < sizeof *st / sizeof(uint64_t); i++) dst[i] = __atomic_load_n(&src[i], __ATOMIC_RELAXED);
     pthread_mutex_lock(&p->slot_mu);
     st->resident_units = p->resident;
-    st->evictors_idle = p->nevictors > 0 && p->evictors_asleep == p->nevictors;
+    /* (a woken evictor still counts as asleep until it has the lock: the conditions that woke it say it) */
+    st->evictors_idle = p->nevictors > 0 && p->evictors_asleep == p->nevictors && p->resident <= p->hi &&
+                        !p->evict_now;
     pthread_mutex_unlock(&p->slot_mu);
 }
 
