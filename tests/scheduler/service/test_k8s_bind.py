@@ -281,7 +281,7 @@ def test_timeout_and_connection_refused_are_errors_in_time(store, apiserver, tok
     with Extender(store, in_cluster_binder(apiserver, token_file, timeout_s=0.3)) as ext:
         t0 = time.monotonic()
         err = ext.schedule("slow")["Error"]
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 4  # the fake holds its answer 5 s: only the 0.3 s timeout ends the call sooner
         assert f"the API server at https://127.0.0.1:{apiserver.port} did not answer within 0.3 s" in err
         assert ext.recorded("slow") is None
     apiserver.release.set()
