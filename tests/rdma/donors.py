@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nodesvc.bus.procs import stop_proc
+from nodesvc.bus.procs import stop_proc, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SLAB = 1 << 20  # tests use 1 MiB slabs
@@ -44,6 +44,16 @@ class DonorProc:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def freeze(self) -> None:
+        """SIGSTOP, and wait until every thread has stopped: kill() returns before a thread running on
+        another CPU (or on a vCPU its host has descheduled) takes the signal, and until then it may
+        still answer a request (a suite run with one core held busy saw a ping answered after it)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        wait_until(lambda: threads_stopped(self.pid), 30, f"every thread of donor {self.node} to stop")
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         stop_proc(self.proc)
         self.log.close()
@@ -57,3 +67,15 @@ class DonorProc:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                states.append(fh.read().rpartition(")")[2].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(s in ("T", "t") for s in states)

@@ -155,7 +155,7 @@ def test_every_copy_lost_raises_for_python_and_is_sigbus_for_a_touch(mosquitto, 
         assert len(copies["engine"]) == 2 and victims == copies["placed"], copies
         assert all(c["role"] == "live" and not c["failed"] for c in copies["engine"]), copies
         for node in victims:  # nobody serves, so nothing can be rebuilt from a survivor...
-            os.kill(procs[node].pid, signal.SIGSTOP)
+            procs[node].freeze()
         for node in victims:  # ...then they die
             procs[node].kill9()
         child.stdin.write("go\n")
@@ -205,7 +205,7 @@ def test_an_extent_whose_every_donor_dies_keeps_what_was_resident(mosquitto, don
     assert {0, 9} <= set(kept) and gone and len(kept) + len(gone) == units, (kept, gone)
     victims = sorted({r.node for r in region.buffer.extents[0].replicas})
     for node in victims:  # nobody serves, so nothing is rebuilt from a survivor...
-        os.kill(procs[node].pid, signal.SIGSTOP)
+        procs[node].freeze()
     for node in victims:  # ...then they die
         procs[node].kill9()
     a[0] += 7  # written after the loss: only this process has it

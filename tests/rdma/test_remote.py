@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -201,7 +199,7 @@ def test_a_copy_that_failed_on_io_suspects_its_donor_before_the_rebuild_is_place
                         if silent.node not in {x.node for x in e.replicas})
     buf.io.copy_failed(buf, other, alive, RemoteMemoryError(wire.E_TOKEN, "a bad token, as a live donor answers"))
     assert alive.node not in mem._dead_nodes
-    os.kill(procs[silent.node].pid, signal.SIGSTOP)
+    procs[silent.node].freeze()
     try:
         buf.io.copy_failed(buf, ext, silent, RemoteMemoryError(wire.E_IO, "a connection reset, as a kill gives"))
         assert silent.node in mem._dead_nodes  # counted dead before copy_failed returned
@@ -209,7 +207,7 @@ def test_a_copy_that_failed_on_io_suspects_its_donor_before_the_rebuild_is_place
         assert silent.node not in _nodes_of(buf)
         assert np.array_equal(buf.read(0, len(buf)), data)
     finally:
-        os.kill(procs[silent.node].pid, signal.SIGCONT)
+        procs[silent.node].thaw()
 
 
 def test_a_capped_rebuild_keeps_to_its_rate_and_loses_nothing(mosquitto, donor_factory, consumer_factory):
@@ -368,7 +366,7 @@ def test_a_call_to_a_node_counted_dead_meanwhile_stops_waiting(mosquitto, donor_
         except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
             outcome.append(exc)
 
-    os.kill(proc.pid, signal.SIGSTOP)
+    proc.freeze()
     t = threading.Thread(target=call)
     try:
         t.start()
@@ -377,7 +375,7 @@ def test_a_call_to_a_node_counted_dead_meanwhile_stops_waiting(mosquitto, donor_
         assert not t.is_alive(), "the call kept waiting for a node counted dead"
         assert len(outcome) == 1 and isinstance(outcome[0], ConnectionError), outcome
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        proc.thaw()
         t.join(90)
 
 
