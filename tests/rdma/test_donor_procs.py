@@ -10,8 +10,8 @@ import sys
 from nodesvc.bus.procs import wait_until
 from tests.rdma.donors import threads_stopped
 
-THREADS = "import threading, time\n" \
-          "for _ in range(3): threading.Thread(target=lambda: [time.sleep(0.01) for _ in iter(int, 1)], daemon=True).start()\n" \
+THREADS = "import threading\n" \
+          "for _ in range(3): threading.Thread(target=threading.Event().wait, daemon=True).start()\n" \
           "print('up', flush=True)\n" \
           "while True: pass\n"
 
