@@ -38,3 +38,16 @@ def test_a_loss_never_seen_gives_no_figure():
     out = _time_rebuild(_Region(), deadline_s=0.2)
     out["thread"].join(10)
     assert not out["thread"].is_alive() and "s" not in out
+
+
+def test_the_kill_slowdown_pairs_each_kill_run_with_the_run_just_before_it():
+    from bench.paging import kill_slowdowns
+
+    runs = {
+        # the round's region50 ran minutes before the pair: it is not the kill run's baseline
+        "dlrm_region50": [{"round": 0, "samples_per_s": 400.0}, {"round": 1, "samples_per_s": 400.0}],
+        "dlrm_region50_nokill": [{"round": 0, "samples_per_s": 100.0}, {"round": 1, "samples_per_s": 90.0}],
+        "dlrm_region50_kill": [{"round": 0, "samples_per_s": 80.0}, {"round": 1, "error": "lost"},
+                               {"round": 2, "samples_per_s": 50.0}],  # round 2 has no run without
+    }
+    assert kill_slowdowns(runs) == [1.25, None, None]
