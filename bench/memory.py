@@ -200,6 +200,7 @@ class Cluster:
     def __init__(self, n_donors: int, slab_bytes: int, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen] = {}
+        self._cpu: dict[subprocess.Popen, float] = {}  # each donor process's CPU seconds at its last reading
         port = free_port()
         self.url = f"mqtt://127.0.0.1:{port}"
         mosq = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
@@ -228,15 +229,18 @@ class Cluster:
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
     def cpu_s(self) -> float:
-        """CPU seconds the live donor processes have used so far."""
-        total = 0.0
+        """CPU seconds the donor processes have used so far, those that have exited included: a
+        killed donor counts as of its last reading (:meth:`kill9` takes one just before the kill), so
+        a run's difference of two readings never goes negative when a donor dies in it."""
         for p in self.procs.values():
+            if p.poll() is not None:
+                continue  # gone (and its pid free for another process): its last reading stands
             try:
                 t = psutil.Process(p.pid).cpu_times()
-                total += t.user + t.system
             except psutil.Error:
-                pass
-        return total
+                continue
+            self._cpu[p] = t.user + t.system
+        return sum(self._cpu.values())
 
     def restart_dead(self) -> list[str]:
         """Start again every donor that has exited (killed by a fault test); their names."""
@@ -249,6 +253,7 @@ class Cluster:
         return psutil.Process(self.procs[node].pid).memory_info().rss
 
     def kill9(self, node: str) -> None:
+        self.cpu_s()  # the victim's CPU up to its death
         self.procs[node].send_signal(signal.SIGKILL)
         self.procs[node].wait(10)
 

@@ -435,6 +435,15 @@ def kill_slowdowns(runs: dict[str, list[dict[str, Any]]]) -> list[float | None]:
     return [1 / x if x else None for x in _per_round(runs, "dlrm_region50_kill", "dlrm_region50_nokill")]
 
 
+def kill_extra_cpu(runs: dict[str, list[dict[str, Any]]], field: str) -> list[float | None]:
+    """Per round, what the kill run's ``field`` (CPU seconds: ``program_cpu_s``, the job's process;
+    ``donors_cpu_s``, the donor daemons) exceeds the run just before it by: the rebuild's work, and
+    where it ran."""
+    base = {r["round"]: r.get(field) for r in runs.get("dlrm_region50_nokill", [])}
+    return [r[field] - base[r["round"]] if r.get(field) is not None and base.get(r["round"]) is not None
+            else None for r in runs.get("dlrm_region50_kill", [])]
+
+
 def _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, policies, t_start,
              json_path) -> dict[str, Any]:
     m: dict[str, Any] = {"working_set_bytes": ws, "rounds": rounds, "unit_bytes": DEFAULT_UNIT,
@@ -488,6 +497,11 @@ def _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, poli
     m["donor_kill_slowdown"] = median_range(ranges["donor_kill_slowdown"])[0]
     # the other side of that figure: how long the region stayed short of a copy (kill to healthy)
     m["donor_kill_rebuild_s"] = median_range([r.get("rebuild_s") for r in runs.get("dlrm_region50_kill", [])])[0]
+    # and what the rebuild cost, in CPU: the job's own process (what stays on the job's node on a real
+    # cluster) and the donors (other hosts there; the same two cores here)
+    for name, field in (("donor_kill_program_cpu_s", "program_cpu_s"), ("donor_kill_donors_cpu_s", "donors_cpu_s")):
+        ranges[name] = kill_extra_cpu(runs, field)
+        m[name] = median_range(ranges[name])[0]
     for k, rs in runs.items():
         v = median_range([_value(r) for r in rs])
         if v[0] is not None:
@@ -552,11 +566,12 @@ def _print(result: dict[str, Any]) -> None:
                                                    "raw_socket_rtt_p99_us", "fault_4k_vs_rtt",
                                                    "disk_read_4k_p50_us", "disk_read_4k_p99_us",
                                                    "swap50_pswpin_pages", "donor_kill_lost_bytes",
-                                                   "donor_kill_slowdown", "donor_kill_rebuild_s")]
+                                                   "donor_kill_slowdown", "donor_kill_rebuild_s",
+                                                   "donor_kill_program_cpu_s", "donor_kill_donors_cpu_s")]
     print(report.markdown_table(lat, ["measure", "value"]))
-    rng = [{"ratio": k, "per round": ", ".join("-" if v is None else f"{v:.3g}" for v in vals)}
+    rng = [{"figure": k, "per round": ", ".join("-" if v is None else f"{v:.3g}" for v in vals)}
            for k, vals in result.get("ranges", {}).items()]
-    print(report.markdown_table(rng, ["ratio", "per round"]))
+    print(report.markdown_table(rng, ["figure", "per round"]))
     for wl, sw in result["sweep"].items():
         print(f"sweep {wl}: units {sw['unit']}, policies {sw['policy']}")
     report.print_targets_and_notes(result)

@@ -51,3 +51,16 @@ def test_the_kill_slowdown_pairs_each_kill_run_with_the_run_just_before_it():
                                {"round": 2, "samples_per_s": 50.0}],  # round 2 has no run without
     }
     assert kill_slowdowns(runs) == [1.25, None, None]
+
+
+def test_the_kill_runs_extra_cpu_is_taken_against_the_run_just_before_it():
+    from bench.paging import kill_extra_cpu
+
+    runs = {
+        "dlrm_region50_nokill": [{"round": 0, "program_cpu_s": 1.0, "donors_cpu_s": 2.0},
+                                 {"round": 1, "program_cpu_s": 1.5}],
+        "dlrm_region50_kill": [{"round": 0, "program_cpu_s": 1.25, "donors_cpu_s": 2.5},
+                               {"round": 1, "program_cpu_s": 1.5}, {"round": 2, "program_cpu_s": 9.0}],
+    }
+    assert kill_extra_cpu(runs, "program_cpu_s") == [0.25, 0.0, None]
+    assert kill_extra_cpu(runs, "donors_cpu_s") == [0.5, None, None]
