@@ -15,8 +15,9 @@ Workloads: a DLRM-style training loop (samples/s) and a shuffle-and-scan (GB/s);
 (4 MiB chunks in a random order, each read in order) against the data plane's batched reads of the
 same bytes, at the default unit (the target) and at ``STREAM_UNIT``; also fault latency
 (4 KiB and unit-sized units, against a raw socket round trip measured in this run), bytes lost when
-a donor is ``kill -9``ed mid-run, the slowdown of a DLRM run whose donor is ``kill -9``ed a third of
-the way in (against the same run without the kill, run just before it), and a sweep of unit sizes and eviction policies.  Swapfiles and
+a donor is ``kill -9``ed mid-run, a DLRM run's slowdown when a donor is ``kill -9``ed a third of the
+way in (against the same run without the kill, run just before it) and the CPU the rebuild took, in
+the job's process and in the donors, and a sweep of unit sizes and eviction policies.  Swapfiles and
 cgroups are torn down on every exit path.  Donors are real node daemons on a real broker.
 """
 
