@@ -44,7 +44,7 @@ import numpy as np
 
 from bench import report
 from bench.memory import Cluster
-from bench.paging import MemoryLimit
+from bench.paging_host import MemoryLimit
 
 MIB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
