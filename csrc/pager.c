@@ -12,6 +12,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -535,6 +536,9 @@ void dls_pager_close(dls_pager *p) {
         for (int i = 0; i < p->nworkers; i++) pthread_join(p->workers[i], NULL);
         for (int i = 0; i < p->nevictors; i++) pthread_join(p->evictors[i], NULL);
     }
+    /* and the rebuild steps reading units out of the mapping (pager_io.c, read_resident): they saw
+     * `closing` clear before they started, and end within one step */
+    while (__atomic_load_n(&p->mem_readers, __ATOMIC_SEQ_CST)) sched_yield();
     if (p->base) {
         /* Then replace the mapping: its memory goes back, the registration with it; a thread blocked in
          * a fault is woken into the PROT_NONE range (SIGSEGV), and no later mapping can take the range

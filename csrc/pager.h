@@ -124,6 +124,8 @@ typedef struct dls_pager_stats {
                                       * or another write-back of the extent) */
     uint64_t evictors_idle;      /* 1: every evictor waits for the resident count to pass its high mark
                                   * (none is picking or dropping units), read with the resident count */
+    uint64_t rebuild_resident_bytes; /* of a rebuild's bytes, those copied from this process's own memory
+                                      * (units it held) instead of read from a surviving copy */
 } dls_pager_stats;
 
 typedef struct dls_pager dls_pager;

@@ -181,6 +181,7 @@ struct dls_pager {
     int nfaulters, nworkers, nevictors;
     int started, closed;
     volatile int closing;
+    int mem_readers; /* rebuild steps copying units out of the mapping: close waits for them (atomics) */
     uint32_t install_delay_us; /* testing only (dls_pager_set_install_delay) */
     int delay_streams_only;
     dls_pager_stats stats;

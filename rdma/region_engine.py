@@ -40,7 +40,7 @@ _STATS = ("faults_missing", "faults_wp", "faults_stale", "faults_inflight", "fet
           "local_units", "budget_waits", "over_budget", "events_dropped", "user_mode_only", "write_protect",
           "fault_ns", "fetch_ns", "install_ns", "reserve_wait_ns", "evict_ns", "demand_runs", "stream_runs",
           "stream_cancelled", "engine_errors", "evicted_moved", "move_evict", "writeback_lock_wait_ns",
-          "evictors_idle")
+          "evictors_idle", "rebuild_resident_bytes")
 _CALLS = {lib.DLS_CALL_PROTECT: "write-protecting units for a write-back",
           lib.DLS_CALL_UNPROTECT: "making a unit writable", lib.DLS_CALL_DROP: "MADV_DONTNEED of evicted units",
           lib.DLS_CALL_WAKE: "waking threads that wait on units", lib.DLS_CALL_POISON: "poisoning lost units",

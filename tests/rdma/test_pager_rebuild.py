@@ -134,3 +134,31 @@ def test_a_paced_rebuild_stops_when_its_region_closes(local_cluster):
         assert done == [None]
     finally:
         t.join(60)
+
+
+def test_a_rebuild_copies_the_units_this_process_holds_from_its_own_memory(local_cluster):
+    """Units resident in the job (clean, or dirty with newer bytes) go to the new copy from the job's own
+    memory; only the others are read from a surviving copy, so the survivors serve exactly the bytes the
+    job does not hold.  After the dirty units' write-back the new copy equals the region."""
+    slab = 4 << 20
+    region, io = local_cluster.region(slab, local_bytes=slab // 2, unit=UNIT, slab=slab)
+    a = region.array(np.uint32)
+    a[:] = np.arange(len(a), dtype=np.uint32)
+    region.flush()  # every unit has data on both copies; half of them stay resident
+    a[::len(a) // 64] += 7  # some resident units now dirty, with bytes newer than their copies'
+    ext = region.buffer.extents[0]
+    survivors = [(local_cluster.servers[int(r.node[1:])], r.slab) for r in ext.replicas]
+    served0 = sum(s.slab_stats(sid).bytes_read for s, sid in survivors)
+    new = local_cluster.slab(2, slab, initial=REBUILDING)
+    with ext.lock:
+        ext.replicas.append(new)
+        region.buffer.replicas_changed(ext)
+    before = region.stats()["rebuild_resident_bytes"]
+    assert region.buffer.rebuild_into(ext, new, None) == slab
+    from_memory = region.stats()["rebuild_resident_bytes"] - before
+    served = sum(s.slab_stats(sid).bytes_read for s, sid in survivors) - served0
+    assert from_memory >= slab // 4, f"only {from_memory} bytes of a half-resident {slab} came from memory"
+    assert served == slab - from_memory
+    region.flush()
+    assert np.array_equal(local_cluster.read_copy(new, slab).view(np.uint32), np.array(a))
+    assert not io.failed
