@@ -265,15 +265,20 @@ def test_k8s_order_imposes_dlshares_order_on_kube_schedulers_queue(k8s):
     """``[sched] k8s_order``: kube-scheduler pops the earlier pod first, dlshare refuses it while the pod
     ahead of it in dlshare's order (higher ``dlshare.io/priority``) fits, so that one is bound first."""
     dl = k8s.dlshare
+    # Every GPU taken first, with the order off: with it on, a blocker that kube-scheduler pops before
+    # one ahead of it is refused and waits in kube-scheduler's unschedulable queue for the next event
+    # that moves it, or 60 s (README, "dlshare's order through kube-scheduler"): the equal blockers
+    # would test that cost, not the order.
+    blockers = [pod_name("block") for _ in range(sum(NODES.values()))]
+    for b in blockers:
+        k8s.api.create_pod(b, gpus=1, cpu="100m", memory="64Mi")
+    for b in blockers:
+        wait_bound(k8s, b)
     dl.env["DLSHARE_SCHED_K8S_ORDER"] = "true"
     dl.kill9_sched()
     dl.start_sched()
     try:
-        blockers = [pod_name("block") for _ in range(sum(NODES.values()))]
-        for b in blockers:
-            k8s.api.create_pod(b, gpus=1, cpu="100m", memory="64Mi")
-        for b in blockers:
-            wait_bound(k8s, b)
+        wait_books_agree(k8s)  # the restarted service holds the blockers where the API server has them
         low, high = pod_name("low"), pod_name("high")
         k8s.api.create_pod(low, gpus=1, cpu="100m", memory="64Mi")
         k8s.api.create_pod(high, gpus=1, cpu="100m", memory="64Mi", annotations={"dlshare.io/priority": "10"})
