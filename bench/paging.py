@@ -310,6 +310,16 @@ def kill_extra_cpu(runs: dict[str, list[dict[str, Any]]], field: str) -> list[fl
             else None for r in runs.get("dlrm_region50_kill", [])]
 
 
+def kill_from_memory_mb(runs: dict[str, list[dict[str, Any]]]) -> list[float | None]:
+    """Per kill run, the MB of its rebuild the job sent from its own memory (the units it held) instead
+    of reading them from a surviving copy: the engine's ``rebuild_resident_bytes``."""
+    out: list[float | None] = []
+    for r in runs.get("dlrm_region50_kill", []):
+        b = (r.get("region_stats") or {}).get("rebuild_resident_bytes")
+        out.append(None if b is None else b / 1e6)
+    return out
+
+
 def _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, policies, t_start,
              json_path) -> dict[str, Any]:
     m: dict[str, Any] = {"working_set_bytes": ws, "rounds": rounds, "unit_bytes": DEFAULT_UNIT,
@@ -368,6 +378,8 @@ def _results(runs, raw, disk, notes, quick, ws, rounds, swap_reason, units, poli
     for name, field in (("donor_kill_program_cpu_s", "program_cpu_s"), ("donor_kill_donors_cpu_s", "donors_cpu_s")):
         ranges[name] = kill_extra_cpu(runs, field)
         m[name] = median_range(ranges[name])[0]
+    ranges["donor_kill_rebuild_from_memory_mb"] = kill_from_memory_mb(runs)
+    m["donor_kill_rebuild_from_memory_mb"] = median_range(ranges["donor_kill_rebuild_from_memory_mb"])[0]
     for k, rs in runs.items():
         v = median_range([_value(r) for r in rs])
         if v[0] is not None:
@@ -433,7 +445,8 @@ def _print(result: dict[str, Any]) -> None:
                                                    "disk_read_4k_p50_us", "disk_read_4k_p99_us",
                                                    "swap50_pswpin_pages", "donor_kill_lost_bytes",
                                                    "donor_kill_slowdown", "donor_kill_rebuild_s",
-                                                   "donor_kill_program_cpu_s", "donor_kill_donors_cpu_s")]
+                                                   "donor_kill_program_cpu_s", "donor_kill_donors_cpu_s",
+                                                   "donor_kill_rebuild_from_memory_mb")]
     print(report.markdown_table(lat, ["measure", "value"]))
     rng = [{"figure": k, "per round": ", ".join("-" if v is None else f"{v:.3g}" for v in vals)}
            for k, vals in result.get("ranges", {}).items()]

@@ -64,3 +64,12 @@ def test_the_kill_runs_extra_cpu_is_taken_against_the_run_just_before_it():
     }
     assert kill_extra_cpu(runs, "program_cpu_s") == [0.25, 0.0, None]
     assert kill_extra_cpu(runs, "donors_cpu_s") == [0.5, None, None]
+
+
+def test_the_kill_runs_rebuild_from_memory_is_read_from_each_kill_runs_engine_counters():
+    from bench.paging import kill_from_memory_mb
+
+    runs = {"dlrm_region50_kill": [{"round": 0, "region_stats": {"rebuild_resident_bytes": 80_000_000}},
+                                   {"round": 1, "error": "lost"}, {"round": 2, "region_stats": {}}]}
+    assert kill_from_memory_mb(runs) == [80.0, None, None]
+    assert kill_from_memory_mb({}) == []
